@@ -1,0 +1,220 @@
+"""Frozen, hashable configuration objects.
+
+`ModelConfig` describes an architecture's static shape. It is hashable so it
+can be passed to `jax.jit` as a static argument. Field names follow the usual
+Hugging Face `config.json` meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+ARCHITECTURES = ("llama", "gemma3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a decoder-only transformer.
+
+    Attributes:
+      arch: model family, one of `ARCHITECTURES` ("llama" covers Llama,
+        Mistral and Qwen2; "gemma3" covers Gemma 3 text models).
+      vocab_size: V, number of token ids.
+      num_layers: L.
+      hidden_size: D.
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads (GQA when K < N; N % K == 0).
+      head_dim: H.
+      intermediate_size: F, MLP hidden size.
+      rope_theta: RoPE base for full-attention layers (Su et al. 2021,
+        "RoFormer", arXiv:2104.09864).
+      rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
+      max_position_embeddings: the model's trained context length, tokens.
+      tie_word_embeddings: LM head reuses the embedding matrix.
+      hidden_act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, tanh GELU).
+      attention_bias: q/k/v projections carry a bias (Qwen2).
+      sliding_window: window size in tokens for sliding layers, or None. A
+        key at position p is visible from a query at position q when
+        0 <= q - p < sliding_window.
+      layer_types: per-layer FULL_ATTENTION / SLIDING_ATTENTION, length L.
+      rope_local_theta: RoPE base for sliding layers (Gemma 3: 10_000), or
+        None to use `rope_theta`.
+      rope_scaling: sorted (key, value) pairs of an HF `rope_scaling` dict
+        of type "llama3", or None.
+      query_pre_attn_scalar: queries scale by this ** -0.5; None means
+        head_dim.
+      attn_logit_softcapping / final_logit_softcapping: tanh soft-cap value,
+        or None (Gemma 2 style).
+      qk_norm: RMSNorm on each query and key head (Gemma 3).
+      sandwich_norm: norms after attention and around the MLP (Gemma 2/3).
+      scale_embeddings: multiply embeddings by sqrt(hidden_size), the scale
+        rounded to the activation dtype (Gemma).
+    """
+
+    arch: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None
+    rope_local_theta: Optional[float] = None
+    rope_scaling: Optional[tuple[tuple[str, float], ...]] = None
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown arch {self.arch!r}; expected one of {ARCHITECTURES}")
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_heads",
+                     "num_kv_heads", "head_dim", "intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if bad:
+                raise ValueError(f"unknown layer types {sorted(bad)}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need sliding_window > 0")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
+
+    # Derived, static facts -------------------------------------------------
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Per-layer attention type, length L (all full when unset)."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.attention_types) if t == SLIDING_ATTENTION)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.attention_types) if t == FULL_ATTENTION)
+
+    @property
+    def query_scale(self) -> float:
+        """Multiplier applied to q before q.k (1/sqrt(H) unless overridden)."""
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        return float(scalar) ** -0.5
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """What `jaxinfer generate` reads from a YAML file plus key=value overrides.
+
+    Attributes:
+      model: a named model ("smollm2-135m-instruct", "gemma3-270m"), a .gguf
+        path or a Hugging Face checkpoint folder.
+      dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
+      max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
+      max_new_tokens: generated tokens per prompt, at most.
+      chat: render the prompt as a user turn with the model's chat template.
+      system_prompt: optional system turn for chat prompts.
+      temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+      frequency_penalty, seed: sampling (see `jaxinfer.sampling.SamplingParams`).
+      stop: stop strings.
+      decode_chunk: decode steps per compiled chunk (streaming granularity).
+      logprobs: None, or how many top alternatives to report per token.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    max_seq_len: int = 2048
+    max_new_tokens: int = 128
+    chat: bool = True
+    system_prompt: Optional[str] = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    decode_chunk: int = 16
+    logprobs: Optional[int] = None
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_seq_len", "max_new_tokens", "decode_chunk"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GenerationConfig":
+        """Build from a mapping; raises ValueError naming unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, overrides: tuple[str, ...] = ()) -> "GenerationConfig":
+        """Read a YAML file (or defaults when path is None) and apply
+        `key=value` overrides, each value parsed as YAML (so 0.7, true, null work).
+
+        Raises:
+          ValueError: unknown keys, a malformed override, or invalid values.
+          FileNotFoundError: the YAML file does not exist.
+        """
+        import yaml
+
+        values = {}
+        if path is not None:
+            with open(path, encoding="utf-8") as f:
+                values = yaml.safe_load(f) or {}
+            if not isinstance(values, dict):
+                raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"override {item!r} is not key=value")
+            values[key.strip()] = yaml.safe_load(raw)
+        return cls.from_dict(values)
+
+    def sampling_params(self):
+        """The sampling fields as a `jaxinfer.sampling.SamplingParams`."""
+        from jaxinfer.sampling import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed)

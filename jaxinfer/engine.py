@@ -1,0 +1,354 @@
+"""Compiled phases: `prefill` and `decode_step`, pure functions over a KVCache.
+
+    prefill(params, cache, tokens[B, T], lengths[B]) -> (logits[B, V], cache)
+    decode_step(params, cache, tokens[B])             -> (logits[B, V], cache)
+
+Both are `jax.jit`-compiled with the `ModelConfig` static and the cache
+donated, so the K/V buffers are updated in place. Layers run as `lax.scan`
+over runs of consecutive layers of the same attention type (one run for
+Llama; alternating sliding/full runs for Gemma 3).
+
+Position convention: a row's tokens occupy positions 0, 1, ... in order
+(right padding); the RoPE position of a token is its index among the row's
+real tokens, and decode step k after a T-token prompt uses position T + k.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer import models, sampling
+from jaxinfer.cache import KVCache
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.layers import attention, rope_cos_sin, rope_inv_freq
+
+
+class Segment(NamedTuple):
+    """A run of consecutive layers [start, stop) of one attention type; their
+    K/V live at [cache_start, cache_start + stop - start) of that type's stack."""
+
+    kind: str
+    start: int
+    stop: int
+    cache_start: int
+
+
+@functools.lru_cache(maxsize=None)
+def layer_segments(config: ModelConfig) -> tuple[Segment, ...]:
+    """Split the layer stack into runs of equal attention type."""
+    segments, seen = [], {FULL_ATTENTION: 0, SLIDING_ATTENTION: 0}
+    types = config.attention_types
+    start = 0
+    for i in range(1, len(types) + 1):
+        if i == len(types) or types[i] != types[start]:
+            kind = types[start]
+            segments.append(Segment(kind, start, i, seen[kind]))
+            seen[kind] += i - start
+            start = i
+    return tuple(segments)
+
+
+def _rope_tables(config: ModelConfig, positions: jax.Array) -> dict:
+    """(cos, sin) per attention type for integer positions [B, T]."""
+    local_theta = config.rope_local_theta or config.rope_theta
+    return {
+        FULL_ATTENTION: rope_cos_sin(positions, rope_inv_freq(config, config.rope_theta)),
+        SLIDING_ATTENTION: rope_cos_sin(positions, rope_inv_freq(config, local_theta)),
+    }
+
+
+# An attend function: (q, k, v, k_stack, v_stack, layer index in stack)
+#   -> (attention output [B, T, N, H], k_stack, v_stack)
+AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
+                positions: jax.Array, attend_for: Callable[[str], AttendFn]):
+    """Run every layer over x [B, T, D], threading the K/V stacks through a
+    `lax.scan` per segment. Returns (x, k_full, v_full, k_window, v_window)."""
+    family = models.family(config.arch)
+    ropes = _rope_tables(config, positions)
+    stacks = {FULL_ATTENTION: [cache.k_full, cache.v_full],
+              SLIDING_ATTENTION: [cache.k_window, cache.v_window]}
+    whole = len(layer_segments(config)) == 1
+    for seg in layer_segments(config):
+        attend_fn = attend_for(seg.kind)
+        rope = ropes[seg.kind]
+
+        def body(carry, xs, attend_fn=attend_fn, rope=rope):
+            h, k_stack, v_stack = carry
+            p, index = xs
+            written = {}
+
+            def attend(q, k, v):
+                out, written["k"], written["v"] = attend_fn(q, k, v, k_stack, v_stack, index)
+                return out
+
+            h = family.layer(p, h, rope, attend, config)
+            return (h, written["k"], written["v"]), None
+
+        layer_params = params["layers"] if whole else jax.tree_util.tree_map(
+            lambda w, s=seg: w[s.start:s.stop], params["layers"])
+        index = jnp.arange(seg.cache_start, seg.cache_start + seg.stop - seg.start)
+        k_stack, v_stack = stacks[seg.kind]
+        (x, k_stack, v_stack), _ = jax.lax.scan(body, (x, k_stack, v_stack), (layer_params, index))
+        stacks[seg.kind] = [k_stack, v_stack]
+    return x, *stacks[FULL_ATTENTION], *stacks[SLIDING_ATTENTION]
+
+
+# --- prefill ---------------------------------------------------------------------
+
+
+def _ring_slots(positions: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
+    """Ring index p % W for the last `window` real positions of each row and
+    W (out of range, dropped by the scatter) for every other position."""
+    keep = (positions < lengths[:, None]) & (positions >= lengths[:, None] - window)
+    return jnp.where(keep, positions % max(window, 1), window)
+
+
+def _prefill_attend(config: ModelConfig, kind: str, positions: jax.Array,
+                    lengths: jax.Array) -> AttendFn:
+    """Causal attention among the T prompt tokens ([T, T] scores per head),
+    banded to the window on sliding layers; K/V written to the cache."""
+    q_pos, k_pos = positions[:, :, None], positions[:, None, :]
+    mask = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])
+    if kind == SLIDING_ATTENTION:
+        mask &= q_pos - k_pos < config.sliding_window
+    rows = jnp.arange(positions.shape[0])[:, None]
+
+    def attend(q, k, v, k_stack, v_stack, index):
+        out = attention(q, k, v, mask, config.attn_logit_softcapping)
+        if kind == FULL_ATTENTION:
+            start = (index, 0, 0, 0, 0)
+            k_stack = jax.lax.dynamic_update_slice(k_stack, k[None].astype(k_stack.dtype), start)
+            v_stack = jax.lax.dynamic_update_slice(v_stack, v[None].astype(v_stack.dtype), start)
+        else:
+            slots = _ring_slots(positions, lengths, k_stack.shape[2])
+            k_stack = k_stack.at[index, rows, slots].set(k.astype(k_stack.dtype), mode="drop")
+            v_stack = v_stack.at[index, rows, slots].set(v.astype(v_stack.dtype), mode="drop")
+        return out, k_stack, v_stack
+
+    return attend
+
+
+@functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("cache",))
+def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
+            config: ModelConfig, all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+    """Process whole prompts in parallel and fill the cache from position 0.
+
+    Every layer computes Q/K/V for all T positions, attends causally ([T, T]
+    scores per head, future positions masked to -inf; sliding layers also mask
+    keys W or more positions back) and writes its K/V into the cache. Rows
+    are right-padded: row b's real tokens are tokens[b, :lengths[b]], padding
+    is never visible to real tokens and is not kept in ring buffers.
+
+    Args:
+      params: the params pytree (see `checkpoint.convert`).
+      cache: a cache with B rows and max_seq_len >= T; its previous contents
+        are replaced (donated: do not reuse the argument).
+      tokens: int32 [B, T] token ids, each in [0, V).
+      lengths: int32 [B], 1 <= lengths[b] <= T for real rows (0 for unused rows).
+      config: static ModelConfig.
+      all_logits: return logits for every position instead of the last real one.
+    Returns:
+      (logits float32 [B, V] at position lengths[b] - 1, or [B, T, V] with
+      all_logits), and the updated cache with lengths set to `lengths`.
+    Bounds are not checked inside jit: the host-side `generation` module
+    validates lengths and ids before calling.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    family = models.family(config.arch)
+    x = family.embed(params, tokens, config)
+    attend_for = lambda kind: _prefill_attend(config, kind, positions, lengths)
+    x, kf, vf, kw, vw = _run_layers(params, x, cache, config, positions, attend_for)
+    slots = _ring_slots(positions, lengths, cache.window)
+    window_pos = jnp.full_like(cache.window_pos, -1).at[jnp.arange(b)[:, None], slots].set(
+        positions, mode="drop")
+    cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw,
+                          window_pos=window_pos, lengths=lengths.astype(jnp.int32))
+    if not all_logits:
+        x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    return family.unembed(params, x, config), cache
+
+
+# --- decode ------------------------------------------------------------------------
+
+
+def _decode_attend(config: ModelConfig, kind: str, cache: KVCache, window_pos: jax.Array,
+                   active: jax.Array) -> AttendFn:
+    """[1, t] attention of each row's new token over its cached keys, after
+    appending the new K/V at the row's position (ring index on sliding layers)."""
+    pos = cache.lengths
+    rows = jnp.arange(pos.shape[0])
+    if kind == FULL_ATTENTION:
+        size = cache.k_full.shape[2]
+        slots = jnp.where(active, pos, size)
+        mask = jnp.arange(size)[None, :] <= pos[:, None]
+    else:
+        size = cache.k_window.shape[2]
+        slots = jnp.where(active, pos % max(size, 1), size)
+        mask = (window_pos >= 0) & (window_pos <= pos[:, None]) & (
+            pos[:, None] - window_pos < config.sliding_window)
+
+    def attend(q, k, v, k_stack, v_stack, index):
+        k_stack = k_stack.at[index, rows, slots].set(k[:, 0].astype(k_stack.dtype), mode="drop")
+        v_stack = v_stack.at[index, rows, slots].set(v[:, 0].astype(v_stack.dtype), mode="drop")
+        k_all = jax.lax.dynamic_index_in_dim(k_stack, index, keepdims=False)
+        v_all = jax.lax.dynamic_index_in_dim(v_stack, index, keepdims=False)
+        out = attention(q, k_all, v_all, mask[:, None, :], config.attn_logit_softcapping)
+        return out, k_stack, v_stack
+
+    return attend
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Array | None = None,
+                *, config: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """Append one token per row and return the next-token logits.
+
+    Each layer computes q/k/v for the new token only, writes k/v at position
+    cache.lengths[b] and attends [1, t] over the row's cached keys.
+
+    Args:
+      params: the params pytree.
+      cache: donated cache; row b holds cache.lengths[b] < max_seq_len tokens.
+      tokens: int32 [B], one new token per row, each in [0, V).
+      active: optional bool [B]; inactive rows write nothing and keep their
+        length (finished rows in a batch), their logits are meaningless.
+      config: static ModelConfig.
+    Returns:
+      (logits float32 [B, V], cache with lengths + active).
+    """
+    if active is None:
+        active = jnp.ones(tokens.shape, bool)
+    rows = jnp.arange(tokens.shape[0])
+    positions = cache.lengths[:, None]
+    family = models.family(config.arch)
+    x = family.embed(params, tokens[:, None], config)
+    window = cache.window
+    ring_slot = jnp.where(active, cache.lengths % max(window, 1), window)
+    window_pos = cache.window_pos.at[rows, ring_slot].set(cache.lengths, mode="drop")
+    attend_for = lambda kind: _decode_attend(config, kind, cache, window_pos, active)
+    x, kf, vf, kw, vw = _run_layers(params, x, cache, config, positions, attend_for)
+    cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw, window_pos=window_pos,
+                          lengths=cache.lengths + active.astype(jnp.int32))
+    return family.unembed(params, x[:, 0], config), cache
+
+
+# --- generation loop -----------------------------------------------------------------
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the on-device decode loop carries between steps, per row.
+
+    Attributes:
+      cache: the KVCache.
+      tokens: int32 [B], the last sampled token (fed to the next decode step).
+      done: bool [B], the row has finished (stop token or max_new_tokens).
+      num_generated: int32 [B], tokens generated so far.
+      max_new_tokens: int32 [B], per-row budget.
+      seen: bool [B, V], prompt and generated tokens (repetition penalty).
+      counts: int32 [B, V], generated-token counts (presence/frequency penalty).
+      row_keys: [B] PRNG keys, one per row, folded with the row's step.
+      sampling: per-row `SamplingArrays`.
+      stop_ids: int32 [E], token ids that finish a row (-1 padding).
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    done: jax.Array
+    num_generated: jax.Array
+    max_new_tokens: jax.Array
+    seen: jax.Array
+    counts: jax.Array
+    row_keys: jax.Array
+    sampling: sampling.SamplingArrays
+    stop_ids: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """Per-step outputs; leading axes [B] (or [steps, B] from a chunk).
+
+    token is -1 for rows that were already done before the step.
+    logprob / top_ids / top_logprobs are present when requested (else None).
+    """
+
+    token: jax.Array
+    logprob: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
+
+
+def _sample_step(logits: jax.Array, state: DecodeState, num_logprobs: int):
+    """Sample the next token of every unfinished row from logits [B, V] and
+    advance the per-row bookkeeping. Returns (state, StepOutput)."""
+    arrays = state.sampling
+    penalized = sampling.apply_penalties(logits, state.seen, state.counts, arrays)
+    keys = sampling.step_keys(state.row_keys, state.num_generated)
+    token = sampling.sample(penalized, keys, arrays)
+    active = ~state.done
+    token = jnp.where(active, token, -1)
+    seen, counts = sampling.update_history(state.seen, state.counts, token, active)
+    num_generated = state.num_generated + active.astype(jnp.int32)
+    finished = jnp.isin(token, state.stop_ids) | (num_generated >= state.max_new_tokens)
+    state = state.replace(
+        tokens=jnp.where(active, token, state.tokens), done=state.done | finished,
+        num_generated=num_generated, seen=seen, counts=counts)
+    if num_logprobs < 0:
+        return state, StepOutput(token)
+    lp, top_ids, top_lp = sampling.log_softmax_topn(logits, jnp.maximum(token, 0), num_logprobs)
+    return state, StepOutput(token, lp, top_ids, top_lp)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_logprobs"), donate_argnames=("cache",))
+def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
+          max_new_tokens: jax.Array, arrays, row_keys: jax.Array, stop_ids: jax.Array, *,
+          config: ModelConfig, num_logprobs: int = -1) -> tuple[DecodeState, StepOutput]:
+    """Prefill right-padded prompts and sample each row's first new token.
+
+    Args:
+      tokens: int32 [B, T]; lengths: int32 [B] (0 marks an unused row, which
+        starts done); max_new_tokens: int32 [B] >= 1; arrays: SamplingArrays;
+      row_keys: [B] PRNG keys; stop_ids: int32 [E] (-1 padded).
+      num_logprobs: static; < 0 returns no log-probs, n >= 0 returns the
+        sampled token's log-prob and the top n alternatives.
+    Returns:
+      (DecodeState, StepOutput with [B] leaves).
+    """
+    logits, cache = prefill(params, cache, tokens, lengths, config=config)
+    b, v = tokens.shape[0], config.vocab_size
+    in_prompt = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    seen = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, tokens, v)].set(
+        True, mode="drop")
+    state = DecodeState(
+        cache=cache, tokens=jnp.zeros((b,), jnp.int32), done=lengths <= 0,
+        num_generated=jnp.zeros((b,), jnp.int32), max_new_tokens=max_new_tokens.astype(jnp.int32),
+        seen=seen, counts=jnp.zeros((b, v), jnp.int32), row_keys=row_keys, sampling=arrays,
+        stop_ids=stop_ids)
+    return _sample_step(logits, state, num_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs"),
+                   donate_argnames=("state",))
+def decode_chunk(params: dict, state: DecodeState, *, config: ModelConfig, num_steps: int,
+                 num_logprobs: int = -1) -> tuple[DecodeState, StepOutput]:
+    """Run `num_steps` decode steps on device with `jax.lax.scan`, sampling
+    inside the loop. Finished rows stop advancing (their positions freeze and
+    they write nothing); their outputs are -1.
+
+    Returns:
+      (state, StepOutput with [num_steps, B] leaves).
+    """
+
+    def step(state, _):
+        logits, cache = decode_step(params, state.cache, state.tokens, ~state.done, config=config)
+        return _sample_step(logits, state.replace(cache=cache), num_logprobs)
+
+    return jax.lax.scan(step, state, None, length=num_steps)

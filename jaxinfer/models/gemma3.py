@@ -1,0 +1,39 @@
+"""Gemma 3 text models (Gemma Team 2025, arXiv:2503.19786): sandwich RMSNorms
+around attention and MLP, QK-norm, GeGLU with tanh GELU, embeddings scaled by
+sqrt(hidden_size), interleaved sliding-window and global layers.
+
+Norm weights arrive as direct multipliers: the `1 + w` of Hugging Face Gemma
+checkpoints is folded in at load time (`checkpoint.convert.gemma_norm_to_scale`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.layers import gated_mlp, lm_head, output_projection, project_qkv, rms_norm
+
+
+def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
+    """tokens int32 [B, T] -> embeddings * sqrt(D) [B, T, D]; the scale is
+    rounded to the activation dtype first, as Hugging Face does."""
+    x = jnp.take(params["embed_tokens"], tokens, axis=0)
+    return x * jnp.asarray(config.embed_scale, dtype=x.dtype)
+
+
+def layer(p: dict, x: jax.Array, rope, attend, config: ModelConfig) -> jax.Array:
+    """One Gemma 3 decoder layer. x: [B, T, D]."""
+    eps = config.rms_norm_eps
+    h = rms_norm(x, p["input_layernorm"], eps)
+    q, k, v = project_qkv(p, h, rope, config)
+    h = output_projection(attend(q, k, v), p["o_proj"])
+    x = x + rms_norm(h, p["post_attention_layernorm"], eps)
+    h = rms_norm(x, p["pre_feedforward_layernorm"], eps)
+    h = gated_mlp(h, p["gate_proj"], p["up_proj"], p["down_proj"], config.hidden_act)
+    return x + rms_norm(h, p["post_feedforward_layernorm"], eps)
+
+
+def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
+    """Final RMSNorm, tied LM head and optional final soft-cap -> float32 [..., V]."""
+    return lm_head(params, rms_norm(h, params["norm"], config.rms_norm_eps), config)
