@@ -25,7 +25,8 @@ from flax import struct
 from jaxinfer import models, sampling
 from jaxinfer.cache import KVCache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.layers import attention, rope_cos_sin, rope_inv_freq
+from jaxinfer.layers import (attention_output, attention_scores, masked_softmax, rope_cos_sin,
+                             rope_inv_freq)
 
 
 class Segment(NamedTuple):
@@ -63,19 +64,23 @@ def _rope_tables(config: ModelConfig, positions: jax.Array) -> dict:
 
 
 # An attend function: (q, k, v, k_stack, v_stack, layer index in stack)
-#   -> (attention output [B, T, N, H], k_stack, v_stack)
+#   -> (attention output [B, T, N, H], k_stack, v_stack, internals dict)
 AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
-                positions: jax.Array, attend_for: Callable[[str], AttendFn]):
+                positions: jax.Array, attend_for: Callable[[str], AttendFn], collect: bool = False):
     """Run every layer over x [B, T, D], threading the K/V stacks through a
-    `lax.scan` per segment. Returns (x, k_full, v_full, k_window, v_window)."""
+    `lax.scan` per segment. Returns (x, (k_full, v_full, k_window, v_window),
+    internals): internals is a tuple with one dict per segment of per-layer
+    attention intermediates stacked on a leading layer axis (see
+    `_attention_with_internals`) when collect=True, else ()."""
     family = models.family(config.arch)
     ropes = _rope_tables(config, positions)
     stacks = {FULL_ATTENTION: [cache.k_full, cache.v_full],
               SLIDING_ATTENTION: [cache.k_window, cache.v_window]}
     whole = len(layer_segments(config)) == 1
+    internals = []
     for seg in layer_segments(config):
         attend_fn = attend_for(seg.kind)
         rope = ropes[seg.kind]
@@ -86,19 +91,38 @@ def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
             written = {}
 
             def attend(q, k, v):
-                out, written["k"], written["v"] = attend_fn(q, k, v, k_stack, v_stack, index)
+                out, written["k"], written["v"], written["aux"] = attend_fn(
+                    q, k, v, k_stack, v_stack, index)
                 return out
 
             h = family.layer(p, h, rope, attend, config)
-            return (h, written["k"], written["v"]), None
+            return (h, written["k"], written["v"]), written["aux"] if collect else None
 
         layer_params = params["layers"] if whole else jax.tree_util.tree_map(
             lambda w, s=seg: w[s.start:s.stop], params["layers"])
         index = jnp.arange(seg.cache_start, seg.cache_start + seg.stop - seg.start)
         k_stack, v_stack = stacks[seg.kind]
-        (x, k_stack, v_stack), _ = jax.lax.scan(body, (x, k_stack, v_stack), (layer_params, index))
+        (x, k_stack, v_stack), aux = jax.lax.scan(body, (x, k_stack, v_stack), (layer_params, index))
         stacks[seg.kind] = [k_stack, v_stack]
-    return x, *stacks[FULL_ATTENTION], *stacks[SLIDING_ATTENTION]
+        internals.append(aux)
+    stacks = (*stacks[FULL_ATTENTION], *stacks[SLIDING_ATTENTION])
+    return x, stacks, tuple(internals) if collect else ()
+
+
+def _attention_with_internals(q, k, v, mask, config: ModelConfig):
+    """Masked GQA attention that also returns its intermediates.
+
+    Args:
+      q: [B, T, N, H] scaled queries; k, v: [B, S, K, H]; mask: bool [B, T, S].
+    Returns:
+      (out [B, T, N, H], {"q", "k", "v", "scores" [B, K, G, T, S] float32 before
+      masking, "mask" bool [B, T, S], "weights" [B, K, G, T, S]}). Callers that
+      do not collect internals let XLA drop them.
+    """
+    scores = attention_scores(q, k, config.attn_logit_softcapping)
+    weights = masked_softmax(scores, mask[:, None, None, :, :])
+    aux = {"q": q, "k": k, "v": v, "scores": scores, "mask": mask, "weights": weights}
+    return attention_output(weights, v), aux
 
 
 # --- prefill ---------------------------------------------------------------------
@@ -122,7 +146,7 @@ def _prefill_attend(config: ModelConfig, kind: str, positions: jax.Array,
     rows = jnp.arange(positions.shape[0])[:, None]
 
     def attend(q, k, v, k_stack, v_stack, index):
-        out = attention(q, k, v, mask, config.attn_logit_softcapping)
+        out, aux = _attention_with_internals(q, k, v, mask, config)
         if kind == FULL_ATTENTION:
             start = (index, 0, 0, 0, 0)
             k_stack = jax.lax.dynamic_update_slice(k_stack, k[None].astype(k_stack.dtype), start)
@@ -131,14 +155,15 @@ def _prefill_attend(config: ModelConfig, kind: str, positions: jax.Array,
             slots = _ring_slots(positions, lengths, k_stack.shape[2])
             k_stack = k_stack.at[index, rows, slots].set(k.astype(k_stack.dtype), mode="drop")
             v_stack = v_stack.at[index, rows, slots].set(v.astype(v_stack.dtype), mode="drop")
-        return out, k_stack, v_stack
+        return out, k_stack, v_stack, aux
 
     return attend
 
 
-@functools.partial(jax.jit, static_argnames=("config", "all_logits"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "all_logits", "collect"),
+                   donate_argnames=("cache",))
 def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
-            config: ModelConfig, all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+            config: ModelConfig, all_logits: bool = False, collect: bool = False):
     """Process whole prompts in parallel and fill the cache from position 0.
 
     Every layer computes Q/K/V for all T positions, attends causally ([T, T]
@@ -155,9 +180,11 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
       lengths: int32 [B], 1 <= lengths[b] <= T for real rows (0 for unused rows).
       config: static ModelConfig.
       all_logits: return logits for every position instead of the last real one.
+      collect: also return per-layer attention internals (for `jaxinfer trace`).
     Returns:
       (logits float32 [B, V] at position lengths[b] - 1, or [B, T, V] with
-      all_logits), and the updated cache with lengths set to `lengths`.
+      all_logits), and the updated cache with lengths set to `lengths`; with
+      collect=True a third item, one dict per layer segment (see `_run_layers`).
     Bounds are not checked inside jit: the host-side `generation` module
     validates lengths and ids before calling.
     """
@@ -166,7 +193,8 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     family = models.family(config.arch)
     x = family.embed(params, tokens, config)
     attend_for = lambda kind: _prefill_attend(config, kind, positions, lengths)
-    x, kf, vf, kw, vw = _run_layers(params, x, cache, config, positions, attend_for)
+    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend_for,
+                                                  collect)
     slots = _ring_slots(positions, lengths, cache.window)
     window_pos = jnp.full_like(cache.window_pos, -1).at[jnp.arange(b)[:, None], slots].set(
         positions, mode="drop")
@@ -174,7 +202,8 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
                           window_pos=window_pos, lengths=lengths.astype(jnp.int32))
     if not all_logits:
         x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return family.unembed(params, x, config), cache
+    logits = family.unembed(params, x, config)
+    return (logits, cache, internals) if collect else (logits, cache)
 
 
 # --- decode ------------------------------------------------------------------------
@@ -201,15 +230,15 @@ def _decode_attend(config: ModelConfig, kind: str, cache: KVCache, window_pos: j
         v_stack = v_stack.at[index, rows, slots].set(v[:, 0].astype(v_stack.dtype), mode="drop")
         k_all = jax.lax.dynamic_index_in_dim(k_stack, index, keepdims=False)
         v_all = jax.lax.dynamic_index_in_dim(v_stack, index, keepdims=False)
-        out = attention(q, k_all, v_all, mask[:, None, :], config.attn_logit_softcapping)
-        return out, k_stack, v_stack
+        out, aux = _attention_with_internals(q, k_all, v_all, mask[:, None, :], config)
+        return out, k_stack, v_stack, aux
 
     return attend
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "collect"), donate_argnames=("cache",))
 def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Array | None = None,
-                *, config: ModelConfig) -> tuple[jax.Array, KVCache]:
+                *, config: ModelConfig, collect: bool = False):
     """Append one token per row and return the next-token logits.
 
     Each layer computes q/k/v for the new token only, writes k/v at position
@@ -222,8 +251,10 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
       active: optional bool [B]; inactive rows write nothing and keep their
         length (finished rows in a batch), their logits are meaningless.
       config: static ModelConfig.
+      collect: also return per-layer attention internals (see `prefill`).
     Returns:
-      (logits float32 [B, V], cache with lengths + active).
+      (logits float32 [B, V], cache with lengths + active), plus internals
+      with collect=True.
     """
     if active is None:
         active = jnp.ones(tokens.shape, bool)
@@ -235,10 +266,12 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
     ring_slot = jnp.where(active, cache.lengths % max(window, 1), window)
     window_pos = cache.window_pos.at[rows, ring_slot].set(cache.lengths, mode="drop")
     attend_for = lambda kind: _decode_attend(config, kind, cache, window_pos, active)
-    x, kf, vf, kw, vw = _run_layers(params, x, cache, config, positions, attend_for)
+    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend_for,
+                                                  collect)
     cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw, window_pos=window_pos,
                           lengths=cache.lengths + active.astype(jnp.int32))
-    return family.unembed(params, x[:, 0], config), cache
+    logits = family.unembed(params, x[:, 0], config)
+    return (logits, cache, internals) if collect else (logits, cache)
 
 
 # --- generation loop -----------------------------------------------------------------

@@ -136,20 +136,6 @@ def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(b, t, kv_heads * g, h)
 
 
-def attention(q, k, v, mask, softcap=None):
-    """Masked grouped-query attention.
-
-    Args:
-      q: [B, T, N, H] scaled queries; k, v: [B, S, K, H].
-      mask: bool [B, T, S], True where the key is visible to the query.
-    Returns:
-      [B, T, N, H] in v.dtype.
-    """
-    scores = attention_scores(q, k, softcap)
-    weights = masked_softmax(scores, mask[:, None, None, :, :])
-    return attention_output(weights, v)
-
-
 # --- MLP -----------------------------------------------------------------------
 
 
