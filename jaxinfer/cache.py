@@ -1,13 +1,14 @@
 """The KV cache: an immutable pytree of fixed-size K/V buffers.
 
 Full-attention layers keep every position: `k_full`/`v_full` are
-[L_full, B, S, K, H] with S = max_seq_len, position p at index p.
+[L_full, B, K, S, H] with S = max_seq_len, position p at index p.
 Sliding-window layers keep only the last W = min(sliding_window, S)
-positions in a ring buffer: `k_window`/`v_window` are [L_window, B, W, K, H],
+positions in a ring buffer: `k_window`/`v_window` are [L_window, B, K, W, H],
 position p lives at index p % W and `window_pos[b, i]` records which position
 index i holds (-1 when empty), which is what the sliding mask reads.
 
-The cache stores K and V only, never attention weights. Writes are scatters
+Heads come before positions so that each layer's [B, K, S, H] block feeds
+the attention matmuls without a transpose. The cache stores K and V only, never attention weights. Writes are scatters
 at each row's own positions (`.at[...].set(mode="drop")`, i.e. XLA scatter /
 dynamic-update-slice semantics); callers donate the cache to `jax.jit` so the
 buffers are updated in place.
@@ -28,8 +29,8 @@ class KVCache:
     """K/V buffers for every layer plus per-row lengths.
 
     Attributes:
-      k_full, v_full: [L_full, B, S, K, H] for full-attention layers.
-      k_window, v_window: [L_window, B, W, K, H] ring buffers for sliding layers.
+      k_full, v_full: [L_full, B, K, S, H] for full-attention layers.
+      k_window, v_window: [L_window, B, K, W, H] ring buffers for sliding layers.
       window_pos: int32 [B, W], the position stored at each ring index, -1 if none.
       lengths: int32 [B], tokens stored per row (= the next write position).
       max_seq_len: S, static capacity in tokens.
@@ -49,7 +50,7 @@ class KVCache:
 
     @property
     def window(self) -> int:
-        return self.k_window.shape[2]
+        return self.k_window.shape[3]
 
     @property
     def nbytes(self) -> int:
@@ -75,8 +76,8 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int,
         raise ValueError(f"batch_size and max_seq_len must be >= 1, got {batch_size}, {max_seq_len}")
     kv, hd = config.num_kv_heads, config.head_dim
     w = window_size(config, max_seq_len)
-    full = (len(config.full_layers), batch_size, max_seq_len, kv, hd)
-    ring = (len(config.sliding_layers), batch_size, w, kv, hd)
+    full = (len(config.full_layers), batch_size, kv, max_seq_len, hd)
+    ring = (len(config.sliding_layers), batch_size, kv, w, hd)
     return KVCache(
         k_full=jnp.zeros(full, dtype), v_full=jnp.zeros(full, dtype),
         k_window=jnp.zeros(ring, dtype), v_window=jnp.zeros(ring, dtype),

@@ -63,47 +63,59 @@ def _rope_tables(config: ModelConfig, positions: jax.Array) -> dict:
     }
 
 
-# An attend function: (q, k, v, k_stack, v_stack, layer index in stack)
-#   -> (attention output [B, T, N, H], k_stack, v_stack, internals dict)
-AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+class Phase(NamedTuple):
+    """How one phase attends and writes, per attention type.
+
+    attend(kind)(q, k, v, k_stack, v_stack, index) -> (out [B, T, N, H], internals)
+      reads layer `index` of the (not yet updated) stacks when it needs the cache.
+    write(kind, k_stack, v_stack, k_new, v_new, cache_start) -> (k_stack, v_stack)
+      stores a segment's new K/V, k_new/v_new [n, B, T, K, H], after its scan.
+    """
+
+    attend: Callable
+    write: Callable
 
 
 def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
-                positions: jax.Array, attend_for: Callable[[str], AttendFn], collect: bool = False):
-    """Run every layer over x [B, T, D], threading the K/V stacks through a
-    `lax.scan` per segment. Returns (x, (k_full, v_full, k_window, v_window),
-    internals): internals is a tuple with one dict per segment of per-layer
-    attention intermediates stacked on a leading layer axis (see
-    `_attention_with_internals`) when collect=True, else ()."""
+                positions: jax.Array, phase: Phase, collect: bool = False):
+    """Run every layer over x [B, T, D] with one `lax.scan` per segment.
+
+    Inside a scan the cache is only read; each layer's new K/V leaves the scan
+    as a stacked output and is written once per segment afterwards, so the
+    donated buffers are updated in place (no per-layer copy of the cache).
+
+    Returns:
+      (x, (k_full, v_full, k_window, v_window), internals): internals is a
+      tuple with one dict per segment of per-layer attention intermediates
+      stacked on a leading layer axis when collect=True, else ().
+    """
     family = models.family(config.arch)
     ropes = _rope_tables(config, positions)
-    stacks = {FULL_ATTENTION: [cache.k_full, cache.v_full],
-              SLIDING_ATTENTION: [cache.k_window, cache.v_window]}
+    stacks = {FULL_ATTENTION: (cache.k_full, cache.v_full),
+              SLIDING_ATTENTION: (cache.k_window, cache.v_window)}
     whole = len(layer_segments(config)) == 1
     internals = []
     for seg in layer_segments(config):
-        attend_fn = attend_for(seg.kind)
-        rope = ropes[seg.kind]
+        attend_fn, rope = phase.attend(seg.kind), ropes[seg.kind]
+        k_stack, v_stack = stacks[seg.kind]
 
-        def body(carry, xs, attend_fn=attend_fn, rope=rope):
-            h, k_stack, v_stack = carry
+        def body(h, xs, attend_fn=attend_fn, rope=rope, k_stack=k_stack, v_stack=v_stack):
             p, index = xs
             written = {}
 
             def attend(q, k, v):
-                out, written["k"], written["v"], written["aux"] = attend_fn(
-                    q, k, v, k_stack, v_stack, index)
+                written["k"], written["v"] = k, v
+                out, written["aux"] = attend_fn(q, k, v, k_stack, v_stack, index)
                 return out
 
             h = family.layer(p, h, rope, attend, config)
-            return (h, written["k"], written["v"]), written["aux"] if collect else None
+            return h, (written["k"], written["v"], written["aux"] if collect else None)
 
         layer_params = params["layers"] if whole else jax.tree_util.tree_map(
             lambda w, s=seg: w[s.start:s.stop], params["layers"])
         index = jnp.arange(seg.cache_start, seg.cache_start + seg.stop - seg.start)
-        k_stack, v_stack = stacks[seg.kind]
-        (x, k_stack, v_stack), aux = jax.lax.scan(body, (x, k_stack, v_stack), (layer_params, index))
-        stacks[seg.kind] = [k_stack, v_stack]
+        x, (k_new, v_new, aux) = jax.lax.scan(body, x, (layer_params, index))
+        stacks[seg.kind] = phase.write(seg.kind, k_stack, v_stack, k_new, v_new, seg.cache_start)
         internals.append(aux)
     stacks = (*stacks[FULL_ATTENTION], *stacks[SLIDING_ATTENTION])
     return x, stacks, tuple(internals) if collect else ()
@@ -113,7 +125,7 @@ def _attention_with_internals(q, k, v, mask, config: ModelConfig):
     """Masked GQA attention that also returns its intermediates.
 
     Args:
-      q: [B, T, N, H] scaled queries; k, v: [B, S, K, H]; mask: bool [B, T, S].
+      q: [B, T, N, H] scaled queries; k, v: [B, K, S, H]; mask: bool [B, T, S].
     Returns:
       (out [B, T, N, H], {"q", "k", "v", "scores" [B, K, G, T, S] float32 before
       masking, "mask" bool [B, T, S], "weights" [B, K, G, T, S]}). Callers that
@@ -135,29 +147,34 @@ def _ring_slots(positions: jax.Array, lengths: jax.Array, window: int) -> jax.Ar
     return jnp.where(keep, positions % max(window, 1), window)
 
 
-def _prefill_attend(config: ModelConfig, kind: str, positions: jax.Array,
-                    lengths: jax.Array) -> AttendFn:
+def _prefill_phase(config: ModelConfig, positions: jax.Array, lengths: jax.Array) -> Phase:
     """Causal attention among the T prompt tokens ([T, T] scores per head),
-    banded to the window on sliding layers; K/V written to the cache."""
+    banded to the window on sliding layers; K/V then written from position 0
+    (full layers) or into the ring (the last W real positions, sliding layers)."""
     q_pos, k_pos = positions[:, :, None], positions[:, None, :]
-    mask = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])
-    if kind == SLIDING_ATTENTION:
-        mask &= q_pos - k_pos < config.sliding_window
+    causal = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])
+    masks = {FULL_ATTENTION: causal,
+             SLIDING_ATTENTION: causal & (q_pos - k_pos < (config.sliding_window or 1))}
     rows = jnp.arange(positions.shape[0])[:, None]
 
-    def attend(q, k, v, k_stack, v_stack, index):
-        out, aux = _attention_with_internals(q, k, v, mask, config)
-        if kind == FULL_ATTENTION:
-            start = (index, 0, 0, 0, 0)
-            k_stack = jax.lax.dynamic_update_slice(k_stack, k[None].astype(k_stack.dtype), start)
-            v_stack = jax.lax.dynamic_update_slice(v_stack, v[None].astype(v_stack.dtype), start)
-        else:
-            slots = _ring_slots(positions, lengths, k_stack.shape[2])
-            k_stack = k_stack.at[index, rows, slots].set(k.astype(k_stack.dtype), mode="drop")
-            v_stack = v_stack.at[index, rows, slots].set(v.astype(v_stack.dtype), mode="drop")
-        return out, k_stack, v_stack, aux
+    def attend(kind):
+        def fn(q, k, v, k_stack, v_stack, index):
+            heads_major = lambda a: a.transpose(0, 2, 1, 3)  # [B, T, K, H] -> [B, K, T, H]
+            return _attention_with_internals(q, heads_major(k), heads_major(v), masks[kind], config)
+        return fn
 
-    return attend
+    def write(kind, k_stack, v_stack, k_new, v_new, start):
+        if kind == FULL_ATTENTION:  # [n, B, T, K, H] -> [n, B, K, T, H] at (start, 0, 0, 0, 0)
+            put = lambda stack, new: jax.lax.dynamic_update_slice(
+                stack, new.transpose(0, 1, 3, 2, 4).astype(stack.dtype), (start, 0, 0, 0, 0))
+        else:  # advanced indices (rows, slots) broadcast to [B, T]; values [B, T, n, K, H]
+            slots = _ring_slots(positions, lengths, k_stack.shape[3])
+            n = k_new.shape[0]
+            put = lambda stack, new: stack.at[start:start + n, rows, :, slots].set(
+                new.transpose(1, 2, 0, 3, 4).astype(stack.dtype), mode="drop")
+        return put(k_stack, k_new), put(v_stack, v_new)
+
+    return Phase(attend, write)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "all_logits", "collect"),
@@ -192,9 +209,8 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     family = models.family(config.arch)
     x = family.embed(params, tokens, config)
-    attend_for = lambda kind: _prefill_attend(config, kind, positions, lengths)
-    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend_for,
-                                                  collect)
+    phase = _prefill_phase(config, positions, lengths)
+    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, phase, collect)
     slots = _ring_slots(positions, lengths, cache.window)
     window_pos = jnp.full_like(cache.window_pos, -1).at[jnp.arange(b)[:, None], slots].set(
         positions, mode="drop")
@@ -209,31 +225,71 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
 # --- decode ------------------------------------------------------------------------
 
 
-def _decode_attend(config: ModelConfig, kind: str, cache: KVCache, window_pos: jax.Array,
-                   active: jax.Array) -> AttendFn:
-    """[1, t] attention of each row's new token over its cached keys, after
-    appending the new K/V at the row's position (ring index on sliding layers)."""
+def _decode_attention(q, k_old, v_old, k_new, v_new, old_mask, slots, config: ModelConfig):
+    """One query per row over its cached keys plus its own new key.
+
+    The cache is read before the new K/V is written, so XLA can update the
+    buffers in place; the new key's score is joined to the cached ones
+    ([1, t] scores in total).
+
+    Args:
+      q: [B, 1, N, H]; k_old, v_old: [B, K, S, H] one layer's buffers;
+      k_new, v_new: [B, K, H]; old_mask: bool [B, S] visible cached entries;
+      slots: int32 [B] where the new K/V is written (S when not written).
+    Returns:
+      (out [B, 1, N, H], internals in cache-slot order as if written first).
+    """
+    softcap = config.attn_logit_softcapping
+    scores_old = attention_scores(q, k_old, softcap)  # [B, K, G, 1, S]
+    scores_new = attention_scores(q, k_new[:, :, None, :], softcap)  # [B, K, G, 1, 1]
+    visible = jnp.concatenate([old_mask, jnp.ones_like(old_mask[:, :1])], axis=-1)
+    weights = masked_softmax(jnp.concatenate([scores_old, scores_new], axis=-1),
+                             visible[:, None, None, None, :])
+    out = attention_output(weights[..., :-1], v_old) + attention_output(
+        weights[..., -1:], v_new[:, :, None, :])
+    at_slot = jnp.arange(k_old.shape[2])[None, :] == slots[:, None]  # [B, S]
+    put = lambda new, old, where: jnp.where(where, new, old)
+    aux = {"q": q,
+           "k": put(k_new[:, :, None, :], k_old, at_slot[:, None, :, None]),
+           "v": put(v_new[:, :, None, :], v_old, at_slot[:, None, :, None]),
+           "scores": put(scores_new, scores_old, at_slot[:, None, None, None, :]),
+           "mask": (old_mask | at_slot)[:, None, :],
+           "weights": put(weights[..., -1:], weights[..., :-1], at_slot[:, None, None, None, :])}
+    return out, aux
+
+
+def _decode_phase(config: ModelConfig, cache: KVCache, active: jax.Array) -> Phase:
+    """[1, t] attention of each row's new token over its cached keys and
+    itself; the new K/V is then appended at the row's position (ring index
+    pos % W on sliding layers). Inactive rows write nothing."""
     pos = cache.lengths
     rows = jnp.arange(pos.shape[0])
-    if kind == FULL_ATTENTION:
-        size = cache.k_full.shape[2]
-        slots = jnp.where(active, pos, size)
-        mask = jnp.arange(size)[None, :] <= pos[:, None]
-    else:
-        size = cache.k_window.shape[2]
-        slots = jnp.where(active, pos % max(size, 1), size)
-        mask = (window_pos >= 0) & (window_pos <= pos[:, None]) & (
-            pos[:, None] - window_pos < config.sliding_window)
+    full_size, ring_size = cache.k_full.shape[3], cache.k_window.shape[3]
+    wp = cache.window_pos  # the ring slot about to be overwritten holds pos - W: outside the window
+    old_masks = {
+        FULL_ATTENTION: jnp.arange(full_size)[None, :] < pos[:, None],
+        SLIDING_ATTENTION: (wp >= 0) & (wp < pos[:, None]) & (
+            pos[:, None] - wp < (config.sliding_window or 1)),
+    }
+    slots = {FULL_ATTENTION: jnp.where(active, pos, full_size),
+             SLIDING_ATTENTION: jnp.where(active, pos % max(ring_size, 1), ring_size)}
 
-    def attend(q, k, v, k_stack, v_stack, index):
-        k_stack = k_stack.at[index, rows, slots].set(k[:, 0].astype(k_stack.dtype), mode="drop")
-        v_stack = v_stack.at[index, rows, slots].set(v[:, 0].astype(v_stack.dtype), mode="drop")
-        k_all = jax.lax.dynamic_index_in_dim(k_stack, index, keepdims=False)
-        v_all = jax.lax.dynamic_index_in_dim(v_stack, index, keepdims=False)
-        out, aux = _attention_with_internals(q, k_all, v_all, mask[:, None, :], config)
-        return out, k_stack, v_stack, aux
+    def attend(kind):
+        def fn(q, k, v, k_stack, v_stack, index):
+            k_old = jax.lax.dynamic_index_in_dim(k_stack, index, keepdims=False)
+            v_old = jax.lax.dynamic_index_in_dim(v_stack, index, keepdims=False)
+            return _decode_attention(q, k_old, v_old, k[:, 0], v[:, 0], old_masks[kind],
+                                     slots[kind], config)
+        return fn
 
-    return attend
+    def write(kind, k_stack, v_stack, k_new, v_new, start):
+        # advanced indices (rows, slots) broadcast to [B]; values [B, n, K, H]
+        n = k_new.shape[0]
+        put = lambda stack, new: stack.at[start:start + n, rows, :, slots[kind]].set(
+            new[:, :, 0].transpose(1, 0, 2, 3).astype(stack.dtype), mode="drop")
+        return put(k_stack, k_new), put(v_stack, v_new)
+
+    return Phase(attend, write)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "collect"), donate_argnames=("cache",))
@@ -265,9 +321,8 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
     window = cache.window
     ring_slot = jnp.where(active, cache.lengths % max(window, 1), window)
     window_pos = cache.window_pos.at[rows, ring_slot].set(cache.lengths, mode="drop")
-    attend_for = lambda kind: _decode_attend(config, kind, cache, window_pos, active)
-    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend_for,
-                                                  collect)
+    phase = _decode_phase(config, cache, active)
+    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, phase, collect)
     cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw, window_pos=window_pos,
                           lengths=cache.lengths + active.astype(jnp.int32))
     logits = family.unembed(params, x[:, 0], config)

@@ -115,23 +115,32 @@ def attention_scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -
 
     Args:
       q: [B, T, N, H], already multiplied by the query scale.
-      k: [B, S, K, H] with N % K == 0; query head n reads kv head n // (N/K).
+      k: [B, K, S, H] (heads-major, the KV-cache layout) with N % K == 0;
+        query head n reads kv head n // (N/K).
       softcap: optional tanh soft-cap (Gemma 2): cap * tanh(s / cap).
     Returns:
       [B, K, G, T, S] float32.
     """
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    if t == 1:  # decode: a fused multiply-reduce streams K once, no transposed copy
+        prod = qg[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :].astype(jnp.float32)
+        scores = jnp.sum(prod, axis=-1)[:, :, :, None, :]
+    else:
+        scores = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k, preferred_element_type=jnp.float32)
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
     return scores
 
 
 def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
-    """weights [B, K, G, T, S] x v [B, S, K, H] -> [B, T, N, H] in v.dtype."""
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(v.dtype), v)
+    """weights [B, K, G, T, S] x v [B, K, S, H] -> [B, T, N, H] in v.dtype."""
+    if weights.shape[3] == 1:  # decode: fused multiply-reduce over S
+        prod = weights[:, :, :, 0, :, None] * v[:, :, None, :, :].astype(jnp.float32)
+        out = jnp.sum(prod, axis=3)[:, None].astype(v.dtype)  # [B, 1, K, G, H]
+    else:
+        out = jnp.einsum("BKGTS,BKSH->BTKGH", weights.astype(v.dtype), v)
     b, t, kv_heads, g, h = out.shape
     return out.reshape(b, t, kv_heads * g, h)
 
@@ -171,9 +180,9 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     Returns:
       q [B, T, N, H] multiplied by `config.query_scale`; k, v [B, T, K, H].
     """
-    q = jnp.einsum("BTD,DNH->BTNH", h, p["q_proj"])
-    k = jnp.einsum("BTD,DKH->BTKH", h, p["k_proj"])
-    v = jnp.einsum("BTD,DKH->BTKH", h, p["v_proj"])
+    q = _project(h, p["q_proj"])
+    k = _project(h, p["k_proj"])
+    v = _project(h, p["v_proj"])
     if config.attention_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if config.qk_norm:
@@ -184,9 +193,16 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     return (q * jnp.asarray(config.query_scale, q.dtype)), k, v
 
 
+def _project(h: jax.Array, w: jax.Array) -> jax.Array:
+    """[B, T, D] x [D, heads, H] -> [B, T, heads, H] as one 2-D matmul."""
+    d, heads, hd = w.shape
+    return jnp.einsum("BTD,DE->BTE", h, w.reshape(d, heads * hd)).reshape(*h.shape[:2], heads, hd)
+
+
 def output_projection(attn: jax.Array, o_proj: jax.Array) -> jax.Array:
-    """[B, T, N, H] x [N, H, D] -> [B, T, D]."""
-    return jnp.einsum("BTNH,NHD->BTD", attn, o_proj)
+    """[B, T, N, H] x [N, H, D] -> [B, T, D] as one 2-D matmul over N*H."""
+    b, t, n, hd = attn.shape
+    return jnp.einsum("BTE,ED->BTD", attn.reshape(b, t, n * hd), o_proj.reshape(n * hd, -1))
 
 
 def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:

@@ -1,0 +1,186 @@
+"""Engine equivalence on tiny random models (float32, CPU).
+
+Tolerance: logits within atol 1e-4 of the float64 numpy reference in
+tests/reference.py (full recompute, no cache).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from jaxinfer.cache import cache_nbytes, init_cache
+from jaxinfer.engine import decode_step, layer_segments, prefill
+from jaxinfer.llm import LLM
+from jaxinfer.sampling import SamplingParams
+from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+
+ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0)
+CONFIGS = {"llama_gqa": TINY_LLAMA, "gemma3_window4": TINY_GEMMA3}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request):
+    config = CONFIGS[request.param]
+    np_params = random_params(config, seed=1)
+    return config, np_params, jax.tree_util.tree_map(jnp.asarray, np_params)
+
+
+def _prompt(n, config, seed=0):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, n).astype(np.int32)
+
+
+def _prefill_all(params, config, tokens, bucket=16, max_seq_len=32):
+    padded = np.zeros((1, bucket), np.int32)
+    padded[0, :len(tokens)] = tokens
+    cache = init_cache(config, 1, max_seq_len)
+    logits, cache = prefill(params, cache, jnp.asarray(padded), jnp.array([len(tokens)], jnp.int32),
+                            config=config, all_logits=True)
+    return np.asarray(logits)[0, :len(tokens)], cache
+
+
+@pytest.mark.parametrize("n", [3, 10])
+def test_parallel_prefill_matches_reference(model, n):
+    config, np_params, params = model
+    tokens = _prompt(n, config)
+    logits, cache = _prefill_all(params, config, tokens)
+    np.testing.assert_allclose(logits, reference.forward(np_params, tokens, config), atol=ATOL, rtol=0)
+    assert int(cache.lengths[0]) == n
+
+
+@pytest.mark.parametrize("n", [3, 10])
+def test_serial_prefill_through_decode_step_matches_parallel(model, n):
+    config, _, params = model
+    tokens = _prompt(n, config)
+    parallel, _ = _prefill_all(params, config, tokens)
+    cache = init_cache(config, 1, 32)
+    serial = []
+    for k, tok in enumerate(tokens):
+        assert int(cache.lengths[0]) == k  # step k writes position k
+        logits, cache = decode_step(params, cache, jnp.array([tok], jnp.int32), config=config)
+        serial.append(np.asarray(logits)[0])
+    np.testing.assert_allclose(np.stack(serial), parallel, atol=ATOL, rtol=0)
+
+
+def _greedy_recompute(np_params, config, prompt, steps):
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(np.argmax(reference.forward(np_params, seq, config)[-1])))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("n", [3, 10])
+def test_cached_greedy_equals_recompute(model, n):
+    # 12 decode steps with window 4 cross the Gemma ring buffer several times.
+    config, np_params, params = model
+    prompt = _prompt(n, config, seed=n)
+    llm = LLM(config, params, max_seq_len=32, decode_chunk=5)
+    [out] = llm.generate([prompt.tolist()], GREEDY, max_new_tokens=13)
+    assert out.token_ids == _greedy_recompute(np_params, config, prompt.tolist(), 13)
+    assert out.finish_reason == "length"
+
+
+def test_decode_positions_continue_after_prompt(model):
+    config, _, params = model
+    tokens = _prompt(5, config)
+    _, cache = _prefill_all(params, config, tokens)
+    for k in range(3):
+        _, cache = decode_step(params, cache, jnp.array([7], jnp.int32), config=config)
+        assert int(cache.lengths[0]) == 5 + k + 1
+
+
+def test_mixed_lengths_batch_equals_rows_alone(model):
+    config, _, params = model
+    llm = LLM(config, params, max_seq_len=64, decode_chunk=4)
+    prompts = [_prompt(n, config, seed=n).tolist() for n in (3, 17, 40)]
+    batch = llm.generate(prompts, GREEDY, max_new_tokens=8)
+    for prompt, row in zip(prompts, batch):
+        [alone] = llm.generate([prompt], GREEDY, max_new_tokens=8)
+        assert row.token_ids == alone.token_ids
+    swapped = llm.generate(prompts[::-1], GREEDY, max_new_tokens=8)
+    assert [c.token_ids for c in swapped[::-1]] == [c.token_ids for c in batch]
+
+
+def test_ring_buffer_holds_last_window_positions():
+    config, params = TINY_GEMMA3, jax.tree_util.tree_map(jnp.asarray, random_params(TINY_GEMMA3))
+    _, cache = _prefill_all(params, config, _prompt(10, config))
+    # positions 6..9 at ring index p % 4
+    assert np.asarray(cache.window_pos)[0].tolist() == [8, 9, 6, 7]
+    _, cache = decode_step(params, cache, jnp.array([1], jnp.int32), config=config)
+    assert np.asarray(cache.window_pos)[0].tolist() == [8, 9, 10, 7]
+
+
+def test_gemma_cache_is_window_sized():
+    config = TINY_GEMMA3
+    cache = init_cache(config, 2, 64)
+    assert cache.k_full.shape == (2, 2, 1, 64, 16)
+    assert cache.k_window.shape == (2, 2, 1, 4, 16)
+    assert cache_nbytes(config, 2, 64) == 2 * 2 * 16 * 4 * (2 * 64 + 2 * 4)
+    assert cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
+
+
+def test_layer_segments_follow_pattern():
+    assert [(s.kind[:4], s.start, s.stop, s.cache_start) for s in layer_segments(TINY_GEMMA3)] == [
+        ("slid", 0, 1, 0), ("full", 1, 2, 0), ("slid", 2, 3, 1), ("full", 3, 4, 1)]
+    assert len(layer_segments(TINY_LLAMA)) == 1
+
+
+def test_bfloat16_padding_logits_finite():
+    config = TINY_LLAMA
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(config))
+    tokens = np.zeros((4, 16), np.int32)
+    lengths = np.array([3, 16, 1, 0], np.int32)  # the last row is an unused batch slot
+    for row, n in enumerate(lengths):
+        tokens[row, :n] = _prompt(int(n), config, seed=row)
+    cache = init_cache(config, 4, 32, jnp.bfloat16)
+    logits, cache = prefill(params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                            config=config, all_logits=True)
+    assert np.isfinite(np.asarray(logits, np.float32)).all()
+    logits, _ = decode_step(params, cache, jnp.array([1, 2, 3, 4], jnp.int32), config=config)
+    assert np.isfinite(np.asarray(logits, np.float32)).all()
+
+
+# --- host-side validation ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    params = jax.tree_util.tree_map(jnp.asarray, random_params(TINY_LLAMA))
+    return LLM(TINY_LLAMA, params, max_seq_len=16)
+
+
+def test_prompt_plus_new_tokens_beyond_max_seq_len_rejected(tiny_llm):
+    with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 7 = 17 exceeds max_seq_len 16"):
+        tiny_llm.generate([list(range(10))], GREEDY, max_new_tokens=7)
+    assert tiny_llm.programs.num_compiles == 0  # rejected before any work
+
+
+def test_out_of_vocab_ids_rejected(tiny_llm):
+    with pytest.raises(ValueError, match=r"token ids \[97, -1\] are outside the vocabulary \[0, 97\)"):
+        tiny_llm.generate([[1, 97, -1]], GREEDY, max_new_tokens=2)
+
+
+def test_empty_prompt_rejected(tiny_llm):
+    with pytest.raises(ValueError, match="empty prompt"):
+        tiny_llm.generate([[]], GREEDY, max_new_tokens=2)
+
+
+def test_nonpositive_max_new_tokens_rejected(tiny_llm):
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        tiny_llm.generate([[1, 2]], GREEDY, max_new_tokens=0)
+
+
+def test_text_prompt_without_tokenizer_rejected(tiny_llm):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        tiny_llm.generate(["hello"], GREEDY, max_new_tokens=2)
+
+
+def test_stop_token_ends_row(tiny_llm):
+    [free] = tiny_llm.generate([[5, 6, 7]], GREEDY, max_new_tokens=6)
+    stopper = LLM(TINY_LLAMA, tiny_llm.params, max_seq_len=16, stop_token_ids=[free.token_ids[2]])
+    [out] = stopper.generate([[5, 6, 7]], GREEDY, max_new_tokens=6)
+    first = free.token_ids.index(free.token_ids[2])
+    assert out.token_ids == free.token_ids[:first + 1]
+    assert out.finish_reason == "stop"
