@@ -440,3 +440,19 @@ def decode_chunk(params: dict, state: DecodeState, *, config: ModelConfig, num_s
         return _sample_step(logits, state.replace(cache=cache), num_logprobs)
 
     return jax.lax.scan(step, state, None, length=num_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def token_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
+                   config: ModelConfig) -> jax.Array:
+    """Log-probability of every next token under the model, from one prefill.
+
+    Args:
+      tokens: int32 [B, T] right-padded sequences; lengths: int32 [B].
+    Returns:
+      float32 [B, T - 1]: entry t is log p(tokens[b, t + 1] | tokens[b, :t + 1])
+      (natural log); entries at t + 1 >= lengths[b] are meaningless.
+    """
+    logits, _ = prefill(params, cache, tokens, lengths, config=config, all_logits=True)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
