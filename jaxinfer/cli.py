@@ -1,6 +1,8 @@
-"""`jaxinfer` command line: generate (and the other subcommands).
+"""`jaxinfer` command line.
 
     jaxinfer generate --config configs/smollm2-135m-instruct.yaml --prompt "..." [key=value ...]
+    jaxinfer train-toy --config configs/toy-two-layer.yaml
+    jaxinfer trace --config configs/toy-two-layer.yaml --prompt 你好 [--plot DIR]
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from jaxinfer.toy import add_train_toy_parser
+    from jaxinfer.trace import add_trace_parser
+
+    add_train_toy_parser(sub)
+    add_trace_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

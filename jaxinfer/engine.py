@@ -411,15 +411,13 @@ def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
       (DecodeState, StepOutput with [B] leaves).
     """
     logits, cache = prefill(params, cache, tokens, lengths, config=config)
-    b, v = tokens.shape[0], config.vocab_size
+    b = tokens.shape[0]
     in_prompt = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    seen = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], jnp.where(in_prompt, tokens, v)].set(
-        True, mode="drop")
+    seen, counts = sampling.init_history(tokens, in_prompt, config.vocab_size)
     state = DecodeState(
         cache=cache, tokens=jnp.zeros((b,), jnp.int32), done=lengths <= 0,
         num_generated=jnp.zeros((b,), jnp.int32), max_new_tokens=max_new_tokens.astype(jnp.int32),
-        seen=seen, counts=jnp.zeros((b, v), jnp.int32), row_keys=row_keys, sampling=arrays,
-        stop_ids=stop_ids)
+        seen=seen, counts=counts, row_keys=row_keys, sampling=arrays, stop_ids=stop_ids)
     return _sample_step(logits, state, num_logprobs)
 
 
