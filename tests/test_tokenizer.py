@@ -443,17 +443,23 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
     assert scalars["tokenizer.chat_template"] == CHAT_TEMPLATE
     assert "tokenizer.ggml.tokens" not in scalars              # arrays are skipped
 
+    import jaxinfer.tokenizer as jt
+
     cache = tmp_path / "cache"
-    calls = []
-    real = AutoTokenizer.from_pretrained
+    conversions, loads = [], []
+    real_convert, real_load = jt._convert_gguf, AutoTokenizer.from_pretrained
+    monkeypatch.setattr(jt, "_convert_gguf", lambda p: conversions.append(p.name) or real_convert(p))
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
-                        lambda *a, **k: calls.append(k.get("gguf_file")) or real(*a, **k))
+                        lambda *a, **k: loads.append(k.get("gguf_file")) or real_load(*a, **k))
     cold = Tokenizer.from_gguf(gguf_path, cache_dir=cache)
     warm = Tokenizer.from_gguf(gguf_path, cache_dir=cache)
-    assert calls == ["tiny.gguf", None]                        # converted once, then loaded from cache
+    assert conversions == ["tiny.gguf"]                        # converted once (no AutoTokenizer),
+    assert loads == [None]                                     # then loaded from the cache folder
     slots = list((cache / "tokenizers").iterdir())
     assert len(slots) == 1 and (slots[0] / "jaxinfer_tokenizer.json").is_file()
     fresh = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    assert_same_hf_tokenizer(cold.hf_tokenizer, fresh)
+    assert type(warm.hf_tokenizer) is type(fresh)
     for tok in (cold, warm):
         assert tok.eos_token_ids == {0, im_end}                # GGUF eos + eot (+ template's <|im_end|>)
         assert tok.has_chat_template and not tok.add_bos
@@ -509,6 +515,103 @@ def test_bad_sources(tmp_path):
         read_gguf_tokenizer_scalars(bad)
     with pytest.raises(ValueError):
         Tokenizer.from_gguf(bad, cache=False)
+
+
+def test_gguf_metadata_reader(tmp_path):
+    """The header reader returns what the tokenizer conversion needs, as gguf.GGUFReader reads it."""
+    import gguf
+    from jaxinfer.tokenizer import _read_gguf_metadata
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    meta, arrays, names = _read_gguf_metadata(path, string_arrays=["tokenizer.ggml.tokens"],
+                                              tensor_names=True)
+    reader = gguf.GGUFReader(str(path))
+    field = lambda k: reader.fields[k]                                          # noqa: E731
+    tokens = [bytes(field("tokenizer.ggml.tokens").parts[i]).decode()
+              for i in field("tokenizer.ggml.tokens").data]
+    assert meta["tokenizer.ggml.tokens"] == tokens
+    assert meta["tokenizer.ggml.token_type"] == [int(field("tokenizer.ggml.token_type").parts[i][0])
+                                                 for i in field("tokenizer.ggml.token_type").data]
+    assert meta["tokenizer.ggml.merges"] == len(field("tokenizer.ggml.merges").data)  # not asked: a count
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 1
+    assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert arrays == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+    assert names == ("token_embd.weight",)
+    meta, arrays, names = _read_gguf_metadata(path, arrays=False)
+    assert not arrays & meta.keys() and names == ()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(ValueError, match="corrupt GGUF header"):
+        _read_gguf_metadata(truncated, string_arrays=["tokenizer.ggml.tokens"])
+
+
+def assert_same_hf_tokenizer(ours, hf) -> None:
+    """`ours` is the tokenizer `hf` (a fresh AutoTokenizer from the GGUF) is: same class,
+    same Rust tokenizer, same special tokens, flags, chat template and init kwargs."""
+    assert type(ours) is type(hf)
+    assert ours.backend_tokenizer.to_str() == hf.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == hf.special_tokens_map
+    assert ours.added_tokens_decoder == hf.added_tokens_decoder
+    assert ours.chat_template == hf.chat_template
+    assert ours.init_kwargs == hf.init_kwargs
+    for attr in ("add_bos_token", "add_eos_token", "padding_side", "model_max_length"):
+        assert getattr(ours, attr) == getattr(hf, attr), attr
+
+
+# Builds a GGUF tokenizer in a fresh interpreter where `import torch` fails (as when torch
+# is not installed: transformers' availability check sees it missing too), then prints
+# what the parent compares with a fresh HF AutoTokenizer (which needs torch).
+TORCH_BLOCKED = r"""
+import hashlib, json, sys
+sys.modules["torch"] = None
+from jaxinfer.tokenizer import Tokenizer
+tok = Tokenizer.from_gguf(sys.argv[1], cache=False)
+texts = json.load(sys.stdin)
+hf = tok.hf_tokenizer
+print(json.dumps({
+    "ids": [tok.encode(t) for t in texts],
+    "class": type(hf).__name__,
+    "backend_sha256": hashlib.sha256(hf.backend_tokenizer.to_str().encode()).hexdigest(),
+    "torch_modules": sorted(k for k, v in sys.modules.items() if k.split(".")[0] == "torch" and v),
+}))
+"""
+
+
+def build_without_torch(path: pathlib.Path, texts: list[str]) -> dict:
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", TORCH_BLOCKED, str(path)], input=json.dumps(texts),
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_torch_free_build(path: pathlib.Path, hf=None) -> None:
+    """Our tokenizer for `path` built without torch equals `hf`, a fresh AutoTokenizer
+    from the same GGUF (made here when not given)."""
+    import hashlib
+
+    pytest.importorskip("torch")                              # the HF reference path needs torch
+    from transformers import AutoTokenizer
+
+    texts = TEXTS + ["".join(TEXTS), "<|im_start|>user\nhi<|im_end|>", "<bos><end_of_turn>x"]
+    got = build_without_torch(path, texts)
+    if hf is None:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert got["torch_modules"] == []
+    assert got["class"] == type(hf).__name__
+    assert got["backend_sha256"] == hashlib.sha256(hf.backend_tokenizer.to_str().encode()).hexdigest()
+    assert got["ids"] == [hf.encode(t) for t in texts]
+
+
+def test_gguf_tokenizer_without_torch(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    check_torch_free_build(path)
 
 
 # ----- slow tests: the real GGUF tokenizers ---------------------------------
@@ -601,6 +704,9 @@ def test_real_properties(real, key):
         "smollm2": dict(vocab_size=49152, bos=1, add_bos=False, eos={2}, pad=2, template=True),
         "gemma3": dict(vocab_size=262144, bos=2, add_bos=True, eos={1}, pad=0, template=False),
     }[key]
+    assert_same_hf_tokenizer(cold.hf_tokenizer, hf)
+    assert type(warm.hf_tokenizer) is type(hf)
+    assert warm.hf_tokenizer.backend_tokenizer.to_str() == hf.backend_tokenizer.to_str()
     for tok in (cold, warm):
         assert tok.vocab_size == len(hf) == expected["vocab_size"]
         assert tok.bos_token_id == expected["bos"] == scalars["tokenizer.ggml.bos_token_id"]
@@ -705,3 +811,10 @@ def test_real_gemma3_byte_fallback_stream(real):
         pool = sorted(tok._byte_ids) + hi + [2, 106]
         ids = [rng.choice(pool) for _ in range(rng.randint(0, 30))]
         check_stream(tok, ids, random_chunks(rng, len(ids)), skip=rng.random() < 0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_real_tokenizer_without_torch(real, key):
+    """The real GGUF tokenizers, built with `import torch` failing, equal HF's (built with torch)."""
+    check_torch_free_build(model_path(key), hf=real(key)[0])
