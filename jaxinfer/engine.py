@@ -258,16 +258,19 @@ def _decode_attention(q, k_old, v_old, k_new, v_new, old_mask, slots, config: Mo
     return out, aux
 
 
-def _decode_phase(config: ModelConfig, cache: KVCache, active: jax.Array) -> Phase:
+def _decode_phase(config: ModelConfig, cache: KVCache, active: jax.Array,
+                  kv_len: int | None) -> Phase:
     """[1, t] attention of each row's new token over its cached keys and
     itself; the new K/V is then appended at the row's position (ring index
-    pos % W on sliding layers). Inactive rows write nothing."""
+    pos % W on sliding layers). Inactive rows write nothing. Full layers read
+    only the first `kv_len` cache positions (all when None)."""
     pos = cache.lengths
     rows = jnp.arange(pos.shape[0])
     full_size, ring_size = cache.k_full.shape[3], cache.k_window.shape[3]
+    read_len = {FULL_ATTENTION: kv_len or full_size, SLIDING_ATTENTION: ring_size}
     wp = cache.window_pos  # the ring slot about to be overwritten holds pos - W: outside the window
     old_masks = {
-        FULL_ATTENTION: jnp.arange(full_size)[None, :] < pos[:, None],
+        FULL_ATTENTION: jnp.arange(read_len[FULL_ATTENTION])[None, :] < pos[:, None],
         SLIDING_ATTENTION: (wp >= 0) & (wp < pos[:, None]) & (
             pos[:, None] - wp < (config.sliding_window or 1)),
     }
@@ -276,8 +279,10 @@ def _decode_phase(config: ModelConfig, cache: KVCache, active: jax.Array) -> Pha
 
     def attend(kind):
         def fn(q, k, v, k_stack, v_stack, index):
-            k_old = jax.lax.dynamic_index_in_dim(k_stack, index, keepdims=False)
-            v_old = jax.lax.dynamic_index_in_dim(v_stack, index, keepdims=False)
+            _, b, kv, _, hd = k_stack.shape
+            size = (1, b, kv, read_len[kind], hd)
+            k_old = jax.lax.dynamic_slice(k_stack, (index, 0, 0, 0, 0), size)[0]
+            v_old = jax.lax.dynamic_slice(v_stack, (index, 0, 0, 0, 0), size)[0]
             return _decode_attention(q, k_old, v_old, k[:, 0], v[:, 0], old_masks[kind],
                                      slots[kind], config)
         return fn
@@ -292,9 +297,10 @@ def _decode_phase(config: ModelConfig, cache: KVCache, active: jax.Array) -> Pha
     return Phase(attend, write)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "collect"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "collect", "kv_len"),
+                   donate_argnames=("cache",))
 def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Array | None = None,
-                *, config: ModelConfig, collect: bool = False):
+                *, config: ModelConfig, collect: bool = False, kv_len: int | None = None):
     """Append one token per row and return the next-token logits.
 
     Each layer computes q/k/v for the new token only, writes k/v at position
@@ -308,6 +314,10 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
         length (finished rows in a batch), their logits are meaningless.
       config: static ModelConfig.
       collect: also return per-layer attention internals (see `prefill`).
+      kv_len: static; full-attention layers attend over cache positions
+        [0, kv_len) only, so per-step work follows the context rather than
+        max_seq_len. Every active row must satisfy lengths < kv_len (checked
+        by the host caller, `LLM`); None reads the whole buffer.
     Returns:
       (logits float32 [B, V], cache with lengths + active), plus internals
       with collect=True.
@@ -321,7 +331,7 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
     window = cache.window
     ring_slot = jnp.where(active, cache.lengths % max(window, 1), window)
     window_pos = cache.window_pos.at[rows, ring_slot].set(cache.lengths, mode="drop")
-    phase = _decode_phase(config, cache, active)
+    phase = _decode_phase(config, cache, active, kv_len)
     x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, phase, collect)
     cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw, window_pos=window_pos,
                           lengths=cache.lengths + active.astype(jnp.int32))
@@ -421,20 +431,23 @@ def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     return _sample_step(logits, state, num_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs"),
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs", "kv_len"),
                    donate_argnames=("state",))
 def decode_chunk(params: dict, state: DecodeState, *, config: ModelConfig, num_steps: int,
-                 num_logprobs: int = -1) -> tuple[DecodeState, StepOutput]:
+                 num_logprobs: int = -1, kv_len: int | None = None
+                 ) -> tuple[DecodeState, StepOutput]:
     """Run `num_steps` decode steps on device with `jax.lax.scan`, sampling
     inside the loop. Finished rows stop advancing (their positions freeze and
-    they write nothing); their outputs are -1.
+    they write nothing); their outputs are -1. `kv_len` as in `decode_step`:
+    every active row needs lengths + num_steps <= kv_len.
 
     Returns:
       (state, StepOutput with [num_steps, B] leaves).
     """
 
     def step(state, _):
-        logits, cache = decode_step(params, state.cache, state.tokens, ~state.done, config=config)
+        logits, cache = decode_step(params, state.cache, state.tokens, ~state.done, config=config,
+                                    kv_len=kv_len)
         return _sample_step(logits, state.replace(cache=cache), num_logprobs)
 
     return jax.lax.scan(step, state, None, length=num_steps)

@@ -10,8 +10,10 @@ before they reach a compiled program.
 
 Which shapes compile: one `start` program (prefill + first token) per
 (batch bucket, prompt-length bucket) and one `decode_chunk` program per
-(batch bucket, chunk size). Batch buckets are powers of two; prompt-length
-buckets are powers of two from `min_prompt_bucket` up to `max_seq_len`.
+(batch bucket, attended-cache bucket). Batch buckets are powers of two;
+prompt-length buckets are powers of two from `min_prompt_bucket` up to
+`max_seq_len`; attended-cache buckets are powers of two from `min_kv_bucket`
+up to `max_seq_len`, so decode work follows the context, not the capacity.
 """
 
 from __future__ import annotations
@@ -131,12 +133,14 @@ class LLM:
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       decode_chunk: decode steps per compiled chunk (streaming granularity).
       min_prompt_bucket: smallest prompt-length bucket.
+      min_kv_bucket: smallest attended-cache-length bucket; decode chunks attend
+        over the smallest power-of-two bucket covering the longest running row.
       stop_token_ids: extra ids that end a row (the tokenizer's EOS set is
         always included).
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
-                 decode_chunk: int = 16, min_prompt_bucket: int = 16,
+                 decode_chunk: int = 16, min_prompt_bucket: int = 16, min_kv_bucket: int = 256,
                  stop_token_ids: Sequence[int] = ()):
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
@@ -146,6 +150,7 @@ class LLM:
         self.max_seq_len = int(max_seq_len)
         self.decode_chunk = int(decode_chunk)
         self.prompt_buckets = power_of_two_buckets(min(min_prompt_bucket, max_seq_len), max_seq_len)
+        self.kv_buckets = power_of_two_buckets(min(min_kv_bucket, max_seq_len), max_seq_len)
         eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
         self.stop_token_ids = tuple(sorted(eos | set(stop_token_ids)))
         self.cache_dtype = jax.tree_util.tree_leaves(params)[0].dtype
@@ -333,7 +338,8 @@ class LLM:
         while not all(r.finished for r in rows):
             state = state.replace(done=state.done | _host_done(rows, state.done.shape[0]))
             state, out = self.programs(engine.decode_chunk, self.params, state, config=self.config,
-                                       num_steps=self.decode_chunk, num_logprobs=num_logprobs)
+                                       num_steps=self.decode_chunk, num_logprobs=num_logprobs,
+                                       kv_len=self._kv_len(rows))
             stats.decode_steps += self.decode_chunk
             yield from self._absorb(rows, jax.device_get(out), single_step=False)
         stats.decode_s = time.perf_counter() - t1 - (self.programs.compile_s - compile_mid)
@@ -343,6 +349,12 @@ class LLM:
         stats.generated_tokens = sum(len(r.token_ids) for r in rows)
         self.last_stats = stats
         self._completions = [r.completion(logprobs is not None) for r in rows]
+
+    def _kv_len(self, rows) -> int:
+        """Smallest cache-length bucket covering every running row through
+        the next chunk: its cache holds prompt + generated - 1 tokens."""
+        needed = max(len(r.prompt_ids) + len(r.token_ids) - 1 for r in rows if not r.finished)
+        return bucket_for(min(needed + self.decode_chunk, self.max_seq_len), self.kv_buckets)
 
     def _absorb(self, rows, out: engine.StepOutput, single_step: bool):
         """Feed a step's (or a chunk's) host-side outputs to each row."""

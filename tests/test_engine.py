@@ -76,7 +76,8 @@ def test_cached_greedy_equals_recompute(model, n):
     # 12 decode steps with window 4 cross the Gemma ring buffer several times.
     config, np_params, params = model
     prompt = _prompt(n, config, seed=n)
-    llm = LLM(config, params, max_seq_len=32, decode_chunk=5)
+    # attended-cache buckets 8, 16, 32: decode chunks switch buckets as the context grows
+    llm = LLM(config, params, max_seq_len=32, decode_chunk=5, min_kv_bucket=8)
     [out] = llm.generate([prompt.tolist()], GREEDY, max_new_tokens=13)
     assert out.token_ids == _greedy_recompute(np_params, config, prompt.tolist(), 13)
     assert out.finish_reason == "length"
