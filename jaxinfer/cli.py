@@ -30,9 +30,10 @@ def _prompt_of(text: str, cfg):
 
 def cmd_generate(args) -> int:
     from jaxinfer.config import GenerationConfig
-    from jaxinfer.llm import LLM
+    from jaxinfer.llm import LLM, enable_compilation_cache
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+    enable_compilation_cache()
     if (args.prompt is None) == (args.prompts_file is None):
         raise SystemExit("jaxinfer generate: give exactly one of --prompt or --prompts-file")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)

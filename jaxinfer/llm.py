@@ -368,6 +368,29 @@ class LLM:
                     yield row, piece
 
 
+def enable_compilation_cache(path: Optional[str] = None) -> str:
+    """Turn on JAX's persistent compilation cache for every program (no
+    minimum compile time or size), so a second start compiles nothing.
+
+    Args:
+      path: cache directory; None means `<jaxinfer cache dir>/xla-cache`
+        (`JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
+        `~/.cache/jaxinfer`).
+    Returns:
+      The directory used (created if missing).
+    """
+    import os
+
+    from jaxinfer.checkpoint.sources import cache_dir
+
+    path = str(path or cache_dir() / "xla-cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
 def load_model(source: str, dtype=jnp.float32):
     """(ModelConfig, params, Tokenizer) for a named model, .gguf file or HF folder.
 
