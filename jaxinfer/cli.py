@@ -3,6 +3,7 @@
     jaxinfer generate --config configs/smollm2-135m-instruct.yaml --prompt "..." [key=value ...]
     jaxinfer train-toy --config configs/toy-two-layer.yaml
     jaxinfer trace --config configs/toy-two-layer.yaml --prompt 你好 [--plot DIR]
+    jaxinfer bench --config configs/smollm2-135m-instruct.yaml [--quick] [--peers hf,llamacpp]
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from jaxinfer.checkpoint.sources import ModelSourceError
 
 
 def _add_generate(sub) -> None:
@@ -33,6 +36,7 @@ def cmd_generate(args) -> int:
     from jaxinfer.llm import LLM, enable_compilation_cache
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+    sampling_params = cfg.sampling_params()  # validate before the model loads
     enable_compilation_cache()
     if (args.prompt is None) == (args.prompts_file is None):
         raise SystemExit("jaxinfer generate: give exactly one of --prompt or --prompts-file")
@@ -43,12 +47,12 @@ def cmd_generate(args) -> int:
     load_s = time.perf_counter() - t0
     prompts = [_prompt_of(p, cfg) for p in prompts]
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, chat=cfg.chat, stop=cfg.stop)
-    if len(prompts) == 1:
-        for piece in llm.stream(prompts[0], cfg.sampling_params(), **kwargs):
+    if args.prompt is not None:
+        for piece in llm.stream(prompts[0], sampling_params, **kwargs):
             print(piece, end="", flush=True)
         print()
     else:
-        for i, c in enumerate(llm.generate(prompts, cfg.sampling_params(), **kwargs)):
+        for i, c in enumerate(llm.generate(prompts, sampling_params, **kwargs)):
             print(f"--- [{i}] finish_reason={c.finish_reason}\n{c.text}")
     print(f"[jaxinfer] load {load_s:.2f} s | {llm.last_stats.summary()}", file=sys.stderr)
     if args.verbose:
@@ -58,7 +62,7 @@ def cmd_generate(args) -> int:
 
 def _read_prompts(path: str) -> list[str]:
     with open(path, encoding="utf-8") as f:
-        prompts = [line.rstrip("\n") for line in f if line.strip()]
+        prompts = [line.rstrip("\r\n") for line in f if line.strip()]
     if not prompts:
         raise SystemExit(f"jaxinfer generate: {path} holds no prompts")
     return prompts
@@ -68,15 +72,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from jaxinfer.bench import add_bench_parser
     from jaxinfer.toy import add_train_toy_parser
     from jaxinfer.trace import add_trace_parser
 
     add_train_toy_parser(sub)
     add_trace_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ModelSourceError) as e:
         print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -169,6 +169,7 @@ class GenerationConfig:
     logprobs: Optional[int] = None
 
     def __post_init__(self):
+        self._check_types()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_seq_len", "max_new_tokens", "decode_chunk"):
@@ -176,6 +177,31 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    def _check_types(self) -> None:
+        """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
+        kinds = {"model": str, "dtype": str, "chat": bool, "max_seq_len": int, "max_new_tokens": int,
+                 "decode_chunk": int, "top_k": int, "temperature": float, "top_p": float,
+                 "min_p": float, "repetition_penalty": float, "presence_penalty": float,
+                 "frequency_penalty": float}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            ok = isinstance(value, bool) if kind is bool else (
+                isinstance(value, kind) or (kind is float and isinstance(value, int))
+            ) and not isinstance(value, bool)
+            if not ok:
+                raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer or null, got {value!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "GenerationConfig":
@@ -207,7 +233,10 @@ class GenerationConfig:
             key, sep, raw = item.partition("=")
             if not sep or not key:
                 raise ValueError(f"override {item!r} is not key=value")
-            values[key.strip()] = yaml.safe_load(raw)
+            try:
+                values[key.strip()] = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ValueError(f"override {item!r}: value is not valid YAML ({e})") from None
         return cls.from_dict(values)
 
     def sampling_params(self):

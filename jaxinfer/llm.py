@@ -59,7 +59,8 @@ class RunStats:
     """Timing of the last generate/stream call. Seconds, tokens and tokens/s.
 
     ttft_s: from the call's device work start to the first tokens on the host,
-    excluding compilation. tpot_s: decode seconds per decode step.
+    excluding compilation. tpot_s: decode seconds per decode step run.
+    decode_tokens_per_s: decoded tokens (after each row's first) per decode second.
     """
 
     prompt_tokens: int = 0
@@ -69,19 +70,25 @@ class RunStats:
     decode_s: float = 0.0
     decode_steps: int = 0
 
+    decoded_tokens: int = 0
+
     @property
     def tpot_s(self) -> float:
+        """Decode seconds per decode step run (compiled chunks run whole, so
+        steps past a row's stop token count too)."""
         return self.decode_s / self.decode_steps if self.decode_steps else float("nan")
 
     @property
     def decode_tokens_per_s(self) -> float:
-        decoded = self.generated_tokens - 1 if self.generated_tokens else 0
-        return decoded / self.decode_s if self.decode_s > 0 else float("nan")
+        """Tokens produced by decode steps (all rows, after each row's first
+        token) per decode second."""
+        return self.decoded_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
     def summary(self) -> str:
         return (f"prompt tokens {self.prompt_tokens} | generated tokens {self.generated_tokens} | "
                 f"compile {self.compile_s:.2f} s | TTFT {self.ttft_s * 1e3:.1f} ms | "
-                f"TPOT {self.tpot_s * 1e3:.1f} ms | decode {self.decode_tokens_per_s:.1f} tokens/s")
+                f"TPOT {self.tpot_s * 1e3:.1f} ms/step ({self.decode_steps} steps) | "
+                f"decode {self.decode_tokens_per_s:.1f} tokens/s")
 
 
 def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
@@ -142,8 +149,9 @@ class LLM:
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
                  decode_chunk: int = 16, min_prompt_bucket: int = 16, min_kv_bucket: int = 256,
                  stop_token_ids: Sequence[int] = ()):
-        if max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        if not 2 <= max_seq_len <= config.max_position_embeddings:
+            raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
+                             f"model's context length), got {max_seq_len}")
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
@@ -347,6 +355,7 @@ class LLM:
             yield row, r.finish()
         stats.compile_s = self.programs.compile_s - compile_before
         stats.generated_tokens = sum(len(r.token_ids) for r in rows)
+        stats.decoded_tokens = sum(max(len(r.token_ids) - 1, 0) for r in rows)
         self.last_stats = stats
         self._completions = [r.completion(logprobs is not None) for r in rows]
 
