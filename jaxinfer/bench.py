@@ -21,9 +21,10 @@ greedy, with no stop tokens so every row generates exactly the asked count:
   sharing an empty persistent compilation cache (first vs second start).
 * roofline: FLOPs and bytes of each call (`jaxinfer.metrics`), achieved
   GFLOP/s and GB/s, the bound that applies, and the fraction reached.
-* peers (optional): Hugging Face transformers (PyTorch, float32, same GGUF)
-  and llama.cpp (llama-cpp-python, same GGUF at its own quantization), as
-  throughput ratios jaxinfer / peer.
+* peers (optional, each in its own subprocess): Hugging Face transformers
+  (PyTorch, float32, same GGUF) and llama.cpp (llama-cpp-python, same GGUF at
+  its own quantization), as throughput ratios jaxinfer / peer; a peer that is
+  not installed is skipped with the reason.
 
 Results: `<out>/<model>-<timestamp>.json`, `.md` (the table also printed)
 and `.png` (roofline, latency vs batch, latency vs prompt length).
@@ -69,7 +70,7 @@ class Sweep:
     e2e_len_range: tuple[int, int] = (16, 512)
     e2e_new_tokens: int = 65          # 1 (prefill) + a multiple of the chunk
     repeats: int = 3                  # timed repetitions per prefill cell (median reported)
-    cell_budget_s: float = 30.0       # prefill repeats fit in this; a slower first run is the only sample
+    cell_budget_s: float = 30.0       # prefill repeats fit in this; a slower first run: 1 sample
     bandwidth_mib: int = 256
     matmul_n: int = 2048
     machine_repeats: int = 7
@@ -189,7 +190,16 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> n
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, bytes (getrusage)."""
+    """Peak resident set size of this process so far, bytes: VmHWM from
+    /proc/self/status (reset by exec, unlike getrusage's ru_maxrss, which a
+    subprocess inherits from its parent on Linux), else getrusage."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kb if sys.platform == "darwin" else kb * 1024)
 
@@ -694,7 +704,8 @@ def plot_results(results: dict, path: str) -> str:
 
     ax = axes[0]
     xs = np.logspace(-1.5, 4, 200)
-    ax.loglog(xs, np.minimum(peak, xs * bw), "k-", lw=2, label=f"roofline ({bw:.1f} GB/s, {peak:.0f} GFLOP/s)")
+    ax.loglog(xs, np.minimum(peak, xs * bw), "k-", lw=2,
+              label=f"roofline ({bw:.1f} GB/s, {peak:.0f} GFLOP/s)")
     ax.axvline(m["ridge"], color="gray", ls=":", lw=1)
     ax.text(m["ridge"], peak * 0.02, f" ridge {m['ridge']:.1f}", color="gray", fontsize=8)
     for e in dec:
@@ -719,7 +730,8 @@ def plot_results(results: dict, path: str) -> str:
         ax.plot(b, [e["roofline_s"] * 1e3 for e in dec], "k--_", ms=14, label="roofline bound")
         _plot_peer_lines(ax, dec, "batch", "tpot_s")
         ax2 = ax.twinx()
-        ax2.plot(b, [e["tokens_per_s"] for e in dec], "^:", color="tab:green", label="tokens/s (all rows)")
+        ax2.plot(b, [e["tokens_per_s"] for e in dec], "^:", color="tab:green",
+                 label="tokens/s (all rows)")
         ax2.set_ylabel("aggregate tokens/s", color="tab:green")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -802,86 +814,94 @@ def _model_stem(model: str) -> str:
 
 
 def run_bench(args) -> dict:
-    """The whole benchmark; returns the results dict (also written to disk)."""
+    """The whole benchmark; returns the results dict (written to disk by `cmd_bench`)."""
+    from tqdm import tqdm
+
+    from jaxinfer.checkpoint.sources import resolve_model
     from jaxinfer.config import GenerationConfig
+    from jaxinfer.llm import LLM
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     sweep = _sweep_from_args(args)
     if args.persistent_cache:
         enable_persistent_cache()
+    results = {"model": cfg.model, "dtype": cfg.dtype, "env": _env(args.quick),
+               "sweep": dataclasses.asdict(sweep), "chunk": cfg.decode_chunk}
+    peer_names = {"none": [], "all": ["hf", "llamacpp"]}.get(args.peers, [args.peers])
+    t0 = time.perf_counter()
+    llm = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=cfg.max_seq_len,
+                   decode_chunk=cfg.decode_chunk)
+    results["load_s"] = time.perf_counter() - t0
+    max_len = min(cfg.max_seq_len, llm.config.max_position_embeddings)
+    prefill_cells = [(b, t) for b in sweep.prefill_batches for t in sweep.prefill_lengths
+                     if t <= max_len]
+    tasks = 3 + len(prefill_cells) + len(sweep.decode_batches) + bool(peer_names) - bool(
+        args.no_compile_probe)
+    with tqdm(total=tasks, desc="roofline", unit="task", disable=args.no_progress,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        results["machine"] = measure_machine(sweep, llm.config)
+        bar.update()
+        results.update(model_facts(llm, cfg.max_seq_len))
+        measure_jaxinfer(results, llm, cfg, sweep, prefill_cells, args.decode_cache_len, bar)
+        if not args.no_compile_probe:
+            bar.set_description("compile: first / second start")
+            try:
+                results["compile"].update(measure_compile_starts(
+                    cfg.model, cfg.dtype, cfg.max_seq_len, cfg.decode_chunk))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                results["compile"]["probe_error"] = str(e)[-500:]
+            bar.update()
+        if peer_names:
+            bar.set_description("peers (subprocesses)")
+            run_peers(results, peer_names, resolve_model(cfg.model), sweep, cfg.decode_chunk,
+                      llm.config.vocab_size)
+            bar.update()
+    results["env"]["loadavg_end"] = _loadavg()
+    results["targets"] = compute_targets(results)
+    results["wall_s"] = time.perf_counter() - t0
+    return results
+
+
+def model_facts(llm, max_seq_len: int) -> dict:
+    """Config, parameter counts, weight bytes and KV-cache bytes of a loaded model."""
     import jax
 
     from jaxinfer.cache import cache_nbytes
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.llm import LLM
 
-    results = {"model": cfg.model, "dtype": cfg.dtype, "env": _env(args.quick),
-               "sweep": dataclasses.asdict(sweep), "chunk": cfg.decode_chunk}
-    peer_names = [] if args.peers == "none" else (["hf", "llamacpp"] if args.peers == "all"
-                                                    else [args.peers])
-    from tqdm import tqdm
+    config, dtype_bytes = llm.config, np.dtype(llm.cache_dtype).itemsize
+    return {
+        "config": dataclasses.asdict(config), "params": metrics.param_count(config),
+        "params_actual": int(sum(x.size for x in jax.tree_util.tree_leaves(llm.params))),
+        "weight_bytes": metrics.weight_bytes(config, dtype_bytes),
+        "kv_cache": {"bytes_per_token": metrics.kv_bytes_per_position(config, dtype_bytes),
+                     "default_max_seq_len": max_seq_len,
+                     "default_bytes": cache_nbytes(config, 1, max_seq_len, llm.cache_dtype)}}
 
-    t0 = time.perf_counter()
-    llm = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk)
-    results["load_s"] = time.perf_counter() - t0
-    config, params = llm.config, llm.params
-    max_len = min(cfg.max_seq_len, config.max_position_embeddings)
-    lengths = [t for t in sweep.prefill_lengths if t <= max_len]
-    prefill_cells = [(b, t) for b in sweep.prefill_batches for t in lengths]
-    steps = 1 + len(prefill_cells) + len(sweep.decode_batches) + 1 + (not args.no_compile_probe)
-    bar = tqdm(total=steps + (1 if peer_names else 0), desc="roofline", unit="task",
-               disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
 
-    results["machine"] = machine = measure_machine(sweep, config)
-    bar.update()
-    dtype_bytes = np.dtype(llm.cache_dtype).itemsize
-    results["config"] = dataclasses.asdict(config)
-    results["params"] = metrics.param_count(config)
-    results["params_actual"] = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-    results["weight_bytes"] = metrics.weight_bytes(config, dtype_bytes)
-    results["kv_cache"] = {
-        "bytes_per_token": metrics.kv_bytes_per_position(config, dtype_bytes),
-        "default_max_seq_len": cfg.max_seq_len,
-        "default_bytes": cache_nbytes(config, 1, cfg.max_seq_len, llm.cache_dtype)}
-
-    runner = Runner(config, params, chunk=cfg.decode_chunk, max_seq_len=cfg.max_seq_len)
-    results["prefill"] = []
+def measure_jaxinfer(results: dict, llm, cfg, sweep: Sweep, prefill_cells, decode_cache: Optional[int],
+                     bar) -> None:
+    """Prefill cells, decode batches and the end-to-end pool; fills results
+    ("prefill", "decode", "e2e", "peak_rss_bytes", "compile")."""
+    runner = Runner(llm.config, llm.params, chunk=cfg.decode_chunk, max_seq_len=cfg.max_seq_len)
+    machine = results["machine"]
+    results["prefill"], results["decode"] = [], []
     for b, t in prefill_cells:
         bar.set_description(f"prefill B={b} T={t}")
         results["prefill"].append(measure_prefill(runner, b, t, sweep, machine))
         bar.update()
-    results["decode"] = []
     for b in sweep.decode_batches:
         bar.set_description(f"decode B={b}")
-        results["decode"].append(measure_decode(runner, b, sweep, machine, args.decode_cache_len))
+        results["decode"].append(measure_decode(runner, b, sweep, machine, decode_cache))
         bar.update()
     del runner
     bar.set_description("end to end")
-    results["e2e"] = measure_e2e(config, params, sweep, cfg.decode_chunk, cfg.max_seq_len)
+    results["e2e"] = measure_e2e(llm.config, llm.params, sweep, cfg.decode_chunk, cfg.max_seq_len)
     bar.update()
     results["peak_rss_bytes"] = peak_rss_bytes()
     results["compile"] = {
         "prefill_first_call_s": sum(e["compile_s"] for e in results["prefill"]),
         "decode_first_call_s": sum(e["compile_s"] for e in results["decode"]),
         "e2e_warmup_s": results["e2e"]["compile_s"]}
-    if not args.no_compile_probe:
-        bar.set_description("compile: first / second start")
-        try:
-            results["compile"].update(measure_compile_starts(
-                cfg.model, cfg.dtype, cfg.max_seq_len, cfg.decode_chunk))
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            results["compile"]["probe_error"] = str(e)[-500:]
-        bar.update()
-    if peer_names:
-        bar.set_description("peers")
-        run_peers(results, peer_names, resolve_model(cfg.model), sweep, cfg.decode_chunk,
-                  config.vocab_size)
-        bar.update()
-    bar.close()
-    results["env"]["loadavg_end"] = _loadavg()
-    results["targets"] = compute_targets(results)
-    results["wall_s"] = time.perf_counter() - t0
-    return results
 
 
 def run_peers(results: dict, names, path, sweep: Sweep, chunk: int, vocab: int,

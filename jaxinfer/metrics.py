@@ -335,6 +335,10 @@ def format_report(results: dict) -> str:
                    f"loadavg start {env.get('loadavg_start')} end {env.get('loadavg_end')}"
                    + (" | QUICK" if env.get("quick") else ""))
         out.append("")
+        load, cpus = (env.get("loadavg_start") or [0])[0], env.get("cpu_count") or 1
+        if load >= cpus / 2:
+            out += [f"**Noisy machine**: load average {load} on {cpus} CPUs when the run started; "
+                    "timings (peers' most of all) are not comparable.", ""]
     m = results.get("machine")
     if m:
         stat = (results.get("sweep") or {}).get("stat", "median")

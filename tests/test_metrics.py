@@ -174,7 +174,7 @@ def test_report_and_json_writer(tmp_path):
     assert loaded["decode"][1]["batch"] == 32 and loaded["sweep"]["prefill_lengths"] == [32, 512]
     md = open(paths["md"]).read()
     for piece in ("## Prefill", "## Decode", "## End to end", "## Targets", "| 512 |", "x1.50",
-                  "FAIL", "PASS", "TTFT ms (queued)"):
+                  "FAIL", "PASS", "TTFT ms (queued)", "Noisy machine"):
         assert piece in md, piece
 
 
@@ -220,3 +220,18 @@ def test_bench_parser_registers_subcommand():
     assert bench._sweep_from_args(parser.parse_args(
         ["bench", "--config", "c", "--stat", "min"])).stat == "min"
     assert bench._model_stem("/a/b/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
+
+
+def test_missing_or_unusable_peer_is_skipped_with_reason(monkeypatch, tmp_path):
+    import sys
+
+    from jaxinfer import bench
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    peer, status = bench.load_peer("llamacpp", tmp_path / "m.gguf", 1, 16)
+    assert peer is None and status["status"] == "skipped: not installed"
+    assert "llama-cpp-python" in status["detail"]
+    monkeypatch.delitem(sys.modules, "llama_cpp")
+    pytest.importorskip("llama_cpp")
+    peer, status = bench.load_peer("llamacpp", tmp_path, 1, 16)  # a folder, not a .gguf
+    assert peer is None and status["status"].startswith("skipped: failed to load")
