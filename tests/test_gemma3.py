@@ -208,10 +208,9 @@ def llm(gguf_path):
 
 @pytest.fixture(scope="module")
 def hf(gguf_path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    return model.eval(), tok
+    from conftest import load_hf_gguf
+
+    return load_hf_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")
