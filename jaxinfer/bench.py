@@ -213,9 +213,9 @@ class Runner:
         from jaxinfer.llm import LLM
 
         self.config = config
-        self.params = params
         self.chunk = chunk
         self.llm = LLM(config, params, tokenizer=None, max_seq_len=max_seq_len, decode_chunk=chunk)
+        self.params = self.llm.params
         self.dtype = self.llm.cache_dtype
         self.dtype_bytes = np.dtype(self.dtype).itemsize
 
@@ -272,10 +272,9 @@ def tile_state(state, batch: int):
 
     rep = lambda x: jnp.repeat(x[:1], batch, axis=0)
     c = state.cache
-    cache = c.replace(k_full=jnp.repeat(c.k_full[:, :1], batch, 1),
-                      v_full=jnp.repeat(c.v_full[:, :1], batch, 1),
-                      k_window=jnp.repeat(c.k_window[:, :1], batch, 1),
-                      v_window=jnp.repeat(c.v_window[:, :1], batch, 1),
+    tile = lambda bufs: tuple(rep(buf) for buf in bufs)
+    cache = c.replace(k_full=tile(c.k_full), v_full=tile(c.v_full),
+                      k_window=tile(c.k_window), v_window=tile(c.v_window),
                       window_pos=rep(c.window_pos), lengths=rep(c.lengths))
     changes = {}
     for f in dataclasses.fields(state):

@@ -1,14 +1,21 @@
 """The KV cache: an immutable pytree of fixed-size K/V buffers.
 
-Full-attention layers keep every position: `k_full`/`v_full` are
-[L_full, B, K, S, H] with S = max_seq_len, position p at index p.
+Full-attention layers keep every position: `k_full`/`v_full` hold one
+buffer per full layer, S = max_seq_len, position p at index p.
 Sliding-window layers keep only the last W = min(sliding_window, S)
-positions in a ring buffer: `k_window`/`v_window` are [L_window, B, K, W, H],
-position p lives at index p % W and `window_pos[b, i]` records which position
-index i holds (-1 when empty), which is what the sliding mask reads.
+positions in a ring buffer: `k_window`/`v_window` hold one buffer of W
+positions per sliding layer, position p lives at index p % W and
+`window_pos[b, i]` records which position index i holds (-1 when empty),
+which is what the sliding mask reads.
 
-Heads come before positions so that each layer's [B, K, S, H] block feeds
-the attention matmuls without a transpose. The cache stores K and V only, never attention weights. Writes are scatters
+Layouts: K is keys-minor [B, K, H, S] and V is [B, K, S, H]. A decode step's
+scores q.k then reduce over H with S contiguous, and its output w.v reduces
+over S with H contiguous, so both stream the buffers once without a
+transposed copy (measured on XLA:CPU, SmolLM2 at batch 32 and 512 cached
+positions: 150 ms per step against 200 ms with K as [B, K, S, H]).
+Each layer has its own buffers (a tuple, not one stacked array) because
+XLA:CPU copies a layer's slice out of a stacked array before every use.
+The cache stores K and V only, never attention weights. Writes are scatters
 at each row's own positions (`.at[...].set(mode="drop")`, i.e. XLA scatter /
 dynamic-update-slice semantics); callers donate the cache to `jax.jit` so the
 buffers are updated in place.
@@ -29,17 +36,19 @@ class KVCache:
     """K/V buffers for every layer plus per-row lengths.
 
     Attributes:
-      k_full, v_full: [L_full, B, K, S, H] for full-attention layers.
-      k_window, v_window: [L_window, B, K, W, H] ring buffers for sliding layers.
+      k_full, v_full: tuples of L_full buffers, one per full-attention layer
+        in layer order: K [B, K, H, S], V [B, K, S, H].
+      k_window, v_window: tuples of L_window ring buffers, one per
+        sliding-window layer: K [B, K, H, W], V [B, K, W, H].
       window_pos: int32 [B, W], the position stored at each ring index, -1 if none.
       lengths: int32 [B], tokens stored per row (= the next write position).
       max_seq_len: S, static capacity in tokens.
     """
 
-    k_full: jax.Array
-    v_full: jax.Array
-    k_window: jax.Array
-    v_window: jax.Array
+    k_full: tuple[jax.Array, ...]
+    v_full: tuple[jax.Array, ...]
+    k_window: tuple[jax.Array, ...]
+    v_window: tuple[jax.Array, ...]
     window_pos: jax.Array
     lengths: jax.Array
     max_seq_len: int = struct.field(pytree_node=False, default=0)
@@ -50,7 +59,8 @@ class KVCache:
 
     @property
     def window(self) -> int:
-        return self.k_window.shape[3]
+        """W, the ring size of sliding layers (0 when the model has none)."""
+        return self.window_pos.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -76,11 +86,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int,
         raise ValueError(f"batch_size and max_seq_len must be >= 1, got {batch_size}, {max_seq_len}")
     kv, hd = config.num_kv_heads, config.head_dim
     w = window_size(config, max_seq_len)
-    full = (len(config.full_layers), batch_size, kv, max_seq_len, hd)
-    ring = (len(config.sliding_layers), batch_size, kv, w, hd)
+    keys = lambda n, layers: tuple(jnp.zeros((batch_size, kv, hd, n), dtype) for _ in layers)
+    values = lambda n, layers: tuple(jnp.zeros((batch_size, kv, n, hd), dtype) for _ in layers)
     return KVCache(
-        k_full=jnp.zeros(full, dtype), v_full=jnp.zeros(full, dtype),
-        k_window=jnp.zeros(ring, dtype), v_window=jnp.zeros(ring, dtype),
+        k_full=keys(max_seq_len, config.full_layers), v_full=values(max_seq_len, config.full_layers),
+        k_window=keys(w, config.sliding_layers), v_window=values(w, config.sliding_layers),
         window_pos=jnp.full((batch_size, w), -1, jnp.int32),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         max_seq_len=max_seq_len,

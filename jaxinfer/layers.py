@@ -115,7 +115,7 @@ def attention_scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -
 
     Args:
       q: [B, T, N, H], already multiplied by the query scale.
-      k: [B, K, S, H] (heads-major, the KV-cache layout) with N % K == 0;
+      k: [B, K, H, S], keys-minor (the KV-cache layout of K), N % K == 0;
         query head n reads kv head n // (N/K).
       softcap: optional tanh soft-cap (Gemma 2): cap * tanh(s / cap).
     Returns:
@@ -124,11 +124,11 @@ def attention_scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -
     b, t, n, h = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    if t == 1:  # decode: a fused multiply-reduce streams K once, no transposed copy
-        prod = qg[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :].astype(jnp.float32)
-        scores = jnp.sum(prod, axis=-1)[:, :, :, None, :]
+    if t == 1:  # decode: a multiply-reduce over H streams K once, vectorized along S
+        prod = qg[:, 0, :, :, :, None].astype(jnp.float32) * k[:, :, None, :, :].astype(jnp.float32)
+        scores = jnp.sum(prod, axis=3)[:, :, :, None, :]
     else:
-        scores = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("BTKGH,BKHS->BKGTS", qg, k, preferred_element_type=jnp.float32)
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
     return scores

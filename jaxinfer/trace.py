@@ -179,7 +179,8 @@ class Trace:
 
 
 def _snapshot(cache) -> dict:
-    """Host copies of the cache buffers (taken before a call donates them)."""
+    """Host copies of the cache buffers (taken before a call donates them),
+    each type's per-layer buffers stacked to [L, B, K, S, H]."""
     return {name: np.array(getattr(cache, name)) for name in
             ("k_full", "v_full", "k_window", "v_window", "window_pos", "lengths")}
 
@@ -190,8 +191,8 @@ def _stack_index(config: ModelConfig, layer: int) -> int:
     return sum(1 for t in config.attention_types[:layer] if t == kind)
 
 
-# Layout knowledge lives in these helpers only: cache buffers are
-# [L, B, K, S, H] (heads-major, see jaxinfer.cache) and the engine's k/v
+# Layout knowledge lives in these helpers only: cache snapshots are
+# K [L, B, K, H, S] and V [L, B, K, S, H] (see jaxinfer.cache) and the engine's k/v
 # internals are [L, B, K, T or S, H]; the trace works in [S, K, H].
 
 
@@ -204,11 +205,11 @@ def _cache_view(config: ModelConfig, snap: dict, layer: int):
     """(k [slots, K, H], v, slot positions [slots]) of one layer, batch row 0."""
     i = _stack_index(config, layer)
     if config.attention_types[layer] == FULL_ATTENTION:
-        k, v = snap["k_full"][i, 0], snap["v_full"][i, 0]
+        k, v = snap["k_full"][i, 0].swapaxes(1, 2), snap["v_full"][i, 0]
         slots = np.arange(k.shape[1])
         pos = np.where(slots < snap["lengths"][0], slots, -1)
     else:
-        k, v = snap["k_window"][i, 0], snap["v_window"][i, 0]
+        k, v = snap["k_window"][i, 0].swapaxes(1, 2), snap["v_window"][i, 0]
         pos = snap["window_pos"][0].copy()
     return _positions_major(k), _positions_major(v), pos
 
@@ -510,8 +511,9 @@ class _Printer:
                  f"{_span(lt.changed_slots)}")
         full = lt.kind == FULL_ATTENTION
         i = _stack_index(self.t.config, lt.layer)
-        where = (f"k_full[{i}, 0, :, :{ph.length_after}] and v_full" if full
-                 else f"ring k_window[{i}, 0] and v_window")
+        n = ph.length_after
+        where = (f"k_full[{i}][0, :, :, :{n}] and v_full[{i}][0, :, :{n}]" if full
+                 else f"ring k_window[{i}][0] and v_window[{i}][0]")
         self.out(f"  layer {lt.layer} cache now ({where}):")
         empty = [s for s, p in enumerate(lt.cache_pos) if p < 0]
         for s in np.argsort(np.where(lt.cache_pos < 0, 1 << 30, lt.cache_pos), kind="stable"):

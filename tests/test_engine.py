@@ -11,7 +11,7 @@ import pytest
 
 import reference
 from jaxinfer.cache import cache_nbytes, init_cache
-from jaxinfer.engine import decode_step, layer_segments, prefill
+from jaxinfer.engine import decode_step, layer_segments, prefill, unstack_layers
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
@@ -116,8 +116,11 @@ def test_ring_buffer_holds_last_window_positions():
 def test_gemma_cache_is_window_sized():
     config = TINY_GEMMA3
     cache = init_cache(config, 2, 64)
-    assert cache.k_full.shape == (2, 2, 1, 64, 16)
-    assert cache.k_window.shape == (2, 2, 1, 4, 16)
+    assert [k.shape for k in cache.k_full] == [(2, 1, 16, 64)] * 2  # keys-minor
+    assert [v.shape for v in cache.v_full] == [(2, 1, 64, 16)] * 2
+    assert [k.shape for k in cache.k_window] == [(2, 1, 16, 4)] * 2
+    assert [v.shape for v in cache.v_window] == [(2, 1, 4, 16)] * 2
+    assert cache.window == 4
     assert cache_nbytes(config, 2, 64) == 2 * 2 * 16 * 4 * (2 * 64 + 2 * 4)
     assert cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
 
@@ -185,3 +188,28 @@ def test_stop_token_ends_row(tiny_llm):
     first = free.token_ids.index(free.token_ids[2])
     assert out.token_ids == free.token_ids[:first + 1]
     assert out.finish_reason == "stop"
+
+
+def test_unstacked_layers_give_the_same_logits(model):
+    """`unstack_layers` (per-layer weight buffers, what LLM runs) and the
+    stacked [L, ...] checkpoint form run the same math: prefill and three
+    decode steps agree within 1e-5 (XLA fuses the two forms differently, so
+    float32 summation order may differ), and the per-layer weights are the slices."""
+    config, np_params, params = model
+    unstacked = unstack_layers(params)
+    assert len(unstacked["layers"]) == config.num_layers
+    for i, layer in enumerate(unstacked["layers"]):
+        for name, w in layer.items():
+            np.testing.assert_array_equal(w, np_params["layers"][name][i])
+    assert unstack_layers(unstacked) is unstacked
+    tokens = _prompt(5, config)
+    runs = []
+    for p in (params, unstacked):
+        logits, cache = _prefill_all(p, config, tokens)
+        steps = [logits]
+        for tok in (3, 1, 4):
+            step_logits, cache = decode_step(p, cache, jnp.array([tok], jnp.int32), config=config)
+            steps.append(np.asarray(step_logits))
+        runs.append(steps)
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

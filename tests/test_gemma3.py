@@ -29,7 +29,7 @@ import pytest
 
 from jaxinfer.cache import cache_nbytes, init_cache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.engine import prefill
+from jaxinfer.engine import prefill, unstack_layers
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 
@@ -78,7 +78,8 @@ def test_gemma3_270m_cache_bytes_at_32k():
     assert ratio == sizes[jnp.bfloat16, False] / sizes[jnp.bfloat16, True]
     # the allocated cache agrees (at a small length, to keep the test light)
     cache = init_cache(c, 1, 1024, jnp.bfloat16)
-    k_and_v = sum(x.nbytes for x in (cache.k_full, cache.v_full, cache.k_window, cache.v_window))
+    k_and_v = sum(x.nbytes for bufs in (cache.k_full, cache.v_full, cache.k_window, cache.v_window)
+                  for x in bufs)
     assert k_and_v == cache_nbytes(c, 1, 1024, jnp.bfloat16) == 2 * 2 * 256 * (3 * 1024 + 15 * 512)
 
 
@@ -335,6 +336,7 @@ def test_hf_folder_matches_gguf_load(llm, hf_folder, prompts):
 
     config, params = load_hf_folder(hf_folder)
     assert config == llm.config
+    params = unstack_layers(params)  # the form LLM keeps
     flat_ours = jax.tree_util.tree_leaves_with_path(llm.params)
     flat_folder = dict(jax.tree_util.tree_leaves_with_path(params))
     assert len(flat_ours) == len(flat_folder)

@@ -246,7 +246,7 @@ def test_trace_cli_prints_the_walkthrough(yaml_for_folder, traced, capsys):
     assert "  -> greedy next token: '界' (id 5)" in lines
     assert any(line.startswith("  [OK] decode scores row == last row of full [3, 3] recompute")
                for line in lines)
-    assert "  layer 1 cache now (k_full[1, 0, :, :3] and v_full):" in lines
+    assert "  layer 1 cache now (k_full[1][0, :, :, :3] and v_full[1][0, :, :3]):" in lines
     assert "    slot(s) 3: empty (all zeros)" in lines
     assert "continuation: '世界', then '<|endoftext|>' (stop)   (generated ids [4, 5, 0])" in lines
     assert lines[-1].startswith("all ") and lines[-1].endswith(" checks passed")
