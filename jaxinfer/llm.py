@@ -134,8 +134,9 @@ class LLM:
 
     Args:
       config: ModelConfig.
-      params: params pytree (jax arrays); kept with per-layer weights
-        (`engine.unstack_layers`), the form the compiled phases run fastest on.
+      params: params pytree (jax arrays), as loaded or prepared; kept
+        prepared (`engine.prepare_params`), the layout the compiled phases
+        run fastest on.
       tokenizer: a `jaxinfer.tokenizer.Tokenizer`, or None to accept token-id
         prompts only.
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
@@ -154,7 +155,7 @@ class LLM:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
         self.config = config
-        self.params = engine.unstack_layers(params)
+        self.params = engine.prepare_params(params, config)
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
         self.decode_chunk = int(decode_chunk)

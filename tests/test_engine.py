@@ -11,7 +11,7 @@ import pytest
 
 import reference
 from jaxinfer.cache import cache_nbytes, init_cache
-from jaxinfer.engine import decode_step, layer_segments, prefill, unstack_layers
+from jaxinfer.engine import decode_step, layer_segments, prefill, prepare_params
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
@@ -190,21 +190,33 @@ def test_stop_token_ends_row(tiny_llm):
     assert out.finish_reason == "stop"
 
 
-def test_unstacked_layers_give_the_same_logits(model):
-    """`unstack_layers` (per-layer weight buffers, what LLM runs) and the
-    stacked [L, ...] checkpoint form run the same math: prefill and three
-    decode steps agree within 1e-5 (XLA fuses the two forms differently, so
-    float32 summation order may differ), and the per-layer weights are the slices."""
+def test_prepared_params_give_the_same_logits(model):
+    """`prepare_params` (per-layer buffers, fused q/k/v and gate/up, [D, V]
+    LM head: what LLM runs) and the loaded [L, ...] form run the same math:
+    prefill and three decode steps agree within 1e-5 (XLA fuses the two forms
+    differently, so float32 summation order may differ). The prepared
+    weights are exactly the loaded ones, rearranged."""
     config, np_params, params = model
-    unstacked = unstack_layers(params)
-    assert len(unstacked["layers"]) == config.num_layers
-    for i, layer in enumerate(unstacked["layers"]):
-        for name, w in layer.items():
-            np.testing.assert_array_equal(w, np_params["layers"][name][i])
-    assert unstack_layers(unstacked) is unstacked
+    prepared = prepare_params(params, config)
+    assert prepare_params(prepared, config) is prepared
+    layers = np_params["layers"]
+    n, kv, hd, f = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    assert len(prepared["layers"]) == config.num_layers
+    for i, p in enumerate(prepared["layers"]):
+        qkv = np.asarray(p["qkv_proj"])
+        d = qkv.shape[0]
+        np.testing.assert_array_equal(qkv[:, :n * hd], layers["q_proj"][i].reshape(d, -1))
+        np.testing.assert_array_equal(qkv[:, n * hd:(n + kv) * hd], layers["k_proj"][i].reshape(d, -1))
+        np.testing.assert_array_equal(qkv[:, (n + kv) * hd:], layers["v_proj"][i].reshape(d, -1))
+        np.testing.assert_array_equal(p["gate_up_proj"][:, :f], layers["gate_proj"][i])
+        np.testing.assert_array_equal(p["gate_up_proj"][:, f:], layers["up_proj"][i])
+        np.testing.assert_array_equal(p["down_proj"], layers["down_proj"][i])
+    head = np_params.get("lm_head", np.asarray(np_params["embed_tokens"]).T)
+    np.testing.assert_array_equal(prepared["lm_head"], head)
+    assert ("embed_tokens" in prepared) == ("lm_head" in np_params)
     tokens = _prompt(5, config)
     runs = []
-    for p in (params, unstacked):
+    for p in (params, prepared):
         logits, cache = _prefill_all(p, config, tokens)
         steps = [logits]
         for tok in (3, 1, 4):

@@ -29,7 +29,7 @@ import pytest
 
 from jaxinfer.cache import cache_nbytes, init_cache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.engine import prefill, unstack_layers
+from jaxinfer.engine import prefill, prepare_params
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 
@@ -336,7 +336,7 @@ def test_hf_folder_matches_gguf_load(llm, hf_folder, prompts):
 
     config, params = load_hf_folder(hf_folder)
     assert config == llm.config
-    params = unstack_layers(params)  # the form LLM keeps
+    params = prepare_params(params, config)  # the form LLM keeps
     flat_ours = jax.tree_util.tree_leaves_with_path(llm.params)
     flat_folder = dict(jax.tree_util.tree_leaves_with_path(params))
     assert len(flat_ours) == len(flat_folder)

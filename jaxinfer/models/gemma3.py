@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import gated_mlp, lm_head, output_projection, project_qkv, rms_norm
+from jaxinfer.layers import embed_rows, gated_mlp, lm_head, output_projection, project_qkv, rms_norm
 
 
 def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
     """tokens int32 [B, T] -> embeddings * sqrt(D) [B, T, D]; the scale is
     rounded to the activation dtype first, as Hugging Face does."""
-    x = jnp.take(params["embed_tokens"], tokens, axis=0)
+    x = embed_rows(params, tokens)
     return x * jnp.asarray(config.embed_scale, dtype=x.dtype)
 
 
@@ -30,7 +30,7 @@ def layer(p: dict, x: jax.Array, rope, attend, config: ModelConfig) -> jax.Array
     h = output_projection(attend(q, k, v), p["o_proj"])
     x = x + rms_norm(h, p["post_attention_layernorm"], eps)
     h = rms_norm(x, p["pre_feedforward_layernorm"], eps)
-    h = gated_mlp(h, p["gate_proj"], p["up_proj"], p["down_proj"], config.hidden_act)
+    h = gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
     return x + rms_norm(h, p["post_feedforward_layernorm"], eps)
 
 

@@ -5,15 +5,14 @@ with RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import gated_mlp, lm_head, output_projection, project_qkv, rms_norm
+from jaxinfer.layers import embed_rows, gated_mlp, lm_head, output_projection, project_qkv, rms_norm
 
 
 def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
     """tokens int32 [B, T] -> embeddings [B, T, D] in the params dtype."""
-    return jnp.take(params["embed_tokens"], tokens, axis=0)
+    return embed_rows(params, tokens)
 
 
 def layer(p: dict, x: jax.Array, rope, attend, config: ModelConfig) -> jax.Array:
@@ -22,7 +21,7 @@ def layer(p: dict, x: jax.Array, rope, attend, config: ModelConfig) -> jax.Array
     q, k, v = project_qkv(p, h, rope, config)
     x = x + output_projection(attend(q, k, v), p["o_proj"])
     h = rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps)
-    return x + gated_mlp(h, p["gate_proj"], p["up_proj"], p["down_proj"], config.hidden_act)
+    return x + gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
 
 
 def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
