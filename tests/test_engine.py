@@ -11,7 +11,8 @@ import pytest
 
 import reference
 from jaxinfer.cache import cache_nbytes, init_cache
-from jaxinfer.engine import decode_step, layer_segments, prefill, prepare_params
+from jaxinfer.engine import (MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, layer_segments,
+                             prefill, prepare_params, query_blocks)
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
@@ -48,6 +49,22 @@ def test_parallel_prefill_matches_reference(model, n):
     logits, cache = _prefill_all(params, config, tokens)
     np.testing.assert_allclose(logits, reference.forward(np_params, tokens, config), atol=ATOL, rtol=0)
     assert int(cache.lengths[0]) == n
+
+
+@pytest.mark.parametrize("n", [200, 256])
+def test_blocked_prefill_of_long_prompts_matches_reference(model, n):
+    """Prompt buckets of >= MIN_BLOCKED_PROMPT tokens attend in query blocks
+    over only the keys each block can see (window 4 on Gemma's sliding layers);
+    logits at every real position and the cache then match the reference."""
+    config, np_params, params = model
+    assert len(query_blocks(256)) == PREFILL_QUERY_BLOCKS > 1 and MIN_BLOCKED_PROMPT <= 256
+    tokens = _prompt(n, config, seed=n)
+    logits, cache = _prefill_all(params, config, tokens, bucket=256, max_seq_len=272)
+    np.testing.assert_allclose(logits, reference.forward(np_params, tokens, config), atol=ATOL, rtol=0)
+    # the cache it wrote continues the sequence like the reference
+    step, _ = decode_step(params, cache, jnp.array([7], jnp.int32), config=config)
+    expected = reference.forward(np_params, np.append(tokens, 7), config)[-1]
+    np.testing.assert_allclose(np.asarray(step)[0], expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("n", [3, 10])
