@@ -24,8 +24,8 @@ from flax import struct
 from jaxinfer import models, sampling
 from jaxinfer.cache import KVCache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.layers import (attention_output, attention_scores, masked_softmax, rope_cos_sin,
-                             rope_inv_freq)
+from jaxinfer.layers import (attention_output, attention_scores, group_heads, masked_softmax,
+                             rope_cos_sin, rope_inv_freq, ungroup_heads)
 
 
 class Segment(NamedTuple):
@@ -166,12 +166,19 @@ def _attention_with_internals(q, k, v, mask, config: ModelConfig):
       float32 before masking, "mask" bool [B, T, S], "weights" [B, K, G, T, S]}).
       Callers that do not collect internals let XLA drop them.
     """
-    scores = attention_scores(q, k, config.attn_logit_softcapping)  # [B, K, T, G, S]
-    weights = masked_softmax(scores, mask[:, None, :, None, :])
+    scores, weights, out = _grouped_attention(group_heads(q, k.shape[1]), k, v, mask, config)
     by_head = lambda a: a.swapaxes(2, 3)  # [B, K, T, G, S] -> [B, K, G, T, S]
     aux = {"q": q, "k": k.swapaxes(2, 3), "v": v, "scores": by_head(scores), "mask": mask,
            "weights": by_head(weights)}
-    return attention_output(weights, v), aux
+    return ungroup_heads(out), aux
+
+
+def _grouped_attention(qg, k, v, mask, config: ModelConfig):
+    """qg [B, K, T, G, H], k [B, K, H, S], v [B, K, S, H], mask bool [B, T, S]
+    -> (scores, weights [B, K, T, G, S], out [B, K, T, G, H])."""
+    scores = attention_scores(qg, k, config.attn_logit_softcapping)
+    weights = masked_softmax(scores, mask[:, None, :, None, :])
+    return scores, weights, attention_output(weights, v)
 
 
 # --- prefill ---------------------------------------------------------------------
@@ -225,14 +232,13 @@ def _prefill_attend(config: ModelConfig, positions: jax.Array, lengths: jax.Arra
         if len(blocks) == 1:
             out, aux = _attention_with_internals(q, keys_minor, values, masks[kind], config)
         else:
-            outs = []
+            qg, outs = group_heads(q, k.shape[2]), []
             for a, b in blocks:
                 lo = 0 if kind == FULL_ATTENTION else max(0, a - window + 1)
-                out, _ = _attention_with_internals(q[:, a:b], keys_minor[..., lo:b],
-                                                   values[:, :, lo:b], masks[kind][:, a:b, lo:b],
-                                                   config)
+                *_, out = _grouped_attention(qg[:, :, a:b], keys_minor[..., lo:b],
+                                             values[:, :, lo:b], masks[kind][:, a:b, lo:b], config)
                 outs.append(out)
-            out, aux = jnp.concatenate(outs, axis=1), None
+            out, aux = ungroup_heads(jnp.concatenate(outs, axis=2)), None
         if kind == FULL_ATTENTION:  # at position 0
             put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype),
                                                                 (0, 0, 0, 0))

@@ -110,29 +110,40 @@ def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return weights / jnp.where(total > 0, total, 1.0)
 
 
-def attention_scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -> jax.Array:
+def group_heads(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Queries [B, T, N, H] -> [B, K, T, G, H], G = N / K: query head n reads
+    kv head n // G, and the G heads of a kv head sit next to each other."""
+    b, t, n, h = q.shape
+    return q.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 1, 3, 4)
+
+
+def ungroup_heads(x: jax.Array) -> jax.Array:
+    """[B, K, T, G, H] -> [B, T, N, H], the inverse of `group_heads`."""
+    b, kv_heads, t, g, h = x.shape
+    return x.transpose(0, 2, 1, 3, 4).reshape(b, t, kv_heads * g, h)
+
+
+def attention_scores(qg: jax.Array, k: jax.Array, softcap: float | None = None) -> jax.Array:
     """Grouped-query scores q.k in float32.
 
     Args:
-      q: [B, T, N, H], already multiplied by the query scale.
-      k: [B, K, H, S], keys-minor (the KV-cache layout of K), N % K == 0;
-        query head n reads kv head n // (N/K).
+      qg: [B, K, T, G, H] grouped queries (`group_heads`), already multiplied
+        by the query scale.
+      k: [B, K, H, S], keys-minor (the KV-cache layout of K).
       softcap: optional tanh soft-cap (Gemma 2): cap * tanh(s / cap).
     Returns:
-      [B, K, T, G, S] float32: the G query heads of a kv head sit next to
-      each other, so prefill is one [T*G, H] x [H, S] matmul per kv head
-      (3x faster than a [B, K, G, T, S] result for SmolLM2 at T = 512 on
-      XLA:CPU, where that layout cost transposes around the softmax).
+      [B, K, T, G, S] float32. With this layout a prompt's scores are one
+      [T*G, H] x [H, S] matmul per kv head (3x faster than a [B, K, G, T, S]
+      result for SmolLM2 at T = 512 on XLA:CPU, where that layout cost
+      transposes around the softmax).
     """
-    b, t, n, h = q.shape
-    kv_heads = k.shape[1]
-    g = n // kv_heads
+    b, kv_heads, t, g, h = qg.shape
     if t == 1:  # decode: a multiply-reduce over H streams K once, vectorized along S
-        qg = q.reshape(b, kv_heads, g, h, 1).astype(jnp.float32)
-        scores = jnp.sum(qg * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]
+        q1 = qg.reshape(b, kv_heads, g, h, 1).astype(jnp.float32)
+        scores = jnp.sum(q1 * k[:, :, None].astype(jnp.float32), axis=3)[:, :, None]
     else:
-        qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * g, h)
-        scores = jnp.einsum("BKMH,BKHS->BKMS", qg, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("BKMH,BKHS->BKMS", qg.reshape(b, kv_heads, t * g, h), k,
+                            preferred_element_type=jnp.float32)
         scores = scores.reshape(b, kv_heads, t, g, -1)
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
@@ -140,14 +151,14 @@ def attention_scores(q: jax.Array, k: jax.Array, softcap: float | None = None) -
 
 
 def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
-    """weights [B, K, T, G, S] x v [B, K, S, H] -> [B, T, N, H] in v.dtype."""
+    """weights [B, K, T, G, S] x v [B, K, S, H] -> grouped [B, K, T, G, H] in v.dtype."""
     b, kv_heads, t, g, s = weights.shape
     h = v.shape[-1]
     if t == 1:  # decode: fused multiply-reduce over S, vectorized along H
         prod = weights[:, :, 0, :, :, None] * v[:, :, None].astype(jnp.float32)
-        return jnp.sum(prod, axis=3).astype(v.dtype).reshape(b, 1, kv_heads * g, h)
+        return jnp.sum(prod, axis=3).astype(v.dtype).reshape(b, kv_heads, 1, g, h)
     out = jnp.einsum("BKMS,BKSH->BKMH", weights.reshape(b, kv_heads, t * g, s).astype(v.dtype), v)
-    return out.reshape(b, kv_heads, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, kv_heads * g, h)
+    return out.reshape(b, kv_heads, t, g, h)
 
 
 # --- MLP -----------------------------------------------------------------------
