@@ -944,7 +944,7 @@ def print_targets(targets: Sequence[dict], file=None) -> None:
     file = file or sys.stdout
     for t in targets:
         verdict = "n/a " if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        value = "not measured" if t["value"] is None else f"{t['value']:.3g}"
+        value = "not measured" if t["value"] is None else f"{t['value']:.4g}"
         print(f"[target] {verdict} {t['name']}: {value} (goal {t['op']} {t['goal']:g})", file=file)
 
 

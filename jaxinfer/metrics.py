@@ -410,7 +410,7 @@ def format_report(results: dict) -> str:
     if results.get("targets"):
         out += ["## Targets", ""]
         header = ["target", "measured", "goal", "result"]
-        rows = [[t["name"], _fmt(t.get("value"), ".3g"), f"{t['op']} {t['goal']:g}",
+        rows = [[t["name"], _fmt(t.get("value"), ".4g"), f"{t['op']} {t['goal']:g}",
                  "n/a" if t.get("passed") is None else ("PASS" if t["passed"] else "FAIL")]
                 for t in results["targets"]]
         out += [_md_table(header, rows), ""]
