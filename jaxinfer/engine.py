@@ -132,27 +132,24 @@ def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
     ropes = _rope_tables(config, positions)
     buffers = {FULL_ATTENTION: (list(cache.k_full), list(cache.v_full)),
                SLIDING_ATTENTION: (list(cache.k_window), list(cache.v_window))}
-    seen = {FULL_ATTENTION: 0, SLIDING_ATTENTION: 0}
-    layer_aux = []
-    for i, kind in enumerate(config.attention_types):
-        j = seen[kind]
-        seen[kind] += 1
-        k_bufs, v_bufs = buffers[kind]
-        written = {}
+    internals = []
+    for seg in layer_segments(config):
+        k_bufs, v_bufs = buffers[seg.kind]
+        seg_aux = []
+        for i in range(seg.start, seg.stop):
+            j = seg.cache_start + i - seg.start  # the layer's index among its type's buffers
 
-        def attend(q, k, v, kind=kind, j=j, k_bufs=k_bufs, v_bufs=v_bufs):
-            out, k_bufs[j], v_bufs[j], written["aux"] = attend_fn(kind, q, k, v, k_bufs[j], v_bufs[j])
-            return out
+            def attend(q, k, v, kind=seg.kind, j=j, k_bufs=k_bufs, v_bufs=v_bufs, seg_aux=seg_aux):
+                out, k_bufs[j], v_bufs[j], aux = attend_fn(kind, q, k, v, k_bufs[j], v_bufs[j])
+                seg_aux.append(aux)
+                return out
 
-        x = family.layer(params["layers"][i], x, ropes[kind], attend, config)
-        layer_aux.append(written["aux"] if collect else None)
-    internals = ()
-    if collect:
-        stack = lambda *xs: jnp.stack(xs)
-        internals = tuple(jax.tree_util.tree_map(stack, *layer_aux[seg.start:seg.stop])
-                          for seg in layer_segments(config))
+            x = family.layer(params["layers"][i], x, ropes[seg.kind], attend, config)
+        if collect:
+            internals.append(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *seg_aux))
     full, sliding = buffers[FULL_ATTENTION], buffers[SLIDING_ATTENTION]
-    return x, (tuple(full[0]), tuple(full[1]), tuple(sliding[0]), tuple(sliding[1])), internals
+    return (x, (tuple(full[0]), tuple(full[1]), tuple(sliding[0]), tuple(sliding[1])),
+            tuple(internals))
 
 
 def _attention_with_internals(q, k, v, mask, config: ModelConfig):
