@@ -315,20 +315,15 @@ def measure_prefill(runner: Runner, batch: int, length: int, sweep: Sweep, machi
     return row
 
 
-def decode_cache_len(context: int, steps: int, chunk: int) -> int:
-    """Smallest power of two holding the prompt, the first token, a warm-up
-    chunk and the timed steps."""
-    need = context + 1 + chunk + steps
-    return 1 << (need - 1).bit_length()
-
-
 def measure_decode(runner: Runner, batch: int, sweep: Sweep, machine: dict,
                    cache_len: Optional[int] = None) -> dict:
     """TPOT at `batch` rows after a `sweep.decode_context`-token prompt: one
     warm-up chunk (compiles), then `decode_steps / chunk` timed chunks."""
     ctx, chunk = sweep.decode_context, runner.chunk
     n_chunks = max(1, sweep.decode_steps // chunk)
-    cache_len = cache_len or decode_cache_len(ctx, n_chunks * chunk, chunk)
+    # the cache bucket `LLM.generate` runs these chunks in: it covers the
+    # prompt, the warm-up chunk and the timed chunks
+    cache_len = cache_len or runner.llm.cache_bucket(ctx + chunk * (n_chunks + 1))
     budget = 2 + chunk * (n_chunks + 1)
     tokens = random_prompts(runner.config.vocab_size, 1, ctx, seed=ctx)
     _, _, state = runner.start(tokens, cache_len, budget)
@@ -421,7 +416,8 @@ def compile_probe(source: str, dtype: str, max_seq_len: int, prompt_len: int, ch
     load_s = time.perf_counter() - t0
     runner = Runner(llm.config, llm.params, chunk=chunk, max_seq_len=max_seq_len)
     tokens = random_prompts(llm.config.vocab_size, 1, prompt_len)
-    _, prefill_c, state = runner.start(tokens, max_seq_len, budget=2 * chunk + 1)
+    cache_len = llm.cache_bucket(prompt_len + chunk)  # as `LLM.generate` sizes it
+    _, prefill_c, state = runner.start(tokens, cache_len, budget=2 * chunk + 1)
     _, decode_c, _ = runner.chunk_step(state)
     return {"load_s": load_s, "prefill_compile_s": prefill_c, "decode_compile_s": decode_c,
             "compile_s": prefill_c + decode_c}
@@ -973,7 +969,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context", type=int, help="prompt tokens before decode timing")
     p.add_argument("--decode-steps", type=int, help="timed decode steps per batch size")
     p.add_argument("--decode-cache-len", type=int,
-                   help="KV-cache length for decode cells (default: smallest power of two that fits)")
+                   help="KV-cache length for decode cells (default: the cache bucket LLM.generate "
+                        "would use, `LLM.cache_bucket`)")
     p.add_argument("--repeats", type=int, help="timed repetitions per prefill cell")
     p.add_argument("--stat", choices=("median", "min"),
                    help="headline statistic of repeated timings (default median; min is "

@@ -23,6 +23,8 @@ buffers are updated in place.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,35 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int,
         lengths=jnp.zeros((batch_size,), jnp.int32),
         max_seq_len=max_seq_len,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_seq_len"))
+def grow_cache(cache: KVCache, config: ModelConfig, max_seq_len: int) -> KVCache:
+    """The same cache with capacity `max_seq_len` >= cache.max_seq_len.
+
+    Full-attention buffers are zero-padded along S; ring buffers grow to
+    W' = window_size(config, max_seq_len), with the new ring indices empty
+    (window_pos -1). Ring contents keep their indices: a ring only grows
+    while W = S < sliding_window, and then every stored position p < S sits
+    at index p = p % W'. Lengths are unchanged.
+
+    Serving grows a cache from bucket to bucket as rows get longer, so a
+    decode step attends over a buffer sized to the context, not the capacity.
+
+    Raises:
+      ValueError: max_seq_len < cache.max_seq_len.
+    """
+    if max_seq_len < cache.max_seq_len:
+        raise ValueError(f"cannot shrink a cache from {cache.max_seq_len} to {max_seq_len} positions")
+    w = window_size(config, max_seq_len)
+    grow = lambda bufs, axis, n: tuple(
+        jnp.pad(x, [(0, n - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
+        for x in bufs)
+    return cache.replace(
+        k_full=grow(cache.k_full, 3, max_seq_len), v_full=grow(cache.v_full, 2, max_seq_len),
+        k_window=grow(cache.k_window, 3, w), v_window=grow(cache.v_window, 2, w),
+        window_pos=jnp.pad(cache.window_pos, [(0, 0), (0, w - cache.window)], constant_values=-1),
+        max_seq_len=max_seq_len)
 
 
 def cache_nbytes(config: ModelConfig, batch_size: int, max_seq_len: int,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer.cache import cache_nbytes, init_cache
+from jaxinfer.cache import cache_nbytes, grow_cache, init_cache
 from jaxinfer.engine import (MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, layer_segments,
                              prefill, prepare_params, query_blocks)
-from jaxinfer.llm import LLM
+from jaxinfer.llm import LLM, cache_buckets
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
@@ -93,7 +93,7 @@ def test_cached_greedy_equals_recompute(model, n):
     # 12 decode steps with window 4 cross the Gemma ring buffer several times.
     config, np_params, params = model
     prompt = _prompt(n, config, seed=n)
-    # attended-cache buckets 8, 16, 32: decode chunks switch buckets as the context grows
+    # cache buckets 8, 12, 16, 24, 32: the cache grows between decode chunks as the context grows
     llm = LLM(config, params, max_seq_len=32, decode_chunk=5, min_kv_bucket=8)
     [out] = llm.generate([prompt.tolist()], GREEDY, max_new_tokens=13)
     assert out.token_ids == _greedy_recompute(np_params, config, prompt.tolist(), 13)
@@ -140,6 +140,38 @@ def test_gemma_cache_is_window_sized():
     assert cache.window == 4
     assert cache_nbytes(config, 2, 64) == 2 * 2 * 16 * 4 * (2 * 64 + 2 * 4)
     assert cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
+
+
+def test_grown_cache_decodes_like_the_reference(model):
+    """A 3-position cache (Gemma's ring is then 3 < window 4) filled by
+    prefill, grown to 16 positions (ring to 4), then 6 decode steps: each
+    step's logits match the full recompute."""
+    config, np_params, params = model
+    seq = _prompt(3, config, seed=5).tolist()
+    _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3)
+    cache = grow_cache(cache, config, 16)
+    assert cache.max_seq_len == 16 and [k.shape[3] for k in cache.k_full] == [16] * len(cache.k_full)
+    assert cache.window == (4 if config.sliding_layers else 0)
+    for step in range(6):
+        token = (7 * step + 1) % config.vocab_size
+        logits, cache = decode_step(params, cache, jnp.array([token], jnp.int32), config=config)
+        seq.append(token)
+        np.testing.assert_allclose(np.asarray(logits)[0], reference.forward(np_params, seq, config)[-1],
+                                   atol=ATOL, rtol=0)
+    assert int(cache.lengths[0]) == 9
+
+
+def test_grow_cache_refuses_to_shrink():
+    cache = init_cache(TINY_LLAMA, 1, 16)
+    with pytest.raises(ValueError, match="cannot shrink a cache from 16 to 8 positions"):
+        grow_cache(cache, TINY_LLAMA, 8)
+
+
+def test_cache_buckets_two_per_doubling():
+    assert cache_buckets(256, 2048) == (256, 384, 512, 768, 1024, 1536, 2048)
+    assert cache_buckets(8, 32) == (8, 12, 16, 24, 32)
+    assert cache_buckets(256, 300) == (256, 300)
+    assert cache_buckets(64, 64) == (64,)
 
 
 def test_layer_segments_follow_pattern():

@@ -212,7 +212,6 @@ def test_bench_parser_registers_subcommand():
     assert args.func is bench.cmd_bench and args.quick and args.overrides == ["max_seq_len=256"]
     sweep = bench._sweep_from_args(args)
     assert sweep.decode_batches == (1, 2) and sweep.prefill_lengths == bench.QUICK.prefill_lengths
-    assert bench.decode_cache_len(128, 32, 16) == 256
     assert bench.headline([3.0, 1.0, 2.0, 10.0], "median") == 2.5
     assert bench.headline([3.0, 1.0, 2.0, 10.0], "min") == 1.0
     with pytest.raises(ValueError):
