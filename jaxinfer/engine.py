@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxinfer import models, sampling
@@ -53,8 +54,9 @@ def layer_segments(config: ModelConfig) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-def _rope_tables(config: ModelConfig, positions: jax.Array) -> dict:
-    """(cos, sin) per attention type for integer positions [B, T]."""
+def _rope_tables(config: ModelConfig, positions) -> dict:
+    """(cos, sin) per attention type for integer positions [B, T] (a jax or,
+    when known at trace time, a numpy array: see `rope_cos_sin`)."""
     local_theta = config.rope_local_theta or config.rope_theta
     return {
         FULL_ATTENTION: rope_cos_sin(positions, rope_inv_freq(config, config.rope_theta)),
@@ -116,7 +118,7 @@ def prepare_params(params: dict, config: ModelConfig) -> dict:
 
 
 def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
-                positions: jax.Array, attend_fn: Attend, collect: bool = False):
+                positions, attend_fn: Attend, collect: bool = False):
     """Run every layer over x [B, T, D], unrolled, each on its own K/V buffers.
 
     Each layer writes its new K/V into its own buffers once (`attend_fn`);
@@ -284,7 +286,9 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     family = models.family(config.arch)
     x = family.embed(params, tokens, config)
     attend = _prefill_attend(config, positions, lengths, collect)
-    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend, collect)
+    rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
+    x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, rope_positions, attend,
+                                                 collect)
     slots = _ring_slots(positions, lengths, cache.window)
     window_pos = jnp.full_like(cache.window_pos, -1).at[jnp.arange(b)[:, None], slots].set(
         positions, mode="drop")

@@ -73,10 +73,18 @@ def rope_inv_freq(config: ModelConfig, theta: float) -> np.ndarray:
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [B, T, H] float32 for integer positions [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    """cos and sin tables [B, T, H] float32 for integer positions [B, T].
+
+    Positions given as a numpy array (known when tracing, as in prefill) give
+    numpy tables, which enter the compiled program as constants: XLA:CPU
+    otherwise fuses cos and sin into every consumer and evaluates them once
+    per rotated element, N + K times per table entry in every layer (~30 ms
+    of a 0.73 s SmolLM2 prefill at T = 512).
+    """
+    xp = np if isinstance(positions, np.ndarray) else jnp
+    angles = positions.astype(np.float32)[..., None] * inv_freq.astype(np.float32)
+    angles = xp.concatenate([angles, angles], axis=-1)
+    return xp.cos(angles), xp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
