@@ -370,7 +370,8 @@ class LLM:
             state = state.replace(done=state.done | _host_done(rows, state.done.shape[0]))
             cache_len = self._cache_len(rows)
             if cache_len > state.cache.max_seq_len:
-                state = state.replace(cache=grow_cache(state.cache, self.config, cache_len))
+                state = state.replace(cache=self.programs(grow_cache, state.cache, config=self.config,
+                                                          max_seq_len=cache_len))
             state, out = self.programs(engine.decode_chunk, self.params, state, config=self.config,
                                        num_steps=self.decode_chunk, num_logprobs=num_logprobs)
             stats.decode_steps += self.decode_chunk
