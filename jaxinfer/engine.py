@@ -303,19 +303,19 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
 # --- decode ------------------------------------------------------------------------
 
 
-def _decode_attend(config: ModelConfig, cache: KVCache, window_pos: jax.Array, active: jax.Array,
-                   kv_len: int | None) -> Attend:
+def _decode_attend(config: ModelConfig, cache: KVCache, window_pos: jax.Array,
+                   active: jax.Array) -> Attend:
     """Each row's new K/V is first written at its position (ring index
     pos % W on sliding layers; inactive rows write nothing), then its query
-    attends [1, t] over the layer's buffer, which now holds its own key too.
-    Full layers read only the first `kv_len` cache positions (all when None).
-    `window_pos` is the ring bookkeeping after this step's write."""
+    attends [1, t] over the layer's whole buffer, which now holds its own key
+    too (`LLM` sizes the cache to the context by bucket; slicing a larger
+    buffer here would copy it on XLA:CPU). `window_pos` is the ring
+    bookkeeping after this step's write."""
     pos = cache.lengths
     rows = jnp.arange(pos.shape[0])
     full_size, ring_size = cache.max_seq_len, cache.window
-    read_len = {FULL_ATTENTION: kv_len or full_size, SLIDING_ATTENTION: ring_size}
     masks = {  # bool [B, 1, S]: visible cache entries, the new one included
-        FULL_ATTENTION: jnp.arange(read_len[FULL_ATTENTION])[None, :] <= pos[:, None],
+        FULL_ATTENTION: jnp.arange(full_size)[None, :] <= pos[:, None],
         SLIDING_ATTENTION: (window_pos >= 0) & (window_pos <= pos[:, None]) & (
             pos[:, None] - window_pos < (config.sliding_window or 1)),
     }
@@ -327,19 +327,15 @@ def _decode_attend(config: ModelConfig, cache: KVCache, window_pos: jax.Array, a
         slot = slots[kind]
         k_buf = k_buf.at[rows, :, :, slot].set(k[:, 0].astype(k_buf.dtype), mode="drop")
         v_buf = v_buf.at[rows, :, slot].set(v[:, 0].astype(v_buf.dtype), mode="drop")
-        n = read_len[kind]
-        k_read, v_read = (k_buf, v_buf) if n == v_buf.shape[2] else (
-            k_buf[..., :n], v_buf[:, :, :n])
-        out, aux = _attention_with_internals(q, k_read, v_read, masks[kind][:, None, :], config)
+        out, aux = _attention_with_internals(q, k_buf, v_buf, masks[kind][:, None, :], config)
         return out, k_buf, v_buf, aux
 
     return attend
 
 
-@functools.partial(jax.jit, static_argnames=("config", "collect", "kv_len"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "collect"), donate_argnames=("cache",))
 def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Array | None = None,
-                *, config: ModelConfig, collect: bool = False, kv_len: int | None = None):
+                *, config: ModelConfig, collect: bool = False):
     """Append one token per row and return the next-token logits.
 
     Each layer computes q/k/v for the new token only, writes k/v at position
@@ -353,10 +349,6 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
         length (finished rows in a batch), their logits are meaningless.
       config: static ModelConfig.
       collect: also return per-layer attention internals (see `prefill`).
-      kv_len: static; full-attention layers attend over cache positions
-        [0, kv_len) only, so per-step work follows the context rather than
-        max_seq_len. Every active row must satisfy lengths < kv_len (checked
-        by the host caller, `LLM`); None reads the whole buffer.
     Returns:
       (logits float32 [B, V], cache with lengths + active), plus internals
       with collect=True.
@@ -371,7 +363,7 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
     window = cache.window
     ring_slot = jnp.where(active, cache.lengths % max(window, 1), window)
     window_pos = cache.window_pos.at[rows, ring_slot].set(cache.lengths, mode="drop")
-    attend = _decode_attend(config, cache, window_pos, active, kv_len)
+    attend = _decode_attend(config, cache, window_pos, active)
     x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend, collect)
     cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw, window_pos=window_pos,
                           lengths=cache.lengths + active.astype(jnp.int32))
@@ -472,15 +464,15 @@ def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     return _sample_step(logits, state, num_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs", "kv_len"),
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs"),
                    donate_argnames=("state",))
 def decode_chunk(params: dict, state: DecodeState, *, config: ModelConfig, num_steps: int,
-                 num_logprobs: int = -1, kv_len: int | None = None
-                 ) -> tuple[DecodeState, StepOutput]:
+                 num_logprobs: int = -1) -> tuple[DecodeState, StepOutput]:
     """Run `num_steps` decode steps on device with `jax.lax.scan`, sampling
     inside the loop. Finished rows stop advancing (their positions freeze and
-    they write nothing); their outputs are -1. `kv_len` as in `decode_step`:
-    every active row needs lengths + num_steps <= kv_len.
+    they write nothing); their outputs are -1. Every active row needs
+    lengths + num_steps <= cache.max_seq_len (the caller checks; `LLM` grows
+    the cache by bucket before each chunk).
 
     Returns:
       (state, StepOutput with [num_steps, B] leaves).
@@ -489,8 +481,7 @@ def decode_chunk(params: dict, state: DecodeState, *, config: ModelConfig, num_s
     params = prepare_params(params, config)
 
     def step(state, _):
-        logits, cache = decode_step(params, state.cache, state.tokens, ~state.done, config=config,
-                                    kv_len=kv_len)
+        logits, cache = decode_step(params, state.cache, state.tokens, ~state.done, config=config)
         return _sample_step(logits, state.replace(cache=cache), num_logprobs)
 
     return jax.lax.scan(step, state, None, length=num_steps)
