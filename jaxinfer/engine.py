@@ -54,7 +54,7 @@ def layer_segments(config: ModelConfig) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-def _rope_tables(config: ModelConfig, positions) -> dict:
+def _rope_tables(config: ModelConfig, positions: jax.Array | np.ndarray) -> dict:
     """(cos, sin) per attention type for integer positions [B, T] (a jax or,
     when known at trace time, a numpy array: see `rope_cos_sin`)."""
     local_theta = config.rope_local_theta or config.rope_theta
@@ -118,7 +118,7 @@ def prepare_params(params: dict, config: ModelConfig) -> dict:
 
 
 def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
-                positions, attend_fn: Attend, collect: bool = False):
+                positions: jax.Array | np.ndarray, attend_fn: Attend, collect: bool = False):
     """Run every layer over x [B, T, D], unrolled, each on its own K/V buffers.
 
     Each layer writes its new K/V into its own buffers once (`attend_fn`);

@@ -72,7 +72,7 @@ def rope_inv_freq(config: ModelConfig, theta: float) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(positions: jax.Array | np.ndarray, inv_freq: np.ndarray) -> tuple:
     """cos and sin tables [B, T, H] float32 for integer positions [B, T].
 
     Positions given as a numpy array (known when tracing, as in prefill) give
