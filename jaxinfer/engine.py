@@ -282,11 +282,11 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     """
     params = prepare_params(params, config)
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
+    positions = jnp.broadcast_to(rope_positions, (b, t))
     family = models.family(config.arch)
     x = family.embed(params, tokens, config)
     attend = _prefill_attend(config, positions, lengths, collect)
-    rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
     x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, rope_positions, attend,
                                                  collect)
     slots = _ring_slots(positions, lengths, cache.window)
@@ -314,7 +314,7 @@ def _decode_attend(config: ModelConfig, cache: KVCache, window_pos: jax.Array,
     pos = cache.lengths
     rows = jnp.arange(pos.shape[0])
     full_size, ring_size = cache.max_seq_len, cache.window
-    masks = {  # bool [B, 1, S]: visible cache entries, the new one included
+    masks = {  # bool [B, S]: visible cache entries, the new one included
         FULL_ATTENTION: jnp.arange(full_size)[None, :] <= pos[:, None],
         SLIDING_ATTENTION: (window_pos >= 0) & (window_pos <= pos[:, None]) & (
             pos[:, None] - window_pos < (config.sliding_window or 1)),

@@ -241,16 +241,11 @@ def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
 def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Logits float32 [..., V] from final-normed hidden states [..., D].
 
-    Uses `lm_head` [D, V] when present (untied models, and every prepared
-    params), else the embedding matrix [V, D] (tied), and applies
-    `final_logit_softcapping` when set.
+    Reads the [D, V] `lm_head` of prepared params (`engine.prepare_params`,
+    which gives tied models one too) and applies `final_logit_softcapping`
+    when set.
     """
-    if "lm_head" in params:
-        logits = jnp.einsum("...D,DV->...V", h, params["lm_head"],
-                            preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("...D,VD->...V", h, params["embed_tokens"],
-                            preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...D,DV->...V", h, params["lm_head"], preferred_element_type=jnp.float32)
     cap = config.final_logit_softcapping
     if cap:
         logits = cap * jnp.tanh(logits / cap)
