@@ -51,7 +51,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxinfer import metrics
+from jaxinfer import cpu_kernels, metrics
 
 # --- sweep sizes ------------------------------------------------------------------------
 
@@ -774,7 +774,8 @@ def _env(quick: bool) -> dict:
             "jax_version": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
-            "processor": platform.processor(), "loadavg_start": _loadavg()}
+            "processor": platform.processor(), "loadavg_start": _loadavg(),
+            "cpu_kernels": cpu_kernels.enabled()}
 
 
 def _loadavg1() -> Optional[float]:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer import models, sampling
+from jaxinfer import cpu_kernels, models, sampling
 from jaxinfer.cache import KVCache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.layers import (attention_output, attention_scores, group_heads, masked_softmax,
@@ -71,7 +71,7 @@ def _rope_tables(config: ModelConfig, positions: jax.Array | np.ndarray) -> dict
 Attend = Callable
 
 
-def prepare_params(params: dict, config: ModelConfig) -> dict:
+def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None) -> dict:
     """The params in the layout the compiled phases run on ("prepared").
 
     Checkpoints load with stacked [L, ...] layer weights (see
@@ -84,6 +84,13 @@ def prepare_params(params: dict, config: ModelConfig) -> dict:
         [(N + 2K) * H] when the model has attention biases;
       lm_head: [D, V]; a tied model keeps only this (its embedding rows are
         read as columns of it), an untied one also keeps embed_tokens [V, D].
+
+    With `pack` (default: where `cpu_kernels.enabled()` and the weights
+    are float32), the four projections and the LM head become
+    `cpu_kernels.PackedWeight` column panels (o_proj as [N*H, D]) for
+    `cpu_kernels.packed_matmul`. The jitted phases prepare raw params
+    without packing, so they stay differentiable (the toy trainer
+    differentiates `prefill`; FFI calls have no gradient).
 
     Why, measured on XLA:CPU with SmolLM2-135M shapes at batch 1: separate
     per-layer buffers 8.6 ms vs 10.3 ms scanning a stack (slicing a stack
@@ -114,7 +121,25 @@ def prepare_params(params: dict, config: ModelConfig) -> dict:
     out["layers"] = tuple(per_layer)
     if "lm_head" not in out:  # tied: the one [V, D] table becomes the [D, V] head
         out["lm_head"] = out.pop("embed_tokens").T
+    if pack is None:
+        pack = out["lm_head"].dtype == jnp.float32 and cpu_kernels.enabled()
+    if pack:
+        out = _pack_matmul_weights(out)
     return out
+
+
+def _pack_matmul_weights(params: dict) -> dict:
+    """Prepared params with every matmul weight as a `cpu_kernels.PackedWeight`."""
+    def pack(p):
+        p = dict(p, o_proj=p["o_proj"].reshape(-1, p["o_proj"].shape[-1]))
+        return {name: cpu_kernels.pack_weight(w) if name in _MATMUL_WEIGHTS else w
+                for name, w in p.items()}
+
+    return dict(params, layers=tuple(pack(p) for p in params["layers"]),
+                lm_head=cpu_kernels.pack_weight(params["lm_head"]))
+
+
+_MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
@@ -280,7 +305,7 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     Bounds are not checked inside jit: the host-side `generation` module
     validates lengths and ids before calling.
     """
-    params = prepare_params(params, config)
+    params = prepare_params(params, config, pack=False)
     b, t = tokens.shape
     rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
     positions = jnp.broadcast_to(rope_positions, (b, t))
@@ -304,13 +329,15 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
 
 
 def _decode_attend(config: ModelConfig, cache: KVCache, window_pos: jax.Array,
-                   active: jax.Array) -> Attend:
+                   active: jax.Array, collect: bool) -> Attend:
     """Each row's new K/V is first written at its position (ring index
     pos % W on sliding layers; inactive rows write nothing), then its query
     attends [1, t] over the layer's whole buffer, which now holds its own key
     too (`LLM` sizes the cache to the context by bucket; slicing a larger
     buffer here would copy it on XLA:CPU). `window_pos` is the ring
-    bookkeeping after this step's write."""
+    bookkeeping after this step's write. On CPU the attention itself runs in
+    `cpu_kernels.decode_attention` where it applies (float32 K/V, no
+    soft-cap, internals not collected)."""
     pos = cache.lengths
     rows = jnp.arange(pos.shape[0])
     full_size, ring_size = cache.max_seq_len, cache.window
@@ -321,12 +348,17 @@ def _decode_attend(config: ModelConfig, cache: KVCache, window_pos: jax.Array,
     }
     slots = {FULL_ATTENTION: jnp.where(active, pos, full_size),
              SLIDING_ATTENTION: jnp.where(active, pos % max(ring_size, 1), ring_size)}
+    use_kernel = not collect and not config.attn_logit_softcapping and cpu_kernels.enabled()
 
     def attend(kind, q, k, v, k_buf, v_buf):
         # advanced indices (rows, slots) broadcast to [B] and go first; values [B, K, H]
         slot = slots[kind]
         k_buf = k_buf.at[rows, :, :, slot].set(k[:, 0].astype(k_buf.dtype), mode="drop")
         v_buf = v_buf.at[rows, :, slot].set(v[:, 0].astype(v_buf.dtype), mode="drop")
+        if use_kernel and q.dtype == k_buf.dtype == v_buf.dtype == jnp.float32:
+            qg = group_heads(q, k_buf.shape[1])[:, :, 0]
+            out = cpu_kernels.decode_attention(qg, k_buf, v_buf, masks[kind])
+            return ungroup_heads(out[:, :, None]), k_buf, v_buf, None
         out, aux = _attention_with_internals(q, k_buf, v_buf, masks[kind][:, None, :], config)
         return out, k_buf, v_buf, aux
 
@@ -353,7 +385,7 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
       (logits float32 [B, V], cache with lengths + active), plus internals
       with collect=True.
     """
-    params = prepare_params(params, config)
+    params = prepare_params(params, config, pack=False)
     if active is None:
         active = jnp.ones(tokens.shape, bool)
     rows = jnp.arange(tokens.shape[0])
@@ -363,7 +395,7 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
     window = cache.window
     ring_slot = jnp.where(active, cache.lengths % max(window, 1), window)
     window_pos = cache.window_pos.at[rows, ring_slot].set(cache.lengths, mode="drop")
-    attend = _decode_attend(config, cache, window_pos, active)
+    attend = _decode_attend(config, cache, window_pos, active, collect)
     x, (kf, vf, kw, vw), internals = _run_layers(params, x, cache, config, positions, attend, collect)
     cache = cache.replace(k_full=kf, v_full=vf, k_window=kw, v_window=vw, window_pos=window_pos,
                           lengths=cache.lengths + active.astype(jnp.int32))
@@ -452,7 +484,7 @@ def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     Returns:
       (DecodeState, StepOutput with [B] leaves).
     """
-    params = prepare_params(params, config)
+    params = prepare_params(params, config, pack=False)
     logits, cache = prefill(params, cache, tokens, lengths, config=config)
     b = tokens.shape[0]
     in_prompt = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
@@ -478,7 +510,7 @@ def decode_chunk(params: dict, state: DecodeState, *, config: ModelConfig, num_s
       (state, StepOutput with [num_steps, B] leaves).
     """
 
-    params = prepare_params(params, config)
+    params = prepare_params(params, config, pack=False)
 
     def step(state, _):
         logits, cache = decode_step(params, state.cache, state.tokens, ~state.done, config=config)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.cpu_kernels import PackedWeight, packed_matmul, take_columns
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -169,6 +170,17 @@ def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(b, kv_heads, t, g, h)
 
 
+# --- Matmul ---------------------------------------------------------------------
+
+
+def matmul(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N]; a `PackedWeight` (float32 on CPU,
+    see `engine.prepare_params`) goes through `cpu_kernels.packed_matmul`."""
+    if isinstance(w, PackedWeight):
+        return packed_matmul(x, w)
+    return jnp.einsum("...K,KN->...N", x, w)
+
+
 # --- MLP -----------------------------------------------------------------------
 
 
@@ -178,16 +190,16 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
 
     Args:
       x: [B, T, D]; gate_up: [D, 2F], gate columns then up columns (one
-        matmul for both); down: [F, D].
+        matmul for both); down: [F, D]. Either may be a `PackedWeight`.
     """
     f = down.shape[0]
-    gu = jnp.einsum("BTD,DF->BTF", x, gate_up)
+    gu = matmul(x, gate_up)
     g, u = gu[..., :f], gu[..., f:]
     if activation == "silu":
         act = jax.nn.silu(g)
     else:
         act = jax.nn.gelu(g, approximate=True)
-    return jnp.einsum("BTF,FD->BTD", act * u, down)
+    return matmul(act * u, down)
 
 
 # --- Q/K/V -----------------------------------------------------------------------
@@ -209,7 +221,7 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     """
     b, t, _ = h.shape
     n, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = jnp.einsum("BTD,DE->BTE", h, p["qkv_proj"])
+    qkv = matmul(h, p["qkv_proj"])
     if config.attention_bias:
         qkv = qkv + p["qkv_bias"]
     q = qkv[..., :n * hd].reshape(b, t, n, hd)
@@ -223,10 +235,13 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     return (q * jnp.asarray(config.query_scale, q.dtype)), k, v
 
 
-def output_projection(attn: jax.Array, o_proj: jax.Array) -> jax.Array:
-    """[B, T, N, H] x [N, H, D] -> [B, T, D] as one 2-D matmul over N*H."""
+def output_projection(attn: jax.Array, o_proj: jax.Array | PackedWeight) -> jax.Array:
+    """[B, T, N, H] x [N, H, D] -> [B, T, D] as one 2-D matmul over N*H (a
+    packed o_proj is already [N*H, D])."""
     b, t, n, hd = attn.shape
-    return jnp.einsum("BTE,ED->BTD", attn.reshape(b, t, n * hd), o_proj.reshape(n * hd, -1))
+    if not isinstance(o_proj, PackedWeight):
+        o_proj = o_proj.reshape(n * hd, -1)
+    return matmul(attn.reshape(b, t, n * hd), o_proj)
 
 
 def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
@@ -235,6 +250,8 @@ def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
     [D, V] `lm_head`) from its columns."""
     if "embed_tokens" in params:
         return jnp.take(params["embed_tokens"], tokens, axis=0)
+    if isinstance(params["lm_head"], PackedWeight):
+        return take_columns(params["lm_head"], tokens)
     return jnp.moveaxis(jnp.take(params["lm_head"], tokens, axis=1), 0, -1)
 
 
@@ -245,7 +262,11 @@ def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     which gives tied models one too) and applies `final_logit_softcapping`
     when set.
     """
-    logits = jnp.einsum("...D,DV->...V", h, params["lm_head"], preferred_element_type=jnp.float32)
+    head = params["lm_head"]
+    if isinstance(head, PackedWeight):
+        logits = packed_matmul(h, head)
+    else:
+        logits = jnp.einsum("...D,DV->...V", h, head, preferred_element_type=jnp.float32)
     cap = config.final_logit_softcapping
     if cap:
         logits = cap * jnp.tanh(logits / cap)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import reference
+from jaxinfer import cpu_kernels
 from jaxinfer.cache import cache_nbytes, grow_cache, init_cache
 from jaxinfer.engine import (MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, layer_segments,
                              prefill, prepare_params, query_blocks)
@@ -142,10 +143,23 @@ def test_gemma_cache_is_window_sized():
     assert cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
 
 
-def test_grown_cache_decodes_like_the_reference(model):
+@pytest.fixture(params=["cpu_kernels", "xla_only"])
+def decode_path(request, monkeypatch):
+    """Decode attention through `cpu_kernels` where they are enabled, and with
+    them switched off; programs are retraced for each."""
+    if request.param == "xla_only":
+        monkeypatch.setenv(cpu_kernels.SWITCH, "0")
+    elif not cpu_kernels.enabled():
+        pytest.skip("CPU kernels not enabled")
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
+def test_grown_cache_decodes_like_the_reference(model, decode_path):
     """A 3-position cache (Gemma's ring is then 3 < window 4) filled by
     prefill, grown to 16 positions (ring to 4), then 6 decode steps: each
-    step's logits match the full recompute."""
+    step's logits match the full recompute, with and without the CPU kernels."""
     config, np_params, params = model
     seq = _prompt(3, config, seed=5).tolist()
     _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3)
@@ -244,24 +258,30 @@ def test_prepared_params_give_the_same_logits(model):
     LM head: what LLM runs) and the loaded [L, ...] form run the same math:
     prefill and three decode steps agree within 1e-5 (XLA fuses the two forms
     differently, so float32 summation order may differ). The prepared
-    weights are exactly the loaded ones, rearranged."""
+    weights are exactly the loaded ones, rearranged (packed into column
+    panels where the CPU kernels are enabled)."""
     config, np_params, params = model
     prepared = prepare_params(params, config)
+    packed = isinstance(prepared["lm_head"], cpu_kernels.PackedWeight)
+    assert packed == cpu_kernels.enabled()
+    plain = lambda w: np.asarray(cpu_kernels.unpack_weight(w) if packed else w)
     assert prepare_params(prepared, config) is prepared
     layers = np_params["layers"]
     n, kv, hd, f = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
     assert len(prepared["layers"]) == config.num_layers
     for i, p in enumerate(prepared["layers"]):
-        qkv = np.asarray(p["qkv_proj"])
+        qkv = plain(p["qkv_proj"])
         d = qkv.shape[0]
         np.testing.assert_array_equal(qkv[:, :n * hd], layers["q_proj"][i].reshape(d, -1))
         np.testing.assert_array_equal(qkv[:, n * hd:(n + kv) * hd], layers["k_proj"][i].reshape(d, -1))
         np.testing.assert_array_equal(qkv[:, (n + kv) * hd:], layers["v_proj"][i].reshape(d, -1))
-        np.testing.assert_array_equal(p["gate_up_proj"][:, :f], layers["gate_proj"][i])
-        np.testing.assert_array_equal(p["gate_up_proj"][:, f:], layers["up_proj"][i])
-        np.testing.assert_array_equal(p["down_proj"], layers["down_proj"][i])
+        np.testing.assert_array_equal(plain(p["gate_up_proj"])[:, :f], layers["gate_proj"][i])
+        np.testing.assert_array_equal(plain(p["gate_up_proj"])[:, f:], layers["up_proj"][i])
+        np.testing.assert_array_equal(plain(p["down_proj"]), layers["down_proj"][i])
+        np.testing.assert_array_equal(plain(p["o_proj"]).reshape(layers["o_proj"][i].shape),
+                                      layers["o_proj"][i])
     head = np_params.get("lm_head", np.asarray(np_params["embed_tokens"]).T)
-    np.testing.assert_array_equal(prepared["lm_head"], head)
+    np.testing.assert_array_equal(plain(prepared["lm_head"]), head)
     assert ("embed_tokens" in prepared) == ("lm_head" in np_params)
     tokens = _prompt(5, config)
     runs = []

@@ -1,0 +1,146 @@
+"""The native decode-attention kernel against a float64 numpy reference.
+
+Tolerance: atol 2e-6 on outputs of magnitude ~1 for scores of size ~1
+(float32 sums in another order; the kernel's polynomial exp has a relative
+error of about 1e-7). Scores of size ~30 get atol 3e-5: rounding the q.k
+sums to float32 alone, summed in the kernel's order over H, moves the output
+by 8.7e-6 there (measured in numpy against the same float64 reference).
+"""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import cpu_kernels
+
+ATOL = 2e-6
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
+
+
+def reference_attention(q, k, v, mask):
+    """q [B, K, G, H], k [B, K, H, S], v [B, K, S, H], mask [B, S] -> [B, K, G, H], float64."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("bkgh,bkhs->bkgs", q, k)
+    scores = np.where(np.asarray(mask)[:, None, None, :], scores, -np.inf)
+    row_max = scores.max(-1, keepdims=True)
+    seen = np.isfinite(row_max)
+    weights = np.exp(scores - np.where(seen, row_max, 0.0))
+    weights /= np.where(seen, weights.sum(-1, keepdims=True), 1.0)
+    return np.einsum("bkgs,bksh->bkgh", weights, v)
+
+
+def _inputs(b, kv_heads, g, h, s, q_scale, seed=0):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((b, kv_heads, g, h)) * q_scale / np.sqrt(h)).astype(np.float32)
+    k = rng.standard_normal((b, kv_heads, h, s)).astype(np.float32)
+    v = rng.standard_normal((b, kv_heads, s, h)).astype(np.float32)
+    return q, k, v
+
+
+def _masks(b, s, seed=0):
+    """Row patterns: a prefix (full attention), a ring with holes, one position, none."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((b, s), bool)
+    for row in range(b):
+        kind = row % 4
+        if kind == 0:
+            mask[row, :rng.integers(1, s + 1)] = True
+        elif kind == 1:
+            mask[row] = rng.random(s) < 0.6
+        elif kind == 2:
+            mask[row, rng.integers(0, s)] = True
+    return mask
+
+
+def test_kernels_build_where_a_compiler_exists():
+    has_compiler = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    if not has_compiler or jax.default_backend() != "cpu":
+        pytest.skip("no C++ compiler or not a CPU backend")
+    assert cpu_kernels.enabled()
+    assert cpu_kernels.build().is_file()
+
+
+@needs_kernels
+@pytest.mark.parametrize("b, kv_heads, g, h, s", [
+    (8, 3, 3, 64, 384),   # SmolLM2 heads, a cache bucket: vector paths only
+    (5, 2, 3, 64, 40),    # 40 positions: vector body plus scalar tail
+    (3, 1, 4, 256, 37),   # Gemma 3 270M heads: 4 column blocks of 64
+    (4, 2, 5, 8, 19),     # G = 5 (groups of 4 + 1), head_dim 8: scalar paths
+    (1, 1, 1, 16, 1),     # one position
+])
+@pytest.mark.parametrize("q_scale, atol", [(1.0, 2e-6), (30.0, 3e-5)])  # 30: scores spread ~100 nats
+def test_decode_attention_matches_reference(b, kv_heads, g, h, s, q_scale, atol):
+    q, k, v = _inputs(b, kv_heads, g, h, s, q_scale)
+    mask = _masks(b, s)
+    out = jax.jit(cpu_kernels.decode_attention)(q, k, v, mask)
+    assert out.shape == (b, kv_heads, g, h) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, mask), atol=atol, rtol=0)
+
+
+@needs_kernels
+def test_row_that_sees_nothing_is_zero():
+    q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
+    mask = np.zeros((2, 48), bool)
+    mask[1, 5:9] = True
+    out = np.asarray(cpu_kernels.decode_attention(q, k, v, mask))
+    assert np.all(out[0] == 0.0)
+    np.testing.assert_allclose(out[1], reference_attention(q, k, v, mask)[1], atol=ATOL, rtol=0)
+
+
+def test_decode_attention_rejects_mismatched_shapes():
+    q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
+    with pytest.raises(ValueError, match=r"decode_attention: v is float32\[2, 2, 47, 64\], "
+                                         r"expected float32\[2, 2, 48, 64\]"):
+        cpu_kernels.decode_attention(q, k, v[:, :, :47], np.ones((2, 48), bool))
+    with pytest.raises(ValueError, match=r"mask is int32\[2, 48\], expected bool\[2, 48\]"):
+        cpu_kernels.decode_attention(q, k, v, np.ones((2, 48), np.int32))
+
+
+def test_switch_turns_kernels_off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.SWITCH, "0")
+    assert not cpu_kernels.enabled()
+    q, k, v = _inputs(1, 1, 1, 16, 4, 1.0)
+    with pytest.raises(RuntimeError, match="CPU kernels are not enabled"):
+        cpu_kernels.decode_attention(q, k, v, np.ones((1, 4), bool))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 64, 65, 130])  # row blocks of 8, units of 64 rows
+@pytest.mark.parametrize("k, n", [(576, 960), (32, 100), (16, 48), (8, 1)])  # 100, 1: padded panel
+def test_packed_matmul_matches_reference(m, k, n):
+    rng = np.random.default_rng(m * n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    packed = cpu_kernels.pack_weight(jnp.asarray(w))
+    assert packed.panels.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
+    assert packed.shape == (k, n)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_weight(packed)), w)
+    out = jax.jit(cpu_kernels.packed_matmul)(x, packed)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    # |out| reaches ~4; a float32 sum of up to 576 products in sequence: 1e-5
+    np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, atol=1e-5, rtol=0)
+
+
+@needs_kernels
+def test_packed_matmul_keeps_leading_axes_and_takes_columns():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    w = rng.standard_normal((40, 130)).astype(np.float32)
+    packed = cpu_kernels.pack_weight(jnp.asarray(w))
+    out = np.asarray(cpu_kernels.packed_matmul(jnp.asarray(x), packed))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w, atol=1e-5, rtol=0)
+    ids = np.array([[0, 47, 48], [129, 96, 5]])
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.take_columns(packed, ids)),
+                                  np.moveaxis(w[:, ids], 0, -1))
+
+
+def test_packed_matmul_and_pack_reject_bad_input():
+    packed = cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.float32))
+    with pytest.raises(ValueError, match=r"packed_matmul: x is float32\[2, 39\], expected float32\[..., 40\]"):
+        cpu_kernels.packed_matmul(jnp.ones((2, 39), jnp.float32), packed)
+    with pytest.raises(ValueError, match=r"expected a float32 \[K, N\] matrix, got bfloat16\[40, 50\]"):
+        cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.bfloat16))
