@@ -128,6 +128,9 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None) 
     return out
 
 
+_MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 def _pack_matmul_weights(params: dict) -> dict:
     """Prepared params with every matmul weight as a `cpu_kernels.PackedWeight`."""
     def pack(p):
@@ -137,9 +140,6 @@ def _pack_matmul_weights(params: dict) -> dict:
 
     return dict(params, layers=tuple(pack(p) for p in params["layers"]),
                 lm_head=cpu_kernels.pack_weight(params["lm_head"]))
-
-
-_MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _run_layers(params: dict, x: jax.Array, cache: KVCache, config: ModelConfig,
