@@ -6,15 +6,20 @@
   one of them on a single core. The kernel does the same math in one pass
   over K and V per (row, kv head).
 - `packed_matmul`: x @ W with W packed once (`pack_weight`) into column
-  panels that stream sequentially; XLA:CPU's dots run the decode shapes at
-  12-28 GB/s at batch 1 and 100-160 GFLOP/s at batch 32.
+  panels that stream sequentially. In stand-alone tests on the 2-core dev VM,
+  XLA:CPU's dots ran the SmolLM2 decode shapes at 14-47 GB/s at batch 1 and
+  87-159 GFLOP/s at batch 16-64; a stand-alone version of the packed kernel
+  (on huge pages, with its own pinned threads) at 60-65 GB/s and 198-230
+  GFLOP/s.
 
 Both split their work across XLA's intra-op thread pool
-(`jaxinfer/kernels/cpu_kernels.cc`). They are C++ built on first use with the host compiler (`$CXX`, else
-`c++`/`g++`; `-O3 -march=native`) against the FFI headers that ship with
-jaxlib, and cached under `<cache dir>/kernels/` keyed by source, compiler,
-flags and jaxlib version. Where they cannot be built (no compiler, other
-platform) or `JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the
+(`jaxinfer/kernels/cpu_kernels.cc`). They are C++ built on first use with
+the host compiler (`$CXX`, else `c++`, `g++` or `clang++`; `-O3
+-march=native`) against the FFI headers that ship with jaxlib, and cached
+under `<cache dir>/kernels/` keyed by source, flags, jaxlib version and the
+host CPU's feature flags. Where they cannot be built (no compiler, a bad
+`$CXX`, another platform; a warning says why, and each new process tries
+again) or `JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the
 engine keeps the pure-XLA path and plain [K, N] weights; both compute the
 same functions (the tests compare them).
 
@@ -28,6 +33,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -50,10 +56,26 @@ class KernelBuildError(RuntimeError):
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
+    """$CXX if set (it must exist), else the first of c++, g++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        found = shutil.which(os.environ["CXX"])
+        if not found:
+            raise KernelBuildError(f"$CXX={os.environ['CXX']!r} is not an executable on PATH")
+        return found
+    for name in ("c++", "g++", "clang++"):
+        if shutil.which(name):
             return shutil.which(name)
     raise KernelBuildError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+
+
+def _host_cpu() -> str:
+    """What `-march=native` depends on: the machine and its CPU feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
 def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -62,30 +84,34 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
     Args:
       out_dir: where builds are kept; default `<jaxinfer cache dir>/kernels`.
     Returns:
-      path of the shared library, named by a hash of the source, the compiler's
-      version, the flags and the jaxlib version (a stale build is never reused).
+      path of the shared library, named by a hash of the source, the flags,
+      the jaxlib version and the host CPU's feature flags (`-march=native`),
+      so a stale build or one made for another CPU is never loaded. A cached
+      build needs no compiler.
     Raises:
-      KernelBuildError: no compiler, or the compiler failed (its stderr attached).
+      KernelBuildError: the build is not cached and there is no compiler, or
+        the compiler failed (its output attached).
     """
     import jaxlib
 
     from jaxinfer.checkpoint.sources import cache_dir
 
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(_FLAGS),
-                                    jaxlib.__version__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), jaxlib.__version__,
+                                    _host_cpu()]).encode()).hexdigest()[:16]
     out_dir = pathlib.Path(out_dir) if out_dir else cache_dir() / "kernels"
     path = out_dir / f"cpu_kernels-{key}.so"
     if path.exists():
         return path
+    cxx = _compiler()
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_path = pathlib.Path(tmp) / path.name
         cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp_path)]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        if done.returncode != 0 or not tmp_path.is_file():
+            output = (done.stderr or done.stdout)[-4000:] or "(no output)"
+            raise KernelBuildError(f"{' '.join(cmd)} exited {done.returncode} without a "
+                                   f"library:\n{output}")
         os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
     return path
 
@@ -110,7 +136,7 @@ def enabled() -> bool:
     Decided at trace time, so a compiled program keeps the choice it was
     traced with."""
     return (os.environ.get(SWITCH, "1") != "0" and jax.default_backend() == "cpu"
-            and _load())
+            and hasattr(jax, "ffi") and _load())
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -144,3 +144,25 @@ def test_packed_matmul_and_pack_reject_bad_input():
         cpu_kernels.packed_matmul(jnp.ones((2, 39), jnp.float32), packed)
     with pytest.raises(ValueError, match=r"expected a float32 \[K, N\] matrix, got bfloat16\[40, 50\]"):
         cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.bfloat16))
+
+
+def test_bad_cxx_is_an_error_not_a_silent_fallback(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"\$CXX='/nonexistent/c\+\+' is not an executable"):
+        cpu_kernels.build(tmp_path)
+
+
+def test_compiler_that_writes_nothing_is_a_build_error(tmp_path, monkeypatch):
+    if not shutil.which("true"):
+        pytest.skip("no `true` command")
+    monkeypatch.setenv("CXX", "true")
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"exited 0 without a library:\n\(no output\)"):
+        cpu_kernels.build(tmp_path)
+    assert list(tmp_path.glob("*.so")) == []
+
+
+@needs_kernels
+def test_cached_build_is_reused_without_a_compiler(tmp_path, monkeypatch):
+    path = cpu_kernels.build(tmp_path)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert cpu_kernels.build(tmp_path) == path
