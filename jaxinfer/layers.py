@@ -173,12 +173,13 @@ def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
 # --- Matmul ---------------------------------------------------------------------
 
 
-def matmul(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | PackedWeight, preferred_element_type=None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N]; a `PackedWeight` (float32 on CPU,
-    see `engine.prepare_params`) goes through `cpu_kernels.packed_matmul`."""
+    see `engine.prepare_params`) goes through `cpu_kernels.packed_matmul`,
+    which computes in and returns float32."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w)
-    return jnp.einsum("...K,KN->...N", x, w)
+    return jnp.einsum("...K,KN->...N", x, w, preferred_element_type=preferred_element_type)
 
 
 # --- MLP -----------------------------------------------------------------------
@@ -262,11 +263,7 @@ def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     which gives tied models one too) and applies `final_logit_softcapping`
     when set.
     """
-    head = params["lm_head"]
-    if isinstance(head, PackedWeight):
-        logits = packed_matmul(h, head)
-    else:
-        logits = jnp.einsum("...D,DV->...V", h, head, preferred_element_type=jnp.float32)
+    logits = matmul(h, params["lm_head"], preferred_element_type=jnp.float32)
     cap = config.final_logit_softcapping
     if cap:
         logits = cap * jnp.tanh(logits / cap)
