@@ -33,7 +33,8 @@ def _prompt_of(text: str, cfg):
 
 def cmd_generate(args) -> int:
     from jaxinfer.config import GenerationConfig
-    from jaxinfer.llm import LLM, enable_compilation_cache
+    from jaxinfer.llm import LLM
+    from jaxinfer.loading import enable_compilation_cache
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     sampling_params = cfg.sampling_params()  # validate before the model loads
@@ -72,9 +73,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from jaxinfer.bench import add_bench_parser
-    from jaxinfer.toy import add_train_toy_parser
-    from jaxinfer.trace import add_trace_parser
+    from jaxinfer.tools.bench.run import add_bench_parser
+    from jaxinfer.tools.toy import add_train_toy_parser
+    from jaxinfer.tools.trace.run import add_trace_parser
 
     add_train_toy_parser(sub)
     add_trace_parser(sub)

@@ -175,7 +175,7 @@ def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
 
 def matmul(x: jax.Array, w: jax.Array | PackedWeight, preferred_element_type=None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N]; a `PackedWeight` (float32 on CPU,
-    see `engine.prepare_params`) goes through `cpu_kernels.packed_matmul`,
+    see `params.prepare_params`) goes through `cpu_kernels.packed_matmul`,
     which computes in and returns float32."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w)
@@ -212,7 +212,7 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     QK-norm and RoPE.
 
     Args:
-      p: one layer's prepared params (`engine.prepare_params`): `qkv_proj`
+      p: one layer's prepared params (`params.prepare_params`): `qkv_proj`
         [D, (N + 2K) * H], optional `qkv_bias` [(N + 2K) * H], `q_norm` /
         `k_norm` [H].
       h: [B, T, D] normalized input.
@@ -259,7 +259,7 @@ def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
 def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Logits float32 [..., V] from final-normed hidden states [..., D].
 
-    Reads the [D, V] `lm_head` of prepared params (`engine.prepare_params`,
+    Reads the [D, V] `lm_head` of prepared params (`params.prepare_params`,
     which gives tied models one too) and applies `final_logit_softcapping`
     when set.
     """

@@ -34,6 +34,8 @@ import numpy as np
 from jaxinfer import engine, sampling
 from jaxinfer.cache import grow_cache, init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.loading import load_model
+from jaxinfer.params import prepare_params
 from jaxinfer.stop import StopMatcher
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -154,7 +156,7 @@ class LLM:
     Args:
       config: ModelConfig.
       params: params pytree (jax arrays), as loaded or prepared; kept
-        prepared (`engine.prepare_params`), the layout the compiled phases
+        prepared (`params.prepare_params`), the layout the compiled phases
         run fastest on.
       tokenizer: a `jaxinfer.tokenizer.Tokenizer`, or None to accept token-id
         prompts only.
@@ -175,7 +177,7 @@ class LLM:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
         self.config = config
-        self.params = engine.prepare_params(params, config)
+        self.params = prepare_params(params, config)
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
         self.decode_chunk = int(decode_chunk)
@@ -407,50 +409,6 @@ class LLM:
                 piece = r.add(int(out.token[step, row]), lp)
                 if piece:
                     yield row, piece
-
-
-def enable_compilation_cache(path: Optional[str] = None) -> str:
-    """Turn on JAX's persistent compilation cache for every program (no
-    minimum compile time or size), so a second start compiles nothing.
-
-    Args:
-      path: cache directory; None means `<jaxinfer cache dir>/xla-cache`
-        (`JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
-        `~/.cache/jaxinfer`).
-    Returns:
-      The directory used (created if missing).
-    """
-    import os
-
-    from jaxinfer.checkpoint.sources import cache_dir
-
-    path = str(path or cache_dir() / "xla-cache")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
-
-
-def load_model(source: str, dtype=jnp.float32):
-    """(ModelConfig, params, Tokenizer) for a named model, .gguf file or HF folder.
-
-    Raises:
-      ModelSourceError: the source cannot be found or fetched.
-      CheckpointError: a tensor is missing or has the wrong shape.
-    """
-    from jaxinfer.checkpoint.gguf import load_gguf
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.tokenizer import Tokenizer
-
-    path = resolve_model(source)
-    if path.is_dir():
-        from jaxinfer.checkpoint.safetensors import load_hf_folder
-
-        config, params = load_hf_folder(path, dtype=dtype)
-    else:
-        config, params, _metadata = load_gguf(path, dtype=dtype)
-    return config, params, Tokenizer.from_source(path)
 
 
 def _batch_bucket(n: int) -> int:

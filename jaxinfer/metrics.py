@@ -322,7 +322,7 @@ def _peer_cells(entry: dict, peers: Sequence[str], key: str) -> list[str]:
 
 
 def format_report(results: dict) -> str:
-    """A Markdown report of a results dict (the schema `jaxinfer.bench` writes).
+    """A Markdown report of a results dict (the schema `jaxinfer.tools.bench` writes).
 
     Every section is optional, so partial results (a --quick run, a crash
     halfway) still format.

@@ -13,7 +13,8 @@ import reference
 from jaxinfer import cpu_kernels
 from jaxinfer.cache import cache_nbytes, grow_cache, init_cache
 from jaxinfer.engine import (MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, layer_segments,
-                             prefill, prepare_params, query_blocks)
+                             prefill, query_blocks)
+from jaxinfer.params import prepare_params
 from jaxinfer.llm import LLM, cache_buckets
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params

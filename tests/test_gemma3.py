@@ -29,7 +29,8 @@ import pytest
 
 from jaxinfer.cache import cache_nbytes, init_cache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.engine import prefill, prepare_params
+from jaxinfer.engine import prefill
+from jaxinfer.params import prepare_params
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 

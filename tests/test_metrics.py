@@ -160,7 +160,7 @@ def _fake_results():
 
 
 def test_report_and_json_writer(tmp_path):
-    from jaxinfer import bench
+    from jaxinfer.tools.bench import run as bench
 
     results = _fake_results()
     results["targets"] = bench.compute_targets(results)
@@ -179,7 +179,7 @@ def test_report_and_json_writer(tmp_path):
 
 
 def test_report_formats_partial_and_unmeasured_results(capsys):
-    from jaxinfer import bench
+    from jaxinfer.tools.bench import run as bench
 
     assert metrics.format_report({}).startswith("# jaxinfer bench")
     results = {"model": "m", "decode": [], "targets": bench.compute_targets({})}
@@ -193,7 +193,7 @@ def test_report_formats_partial_and_unmeasured_results(capsys):
 
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from jaxinfer import bench
+    from jaxinfer.tools.bench import run as bench
 
     path = bench.plot_results(_fake_results(), str(tmp_path / "plot.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -202,7 +202,7 @@ def test_plot_writes_png(tmp_path):
 def test_bench_parser_registers_subcommand():
     import argparse
 
-    from jaxinfer import bench
+    from jaxinfer.tools.bench import run as bench
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
@@ -224,7 +224,7 @@ def test_bench_parser_registers_subcommand():
 def test_missing_or_unusable_peer_is_skipped_with_reason(monkeypatch, tmp_path):
     import sys
 
-    from jaxinfer import bench
+    from jaxinfer.tools.bench import run as bench
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
     peer, status = bench.load_peer("llamacpp", tmp_path / "m.gguf", 1, 16)

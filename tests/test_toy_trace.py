@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import engine, toy, trace
+from jaxinfer import engine
+from jaxinfer.tools import toy
+from jaxinfer.tools.trace import run as trace
 from jaxinfer.cache import init_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

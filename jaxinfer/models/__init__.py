@@ -4,7 +4,7 @@
     layer(p, x, rope, attend, config) -> x [B, T, D]
     unembed(params, h [B, ..., D], config) -> logits float32 [B, ..., V]
 
-`params` are prepared (`engine.prepare_params`), `p` is one layer's dict
+`params` are prepared (`params.prepare_params`), `p` is one layer's dict
 from `params["layers"]`, `rope` is (cos, sin) for the
 layer's RoPE base, and `attend(q, k, v) -> [B, T, N, H]` is supplied by the
 engine: it owns the KV cache and the masks, so model code stays pure math.

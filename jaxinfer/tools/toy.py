@@ -418,12 +418,12 @@ def read_hf_folder(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelC
 
 def load_folder(folder: str | os.PathLike, dtype=jnp.float32):
     """(config, params, Tokenizer) of an HF folder through the normal loader
-    (`jaxinfer.llm.load_model`), falling back to `read_hf_folder` while
+    (`jaxinfer.loading.load_model`), falling back to `read_hf_folder` while
     `jaxinfer.checkpoint.safetensors` does not exist."""
     import importlib.util
 
     if importlib.util.find_spec("jaxinfer.checkpoint.safetensors") is not None:
-        from jaxinfer.llm import load_model
+        from jaxinfer.loading import load_model
 
         return load_model(str(folder), dtype=dtype)
     from jaxinfer.tokenizer import Tokenizer

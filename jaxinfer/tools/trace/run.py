@@ -17,7 +17,7 @@ term). Also checked: masked weights are exactly 0, and
 each layer's cache buffer holds exactly the K/V written at positions below
 its length and zeros beyond (read from the KVCache buffers).
 
-The config may be a toy config (`kind: toy`, see `jaxinfer.toy`; the model
+The config may be a toy config (`kind: toy`, see `jaxinfer.tools.toy`; the model
 is trained first if its folder is missing) or a GenerationConfig YAML for a
 real model; real models print shapes, norms and top tokens instead of full
 matrices. The prompt is raw text (no chat template).
@@ -802,7 +802,7 @@ def load_trace_config(path: str | os.PathLike):
     """("toy", ToyConfig) for a YAML with `kind: toy`, else ("generation",
     GenerationConfig). Raises ValueError for unknown keys or an unknown kind."""
     from jaxinfer.config import GenerationConfig
-    from jaxinfer.toy import ToyConfig, read_yaml_mapping
+    from jaxinfer.tools.toy import ToyConfig, read_yaml_mapping
 
     values = read_yaml_mapping(path)
     kind = values.get("kind")
@@ -820,12 +820,12 @@ def load_for_trace(config_path: str | os.PathLike, model: Optional[str] = None,
     `model` overrides the YAML's model (a folder for toy configs)."""
     kind, cfg = load_trace_config(config_path)
     if kind == "toy":
-        from jaxinfer import toy
+        from jaxinfer.tools import toy
 
         folder = toy.ensure_model(cfg, model, log=log)
         config, params, tokenizer = toy.load_folder(folder)
         return config, params, tokenizer, str(folder)
-    from jaxinfer.llm import load_model
+    from jaxinfer.loading import load_model
 
     source = model or cfg.model
     config, params, tokenizer = load_model(source, dtype=jnp.dtype(cfg.dtype))
@@ -872,11 +872,12 @@ def cmd_trace(args) -> int:
     return trace_main(args.config, args.prompt, args.steps, args.plot, args.model, args.detail)
 
 
-if __name__ == "__main__":  # python -m jaxinfer.trace --config ...
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m jaxinfer.tools.trace --config ...`: the same as `jaxinfer trace`."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="jaxinfer")
     sub = parser.add_subparsers(dest="command", required=True)
     add_trace_parser(sub)
-    parsed = parser.parse_args(["trace"] + sys.argv[1:])
-    sys.exit(parsed.func(parsed))
+    parsed = parser.parse_args(["trace"] + list(sys.argv[1:] if argv is None else argv))
+    return parsed.func(parsed)

@@ -1,7 +1,7 @@
 """`jaxinfer bench`: latency, throughput and a measured roofline in one run.
 
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml [--quick] [--out DIR]
-    python -m jaxinfer.bench --config configs/smollm2-135m-instruct.yaml --quick
+    python -m jaxinfer.tools.bench --config configs/smollm2-135m-instruct.yaml --quick
 
 What it measures, all on the same token-id prompts (random ids, fixed seed),
 greedy, with no stop tokens so every row generates exactly the asked count:
@@ -90,8 +90,8 @@ QUICK = Sweep(prefill_lengths=(32, 128), prefill_batches=(1, 4), decode_batches=
 
 def enable_persistent_cache(path: Optional[str] = None) -> str:
     """The persistent compilation cache of `jaxinfer generate` (see
-    `jaxinfer.llm.enable_compilation_cache`); returns its directory."""
-    from jaxinfer.llm import enable_compilation_cache
+    `jaxinfer.loading.enable_compilation_cache`); returns its directory."""
+    from jaxinfer.loading import enable_compilation_cache
 
     return enable_compilation_cache(path)
 
@@ -432,7 +432,7 @@ def measure_compile_starts(source: str, dtype: str, max_seq_len: int, chunk: int
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     xla = tempfile.mkdtemp(prefix="xla-cache-bench-", dir=root)
-    cmd = [sys.executable, "-m", "jaxinfer.bench", "--compile-probe", "--model", source,
+    cmd = [sys.executable, "-m", "jaxinfer.tools.bench", "--compile-probe", "--model", source,
            "--dtype", dtype, "--max-seq-len", str(max_seq_len), "--prompt-len", str(prompt_len),
            "--chunk", str(chunk), "--xla-cache", xla]
     runs = []
@@ -917,7 +917,7 @@ def run_peers(results: dict, names, path, sweep: Sweep, chunk: int, vocab: int,
     for name in names:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
-        cmd = [sys.executable, "-m", "jaxinfer.bench", "--peer-probe", name, "--model", str(path),
+        cmd = [sys.executable, "-m", "jaxinfer.tools.bench", "--peer-probe", name, "--model", str(path),
                "--spec", f.name]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -994,7 +994,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _probe_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxinfer.bench --compile-probe")
+    p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --compile-probe")
     p.add_argument("--compile-probe", action="store_true")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32")
@@ -1009,7 +1009,7 @@ def _probe_main(argv: Sequence[str]) -> int:
 
 
 def _peer_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxinfer.bench --peer-probe")
+    p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --peer-probe")
     p.add_argument("--peer-probe", choices=("hf", "llamacpp"), required=True)
     p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder")
     p.add_argument("--spec", required=True, help="JSON file of cells (see peer_worker)")
@@ -1035,6 +1035,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"jaxinfer bench: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

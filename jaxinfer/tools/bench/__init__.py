@@ -1,0 +1,1 @@
+"""`jaxinfer bench` (see `jaxinfer.tools.bench.run`)."""
