@@ -393,11 +393,13 @@ class DecodeState:
 class StepOutput(NamedTuple):
     """Per-step outputs; leading axes [B] (or [steps, B] from a chunk).
 
-    token is -1 for rows that were already done before the step.
-    logprob / top_ids / top_logprobs are present when requested (else None).
+    token is -1 for rows that were already done before the step; done is the
+    row's done flag after the step. logprob / top_ids / top_logprobs are
+    present when requested (else None).
     """
 
     token: jax.Array
+    done: jax.Array
     logprob: jax.Array | None = None
     top_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
@@ -433,9 +435,9 @@ def sample_step(logits: jax.Array, rows: RowState, stop: StopTokens, num_logprob
     rows = rows.replace(tokens=jnp.where(active, token, rows.tokens), done=rows.done | finished,
                         num_generated=num_generated, seen=seen, counts=counts)
     if num_logprobs < 0:
-        return rows, StepOutput(token)
+        return rows, StepOutput(token, rows.done)
     lp, top_ids, top_lp = sampling.log_softmax_topn(logits, jnp.maximum(token, 0), num_logprobs)
-    return rows, StepOutput(token, lp, top_ids, top_lp)
+    return rows, StepOutput(token, rows.done, lp, top_ids, top_lp)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_logprobs", "fresh"),

@@ -48,8 +48,8 @@ class PrefillJob:
     Attributes:
       request: the Request; done: prompt tokens already in the cache.
       prefix: after the last chunk, the one-row DecodeState to insert.
-      first: after the last chunk, (StepOutput with [1, 1] leaves: one step,
-        one row; the row's done flag [1]) of the first token, on the device.
+      first: after the last chunk, the first token's StepOutput with [1, 1]
+        leaves (one step, one row), on the device.
     """
 
     request: Request
@@ -142,8 +142,8 @@ class ModelRunner:
                 engine.start, self.params, job.cache, tokens, lengths, job.inputs, self.stop,
                 config=self.config, num_logprobs=logprob_bucket(job.request.logprobs),
                 fresh=job.done == 0)
-            one_step = out._replace(**{f: x[None] for f, x in out._asdict().items() if x is not None})
-            job.first, job.cache = (one_step, job.prefix.rows.done), None
+            job.first = out._replace(**{f: x[None] for f, x in out._asdict().items() if x is not None})
+            job.cache = None
         else:
             _, job.cache = self.programs(engine.extend, self.params, job.cache, tokens, lengths,
                                          config=self.config)
@@ -190,11 +190,10 @@ class ModelRunner:
         self._length_bound[slot] = p
         job.prefix = None
 
-    def decode(self, occupied: np.ndarray, num_logprobs: int = -1) -> tuple:
+    def decode(self, occupied: np.ndarray, num_logprobs: int = -1) -> engine.StepOutput:
         """Dispatch one decode chunk over all slots; slots not `occupied`
-        (bool [max_num_seqs]) are marked done first. Returns, without waiting,
-        the chunk's device outputs ([decode_chunk, max_num_seqs] leaves) and
-        the rows' done flags after it ([max_num_seqs])."""
+        (bool [max_num_seqs]) are marked done first. Returns the chunk's
+        device outputs ([decode_chunk, max_num_seqs] leaves) without waiting."""
         bounds = np.where(occupied, self._length_bound, 0)
         self._fit(int(bounds.max(initial=0)) + self.decode_chunk)
         self.state, out = self.programs(engine.decode_chunk, self.params, self.state, self.stop,
@@ -203,13 +202,13 @@ class ModelRunner:
         self.decode_steps += self.decode_chunk
         self._length_bound = np.where(
             occupied, np.minimum(self._length_bound + self.decode_chunk, self.max_seq_len), 0)
-        return out, self.state.rows.done
+        return out
 
     @staticmethod
-    def fetch(outputs: tuple) -> tuple:
-        """(StepOutput, done) of `decode` or a job's `first` -> numpy (blocks
+    def fetch(out: engine.StepOutput) -> engine.StepOutput:
+        """Device outputs of `decode` or a job's `first` -> numpy (blocks
         until they are computed)."""
-        return jax.device_get(outputs)
+        return jax.device_get(out)
 
     @property
     def cache_capacity(self) -> int:

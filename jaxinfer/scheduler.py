@@ -163,7 +163,7 @@ class Scheduler:
         """One iteration (see the module docstring); returns the events it produced."""
         events = self._take_aborted()
         fetched = [(self.runner.fetch(out), owners) for out, owners in self._pending]
-        ended = {rid for (out, done), owners in fetched for row, _, rid in owners if done[row]}
+        ended = {rid for out, owners in fetched for row, _, rid in owners if out.done[-1, row]}
         dispatched = self._dispatch_decode(ended)
         for item in fetched:
             events += self._process(*item)
@@ -191,13 +191,12 @@ class Scheduler:
         self._aborted = []
         return events
 
-    def _process(self, fetched, owners) -> list[RequestOutput]:
+    def _process(self, out, owners) -> list[RequestOutput]:
         """Feed a dispatched call's tokens to their requests and emit events.
 
-        `fetched` is (host outputs with [steps, rows] leaves, done flags
-        [rows]); `owners` is ((row, slot, request id), ...): the owner of each
-        output row and its slot when the call was dispatched."""
-        out, _ = fetched
+        `out` holds host outputs with [steps, rows] leaves; `owners` is ((row,
+        slot, request id), ...): the owner of each output row and its slot when
+        the call was dispatched."""
         events = []
         for row, slot, rid in owners:
             state = self.states.get(rid)
