@@ -6,11 +6,8 @@
   one of them on a single core. The kernel does the same math in one pass
   over K and V per (row, kv head).
 - `packed_matmul`: x @ W with W packed once (`pack_weight`) into column
-  panels that stream sequentially. In stand-alone tests on the 2-core dev VM,
-  XLA:CPU's dots ran the SmolLM2 decode shapes at 14-47 GB/s at batch 1 and
-  87-159 GFLOP/s at batch 16-64; a stand-alone version of the packed kernel
-  (on huge pages, with its own pinned threads) at 60-65 GB/s and 198-230
-  GFLOP/s.
+  panels that stream sequentially, faster than XLA:CPU's dots at the decode
+  shapes (benchmarks/README.md has the measurements).
 
 Both split their work across XLA's intra-op thread pool
 (`jaxinfer/kernels/cpu_kernels.cc`). They are C++ built on first use with
@@ -20,7 +17,7 @@ under `<cache dir>/kernels/` keyed by source, flags, jaxlib version and the
 host CPU's feature flags. Where they cannot be built (no compiler, a bad
 `$CXX`, another platform; a warning says why, and each new process tries
 again) or `JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the
-engine keeps the pure-XLA path and plain [K, N] weights; both compute the
+engine keeps the pure-XLA path and plain [I, O] weights; both compute the
 same functions (the tests compare them).
 
 FFI reference: https://docs.jax.dev/en/latest/ffi.html
@@ -178,12 +175,12 @@ def _require_enabled():
 
 @struct.dataclass
 class PackedWeight:
-    """A float32 weight W [K, N] as column panels for `packed_matmul`.
+    """A float32 weight W [I, O] as column panels for `packed_matmul`.
 
     Attributes:
-      panels: float32 [ceil(N / PANEL), K, PANEL]; panels[p, k, j] = W[k, p*PANEL + j],
-        zero past column N.
-      n: N, the number of output columns (static).
+      panels: float32 [ceil(O / PANEL), I, PANEL]; panels[p, i, j] = W[i, p*PANEL + j],
+        zero past column O.
+      n: O, the number of output columns (static).
     """
 
     panels: jax.Array
@@ -191,7 +188,7 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(K, N), the shape of the unpacked weight."""
+        """(I, O), the shape of the unpacked weight."""
         return (self.panels.shape[1], self.n)
 
     @property
@@ -200,30 +197,24 @@ class PackedWeight:
 
 
 def pack_weight(w: jax.Array) -> PackedWeight:
-    """Pack W [K, N] float32 into `PackedWeight` panels (a copy, done once at load).
+    """Pack W [I, O] float32 into `PackedWeight` panels (a copy, done once at load).
 
     Raises:
       ValueError: w is not a float32 matrix.
     """
     if w.ndim != 2 or w.dtype != jnp.float32:
-        raise ValueError(f"pack_weight: expected a float32 [K, N] matrix, got {w.dtype}{list(w.shape)}")
+        raise ValueError(f"pack_weight: expected a float32 [I, O] matrix, got {w.dtype}{list(w.shape)}")
     k, n = w.shape
     p = -(-n // PANEL)
     panels = jnp.pad(w, ((0, 0), (0, p * PANEL - n))).reshape(k, p, PANEL).transpose(1, 0, 2)
     return PackedWeight(panels, n)
 
 
-def unpack_weight(w: PackedWeight) -> jax.Array:
-    """The [K, N] matrix a `PackedWeight` holds."""
-    k = w.panels.shape[1]
-    return w.panels.transpose(1, 0, 2).reshape(k, -1)[:, :w.n]
-
-
 def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x @ W for x float32 [..., K] and a packed W [K, N] -> float32 [..., N].
+    """x @ W for x float32 [..., I] and a packed W [I, O] -> float32 [..., O].
 
     Raises:
-      ValueError: x is not float32 or its last axis is not K (at trace time).
+      ValueError: x is not float32 or its last axis is not I (at trace time).
       RuntimeError: the kernels are not `enabled()`.
     """
     k, n = w.shape
@@ -237,6 +228,6 @@ def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
 
 
 def take_columns(w: PackedWeight, ids: jax.Array) -> jax.Array:
-    """Columns W[:, ids] of a packed W [K, N], as rows [..., K] (a tied model's
-    embedding lookup from its packed LM head). ids must be in [0, N)."""
+    """Columns W[:, ids] of a packed W [I, O], as rows [..., I] (a tied model's
+    embedding lookup from its packed LM head). ids must be in [0, O)."""
     return w.panels[ids // PANEL, :, ids % PANEL]

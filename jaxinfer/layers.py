@@ -79,8 +79,8 @@ def rope_cos_sin(positions: jax.Array | np.ndarray, inv_freq: np.ndarray) -> tup
     Positions given as a numpy array (known when tracing, as in prefill) give
     numpy tables, which enter the compiled program as constants: XLA:CPU
     otherwise fuses cos and sin into every consumer and evaluates them once
-    per rotated element, N + K times per table entry in every layer (~30 ms
-    of a 0.73 s SmolLM2 prefill at T = 512).
+    per rotated element, N + K times per table entry in every layer
+    (benchmarks/README.md has the measured cost).
     """
     xp = np if isinstance(positions, np.ndarray) else jnp
     angles = positions.astype(np.float32)[..., None] * inv_freq.astype(np.float32)
@@ -142,9 +142,8 @@ def attention_scores(qg: jax.Array, k: jax.Array, softcap: float | None = None) 
       softcap: optional tanh soft-cap (Gemma 2): cap * tanh(s / cap).
     Returns:
       [B, K, T, G, S] float32. With this layout a prompt's scores are one
-      [T*G, H] x [H, S] matmul per kv head (3x faster than a [B, K, G, T, S]
-      result for SmolLM2 at T = 512 on XLA:CPU, where that layout cost
-      transposes around the softmax).
+      [T*G, H] x [H, S] matmul per kv head; a [B, K, G, T, S] result costs
+      transposes around the softmax on XLA:CPU (benchmarks/README.md).
     """
     b, kv_heads, t, g, h = qg.shape
     if t == 1:  # decode: a multiply-reduce over H streams K once, vectorized along S
@@ -174,12 +173,13 @@ def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array | PackedWeight, preferred_element_type=None) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N]; a `PackedWeight` (float32 on CPU,
-    see `params.prepare_params`) goes through `cpu_kernels.packed_matmul`,
+    """x [..., I] @ w [I, O] -> [..., O] (I input features, O output features:
+    D, N*H, F or V depending on the projection); a `PackedWeight` (float32 on
+    CPU, see `params.prepare_params`) goes through `cpu_kernels.packed_matmul`,
     which computes in and returns float32."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w)
-    return jnp.einsum("...K,KN->...N", x, w, preferred_element_type=preferred_element_type)
+    return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
 
 
 # --- MLP -----------------------------------------------------------------------

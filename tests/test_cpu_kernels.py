@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels
+from packing import unpack_weight
 
 ATOL = 2e-6
 
@@ -118,7 +119,7 @@ def test_packed_matmul_matches_reference(m, k, n):
     packed = cpu_kernels.pack_weight(jnp.asarray(w))
     assert packed.panels.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
     assert packed.shape == (k, n)
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_weight(packed)), w)
+    np.testing.assert_array_equal(np.asarray(unpack_weight(packed)), w)
     out = jax.jit(cpu_kernels.packed_matmul)(x, packed)
     assert out.shape == (m, n) and out.dtype == jnp.float32
     # |out| reaches ~4; a float32 sum of up to 576 products in sequence: 1e-5
@@ -142,7 +143,7 @@ def test_packed_matmul_and_pack_reject_bad_input():
     packed = cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.float32))
     with pytest.raises(ValueError, match=r"packed_matmul: x is float32\[2, 39\], expected float32\[..., 40\]"):
         cpu_kernels.packed_matmul(jnp.ones((2, 39), jnp.float32), packed)
-    with pytest.raises(ValueError, match=r"expected a float32 \[K, N\] matrix, got bfloat16\[40, 50\]"):
+    with pytest.raises(ValueError, match=r"expected a float32 \[I, O\] matrix, got bfloat16\[40, 50\]"):
         cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.bfloat16))
 
 

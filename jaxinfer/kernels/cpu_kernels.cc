@@ -22,20 +22,18 @@
 // [first visible, last visible] of positions.
 //
 // --- Packed matmul ---
-//   x      f32 [M, K]
-//   packed f32 [P, K, 48]  W [K, N] cut into P = ceil(N / 48) column panels, the last one
+//   x      f32 [M, I]      M rows (tokens) of I input features
+//   packed f32 [P, I, 48]  W [I, O] cut into P = ceil(O / 48) column panels, the last one
 //                          zero-padded (jaxinfer.cpu_kernels.pack_weight)
-//   out    f32 [M, N]
-// Each panel is K*48 contiguous floats, so W streams sequentially; an 8 x 48 block of out
+//   out    f32 [M, O]
+// (I and O rather than K and N, which name kv heads and query heads in jaxinfer.)
+// Each panel is I*48 contiguous floats, so W streams sequentially; an 8 x 48 block of out
 // (24 vector accumulators) is computed per pass over a panel, and all row blocks of a panel
 // run back to back so the panel is read from memory once and then from cache. This is the
 // register-blocked GEMM of Goto and van de Geijn, "Anatomy of high-performance matrix
 // multiplication" (ACM TOMS 2008), with the weight panels packed once at load time.
-// In stand-alone tests on a 2-core Zen 4 VM, XLA:CPU ran the SmolLM2 decode shapes at
-// 14-47 GB/s at M = 1 and 87-159 GFLOP/s at M = 16-64; a stand-alone version of this
-// kernel (weights on huge pages, its own pinned threads, next-panel prefetch, none of which
-// this file has) at 60-65 GB/s and 198-230 GFLOP/s (benchmarks/README.md). Work units are
-// (panel, block of up to 64 rows).
+// benchmarks/README.md compares it with XLA:CPU's dots at the model's shapes. Work units
+// are (panel, block of up to 64 rows).
 
 #include <algorithm>
 #include <atomic>
