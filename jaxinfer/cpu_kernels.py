@@ -10,15 +10,19 @@
   shapes (benchmarks/README.md has the measurements).
 
 Both split their work across XLA's intra-op thread pool
-(`jaxinfer/kernels/cpu_kernels.cc`). They are C++ built on first use with
-the host compiler (`$CXX`, else `c++`, `g++` or `clang++`; `-O3
--march=native`) against the FFI headers that ship with jaxlib, and cached
-under `<cache dir>/kernels/` keyed by source, flags, jaxlib version and the
-host CPU's feature flags. Where they cannot be built (no compiler, a bad
-`$CXX`, another platform; a warning says why, and each new process tries
-again) or `JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the
-engine keeps the pure-XLA path and plain [I, O] weights; both compute the
-same functions (the tests compare them).
+(`jaxinfer/kernels/*.cc`, every source compiled into one library). They are
+C++ built on first use with the host compiler (`$CXX`, else `c++`, `g++` or
+`clang++`; `-O3 -march=native`) against the FFI headers that ship with
+jaxlib, and cached under `<cache dir>/kernels/` keyed by the sources, flags,
+jaxlib version and the host CPU's feature flags. Where they cannot be built
+(no compiler, a bad `$CXX`, another platform; a warning says why) or
+`JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the engine keeps
+the pure-XLA path and plain [I, O] weights; both compute the same functions
+(the tests compare them). A compiler that fails leaves a marker
+(`cpu_kernels-<key>.failed`, holding its message) beside the cache: later
+processes skip the build with a one-line warning until the key changes (new
+sources, flags, jaxlib, CPU or compiler) or `JAXINFER_REBUILD_KERNELS=1` is
+set.
 
 FFI reference: https://docs.jax.dev/en/latest/ffi.html
 """
@@ -41,7 +45,8 @@ import jax.numpy as jnp
 from flax import struct
 
 SWITCH = "JAXINFER_CPU_KERNELS"  # "0" keeps every phase on XLA's own kernels
-SOURCE = pathlib.Path(__file__).parent / "kernels" / "cpu_kernels.cc"
+REBUILD = "JAXINFER_REBUILD_KERNELS"  # "1" retries a build that failed before
+SOURCE_DIR = pathlib.Path(__file__).parent / "kernels"
 PANEL = 48  # columns per packed weight panel (kPanel in the C++ source)
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul"}
@@ -49,7 +54,17 @@ _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
 class KernelBuildError(RuntimeError):
-    """The host C++ compiler is missing or failed on the kernel source."""
+    """The host C++ compiler is missing or failed on the kernel sources."""
+
+
+class KernelBuildSkipped(KernelBuildError):
+    """An earlier build with the same key failed; its marker is still there."""
+
+
+def sources() -> list[pathlib.Path]:
+    """The C++ sources compiled into the one kernel library: every
+    `jaxinfer/kernels/*.cc`, in name order."""
+    return sorted(SOURCE_DIR.glob("*.cc"))
 
 
 def _compiler() -> str:
@@ -81,36 +96,50 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
     Args:
       out_dir: where builds are kept; default `<jaxinfer cache dir>/kernels`.
     Returns:
-      path of the shared library, named by a hash of the source, the flags,
+      path of the shared library, named by a hash of the sources, the flags,
       the jaxlib version and the host CPU's feature flags (`-march=native`),
       so a stale build or one made for another CPU is never loaded. A cached
       build needs no compiler.
     Raises:
       KernelBuildError: the build is not cached and there is no compiler, or
-        the compiler failed (its output attached).
+        the compiler failed (its output attached; a `.failed` marker with the
+        same text is written next to where the library would be).
+      KernelBuildSkipped: a marker says this key's build failed before and
+        `JAXINFER_REBUILD_KERNELS` is not "1" (one-line message).
     """
     import jaxlib
 
-    from jaxinfer.checkpoint.sources import cache_dir
-
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), jaxlib.__version__,
-                                    _host_cpu()]).encode()).hexdigest()[:16]
-    out_dir = pathlib.Path(out_dir) if out_dir else cache_dir() / "kernels"
+    srcs = sources()
+    key = hashlib.sha256("\0".join([*(f"{p.name}\0{p.read_text()}" for p in srcs), " ".join(_FLAGS),
+                                    jaxlib.__version__, _host_cpu()]).encode()).hexdigest()[:16]
+    out_dir = pathlib.Path(out_dir) if out_dir else _default_dir()
     path = out_dir / f"cpu_kernels-{key}.so"
     if path.exists():
         return path
     cxx = _compiler()
+    marker = out_dir / f"cpu_kernels-{key}-{hashlib.sha256(cxx.encode()).hexdigest()[:8]}.failed"
+    if marker.exists():
+        if os.environ.get(REBUILD) != "1":
+            raise KernelBuildSkipped(f"an earlier build failed ({marker}; {REBUILD}=1 retries)")
+        marker.unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_path = pathlib.Path(tmp) / path.name
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp_path)]
+        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *map(str, srcs), "-o", str(tmp_path)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not tmp_path.is_file():
             output = (done.stderr or done.stdout)[-4000:] or "(no output)"
-            raise KernelBuildError(f"{' '.join(cmd)} exited {done.returncode} without a "
-                                   f"library:\n{output}")
+            message = f"{' '.join(cmd)} exited {done.returncode} without a library:\n{output}"
+            marker.write_text(message + "\n", encoding="utf-8")
+            raise KernelBuildError(message)
         os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
     return path
+
+
+def _default_dir() -> pathlib.Path:
+    from jaxinfer.checkpoint.sources import cache_dir
+
+    return cache_dir() / "kernels"
 
 
 @functools.cache
@@ -119,7 +148,8 @@ def _load() -> bool:
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelBuildError, OSError) as err:
-        warnings.warn(f"jaxinfer CPU kernels unavailable, every phase stays on XLA: {err}")
+        warnings.warn(f"jaxinfer CPU kernels unavailable, every phase stays on XLA: {err}",
+                      stacklevel=2)
         return False
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),

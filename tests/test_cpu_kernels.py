@@ -167,3 +167,58 @@ def test_cached_build_is_reused_without_a_compiler(tmp_path, monkeypatch):
     path = cpu_kernels.build(tmp_path)
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert cpu_kernels.build(tmp_path) == path
+
+
+def _failing_compiler(tmp_path):
+    """A fake $CXX that counts its runs in a file and fails with a message."""
+    script = tmp_path / "bad-cxx"
+    count = tmp_path / "runs"
+    script.write_text(f"#!/bin/sh\necho run >> {count}\necho 'error: no AVX-512 here' >&2\nexit 3\n")
+    script.chmod(0o755)
+    return script, lambda: len(count.read_text().splitlines()) if count.exists() else 0
+
+
+def test_failed_build_leaves_a_marker_that_later_builds_honour(tmp_path, monkeypatch):
+    script, runs = _failing_compiler(tmp_path)
+    out = tmp_path / "kernels"
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.delenv(cpu_kernels.REBUILD, raising=False)
+    with pytest.raises(cpu_kernels.KernelBuildError, match=r"exited 3 without a library:\nerror: no AVX-512 here"):
+        cpu_kernels.build(out)
+    markers = list(out.glob("cpu_kernels-*.failed"))
+    assert len(markers) == 1 and "error: no AVX-512 here" in markers[0].read_text()
+    assert runs() == 1
+    # a later process (same key) skips the compiler, with a one-line reason
+    with pytest.raises(cpu_kernels.KernelBuildSkipped) as skipped:
+        cpu_kernels.build(out)
+    assert runs() == 1
+    assert "\n" not in str(skipped.value) and cpu_kernels.REBUILD in str(skipped.value)
+    # the rebuild switch runs the compiler again (and it fails again, writing the marker anew)
+    monkeypatch.setenv(cpu_kernels.REBUILD, "1")
+    with pytest.raises(cpu_kernels.KernelBuildError, match="no AVX-512 here"):
+        cpu_kernels.build(out)
+    assert runs() == 2 and markers[0].exists()
+
+
+def test_a_new_key_retries_a_failed_build(tmp_path, monkeypatch):
+    script, runs = _failing_compiler(tmp_path)
+    out = tmp_path / "kernels"
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.delenv(cpu_kernels.REBUILD, raising=False)
+    with pytest.raises(cpu_kernels.KernelBuildError):
+        cpu_kernels.build(out)
+    monkeypatch.setattr(cpu_kernels, "_FLAGS", cpu_kernels._FLAGS + ("-DCHANGED",))
+    with pytest.raises(cpu_kernels.KernelBuildError, match="no AVX-512 here"):
+        cpu_kernels.build(out)
+    assert runs() == 2 and len(list(out.glob("*.failed"))) == 2
+
+
+def test_skipped_build_warns_in_one_line_and_disables_kernels(monkeypatch):
+    def skipped(out_dir=None):
+        raise cpu_kernels.KernelBuildSkipped("an earlier build failed (x.failed; retry)")
+
+    monkeypatch.setattr(cpu_kernels, "build", skipped)
+    with pytest.warns(UserWarning) as caught:
+        assert cpu_kernels._load.__wrapped__() is False
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert "every phase stays on XLA: an earlier build failed" in str(caught[0].message)
