@@ -284,11 +284,14 @@ def blocked_attention(qg: jax.Array, k: jax.Array, v: jax.Array, q_positions: ja
 
 def matmul(x: jax.Array, w: jax.Array | PackedWeight, preferred_element_type=None) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O] (I input features, O output features:
-    D, N*H, F or V depending on the projection); a `PackedWeight` (float32 on
-    CPU, see `params.prepare_params`) goes through `cpu_kernels.packed_matmul`,
-    which computes in and returns float32."""
+    D, N*H, F or V depending on the projection), in `preferred_element_type`
+    if given, else x's dtype.
+
+    A `PackedWeight` (float32 or bfloat16 panels on CPU, see
+    `params.prepare_params`) goes through `cpu_kernels.packed_matmul`, which
+    accumulates in float32."""
     if isinstance(w, PackedWeight):
-        return packed_matmul(x, w)
+        return packed_matmul(x, w).astype(preferred_element_type or x.dtype)
     return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
 
 
