@@ -142,7 +142,10 @@ def test_percentile():
 
 
 def _fake_results():
-    machine = {"bandwidth_gbps": 10.0, "peak_gflops": 100.0, "ridge": 10.0, "repeats": 3}
+    machine = {"bandwidth_gbps": 10.0, "peak_gflops": 100.0, "ridge": 10.0, "repeats": 3,
+               "peak_source": "torch_square_2048", "bandwidth_source": "cpp_read_sum",
+               "matmul_kernels_gflops": {"xla_square_2048": 80.0, "torch_square_2048": 100.0},
+               "bandwidth_kernels_gbps": {"xla_gemv": 9.0, "cpp_read_sum": 10.0}}
     pre = {"batch": 1, "prompt_len": 512, "ttft_s": 2.0, "tokens_per_s": 256.0, "compile_s": 3.0}
     pre.update(metrics.roofline_point(metrics.Cost(140e9, 0.6e9, 512), 2.0, 100e9, 10e9))
     pre["peers"] = {"hf": {"ttft_s": 3.0, "speedup": 1.5}}
@@ -159,6 +162,7 @@ def _fake_results():
            "tpot_s": metrics.summarize([0.05, 0.06])}
     return {"model": "tiny", "dtype": "float32",
             "env": {"timestamp": "2025-01-01 00:00:00", "backend": "cpu", "cpu_count": 2,
+                    "cpu": {"model": "Test CPU 9000", "cores": 2, "features": ["avx2", "avx512_bf16"]},
                     "jax_version": "0", "loadavg_start": [1.0, 1.0, 1.0], "quick": True},
             "machine": machine, "load_s": 1.5, "peak_rss_bytes": 2**30, "weight_bytes": 2**29,
             "kv_cache": {"bytes_per_token": 46080, "default_max_seq_len": 2048,
@@ -178,13 +182,22 @@ def test_report_and_json_writer(tmp_path):
     assert results["targets"][0]["value"] == pytest.approx(0.6875)
     assert results["targets"][1]["value"] == 2.5 and results["targets"][1]["passed"]
     assert results["targets"][3]["value"] == pytest.approx(64 / 20)   # 64 tok/s vs llama.cpp 20
-    assert results["targets"][6]["passed"] and results["targets"][7]["passed"]
+    by_measure = {t["measure"]: t for t in results["targets"]}
+    assert by_measure["compile.first_start_compile_s"]["passed"]
+    assert by_measure["compile.second_start_compile_s"]["passed"]
+    b1 = by_measure["prefill[batch=1,prompt_len=512].peers.hf.speedup"]
+    assert b1["value"] == 1.5 and b1["passed"]
+    assert by_measure["prefill[batch=1,prompt_len=512].compute_fraction"]["value"] == pytest.approx(0.7)
+    assert by_measure["prefill[batch=8,prompt_len=2048].peers.hf.speedup"]["value"] is None
     paths = report.write_results(results, str(tmp_path / "out"), "tiny-1")
     loaded = json.loads(open(paths["json"]).read())
     assert loaded["decode"][1]["batch"] == 32 and loaded["sweep"]["prefill_lengths"] == [32, 512]
     md = open(paths["md"]).read()
     for piece in ("## Prefill", "## Decode", "## End to end", "## Targets", "| 512 |", "x1.50",
-                  "FAIL", "PASS", "TTFT ms (queued)", "Noisy machine"):
+                  "FAIL", "PASS", "TTFT ms (queued)", "Noisy machine",
+                  "CPU: Test CPU 9000, 2 cores; features: avx2 avx512_bf16",
+                  "matmul 100.0 GFLOP/s (torch_square_2048)", "10.00 GB/s (cpp_read_sum)",
+                  "probes, GFLOP/s: xla_square_2048 80.0, torch_square_2048 100.0"):
         assert piece in md, piece
 
 
@@ -245,3 +258,18 @@ def test_missing_or_unusable_peer_is_skipped_with_reason(monkeypatch, tmp_path):
     pytest.importorskip("llama_cpp")
     peer, status = peers.load_peer("llamacpp", tmp_path, 1, 16)  # a folder, not a .gguf
     assert peer is None and status["status"].startswith("skipped: failed to load")
+
+
+def test_target_measures_and_cpu_facts():
+    from jaxinfer.tools.bench import machine, targets
+
+    results = {"decode": [{"batch": 1, "x": 2.0, "peers": {"hf": {"y": 8.0}}}, {"batch": 32, "x": 4.0}]}
+    assert targets.measure_value(results, "decode[batch=32].x") == 4.0
+    assert targets.measure_value(results, "decode[batch=32].x / decode[batch=1].peers.hf.y") == 0.5
+    assert targets.measure_value(results, "decode[batch=2].x") is None
+    assert targets.measure_value(results, "prefill[batch=1].x") is None
+    with pytest.raises(ValueError, match="bad measure path step 'x-y'"):
+        targets.measure_value(results, "decode[batch=1].x-y")
+    info = machine.cpu_info()
+    assert isinstance(info["model"], str) and info["model"]
+    assert set(info["features"]) <= set(machine.FEATURES)

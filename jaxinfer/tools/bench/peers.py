@@ -41,6 +41,8 @@ class HFPeer:
                 str(path.parent), gguf_file=path.name, **kwargs)
         self.model.eval()
         self.load_s = time.perf_counter() - t0
+        self.info = {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+                     "mkldnn": bool(torch.backends.mkldnn.is_available())}
         # transformers >= 5.2x names the KV cache argument `cache` (was `past_key_values`)
         names = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in names else "past_key_values"
@@ -95,6 +97,7 @@ class LlamaCppPeer:
                          verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.load_s = time.perf_counter() - t0
+        self.info = llama_cpp_build()
 
     def _argmax(self) -> int:
         """Greedy token from the last evaluated position's logits (read from the
@@ -126,6 +129,17 @@ class LlamaCppPeer:
         return times
 
 
+def llama_cpp_build() -> dict:
+    """The installed llama-cpp-python's version and its llama.cpp build's
+    `llama_print_system_info()` (the CPU features it was compiled for: AVX2,
+    AVX512, AVX512_BF16, AMX ..., i.e. the effect of its CMAKE_ARGS)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return {"llama_cpp_python_version": llama_cpp.__version__,
+            "system_info": info.decode(errors="replace") if isinstance(info, bytes) else str(info)}
+
+
 def load_peer(name: str, path: pathlib.Path, threads: int, n_ctx: int):
     """Instantiate one peer. Returns (peer or None, status dict): status is
     {"status": "ok", "load_s", "threads"} or {"status": "skipped: why", "detail"}."""
@@ -138,7 +152,7 @@ def load_peer(name: str, path: pathlib.Path, threads: int, n_ctx: int):
                       "detail": f"{e}; pip install {pkg} (or `pip install -e .[{extra}]`)"}
     except Exception as e:  # noqa: BLE001 - a peer that cannot load is reported, not fatal
         return None, {"status": f"skipped: failed to load: {type(e).__name__}", "detail": str(e)[:300]}
-    return peer, {"status": "ok", "load_s": peer.load_s, "threads": threads}
+    return peer, {"status": "ok", "load_s": peer.load_s, "threads": threads, "build": peer.info}
 
 
 def peer_prefill(peer, batch: int, length: int, vocab: int, repeats: int,

@@ -33,6 +33,14 @@ def _peer_cells(entry: dict, peers: Sequence[str], key: str) -> list[str]:
     return out
 
 
+def _build(build: dict) -> str:
+    return ", ".join(f"{k} {' '.join(str(v).split())}" for k, v in build.items())
+
+
+def _source(machine: dict, key: str) -> str:
+    return f" ({machine[key]})" if machine.get(key) else ""
+
+
 def format_report(results: dict) -> str:
     """A Markdown report of a results dict (the schema `jaxinfer.tools.bench` writes).
 
@@ -51,12 +59,31 @@ def format_report(results: dict) -> str:
         if load >= cpus / 2:
             out += [f"**Noisy machine**: load average {load} on {cpus} CPUs when the run started; "
                     "timings (peers' most of all) are not comparable.", ""]
+    cpu = env.get("cpu")
+    if cpu:
+        out += [f"CPU: {cpu.get('model')}, {cpu.get('cores')} cores; features: "
+                f"{' '.join(cpu.get('features') or []) or 'none of note'}", ""]
     m = results.get("machine")
     if m:
         stat = (results.get("sweep") or {}).get("stat", "median")
-        out.append(f"Roofline (measured, best of {m.get('repeats', '?')}): memory read bandwidth "
-                   f"{m['bandwidth_gbps']:.2f} GB/s, matmul {m['peak_gflops']:.1f} GFLOP/s, "
-                   f"ridge {m['ridge']:.1f} FLOP/byte. Latencies: {stat} of repeats.")
+        out.append(f"Roofline (measured, best of {m.get('repeats', '?')} per probe, best probe "
+                   f"taken): memory read bandwidth {m['bandwidth_gbps']:.2f} GB/s"
+                   f"{_source(m, 'bandwidth_source')}, matmul {m['peak_gflops']:.1f} GFLOP/s"
+                   f"{_source(m, 'peak_source')}, ridge {m['ridge']:.1f} FLOP/byte. "
+                   f"Latencies: {stat} of repeats.")
+        out.append("")
+        probes = [("GB/s", m.get("bandwidth_kernels_gbps") or {}),
+                  ("GFLOP/s", m.get("matmul_kernels_gflops") or {})]
+        out += [f"- probes, {unit}: " + ", ".join(f"{k} {v:.1f}" for k, v in figs.items())
+                for unit, figs in probes if figs]
+        torch_status = (m.get("torch_probe") or {}).get("status")
+        if torch_status and torch_status != "ok":
+            out.append(f"- torch matmul probe: {torch_status}")
+        kern = m.get("cpu_kernels")
+        if kern:
+            out.append(f"- CPU kernels: {kern.get('arch')}, panels of {kern.get('panel_width')} "
+                       f"columns, {kern.get('row_block')}-row register blocks, bf16 dot product "
+                       f"{'on' if kern.get('bf16_dot') else 'off'}")
         out.append("")
     misc = []
     if "load_s" in results:
@@ -117,6 +144,7 @@ def format_report(results: dict) -> str:
     if status:
         out += ["## Peers", ""]
         out += [f"- {p}: {s.get('status')}" + (f" ({s['detail']})" if s.get("detail") else "")
+                + (f"; build {_build(s['build'])}" if s.get("build") else "")
                 for p, s in status.items()]
         out.append("")
     if results.get("targets"):

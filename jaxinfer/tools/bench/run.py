@@ -51,7 +51,7 @@ from typing import Optional, Sequence
 
 from jaxinfer import cpu_kernels
 from jaxinfer.tools.bench.common import loadavg
-from jaxinfer.tools.bench.machine import measure_machine
+from jaxinfer.tools.bench.machine import cpu_info, measure_machine, torch_matmul_probe
 from jaxinfer.tools.bench.peers import peer_worker, run_peers
 from jaxinfer.tools.bench.plots import plot_results
 from jaxinfer.tools.bench.report import format_report, write_results
@@ -68,7 +68,7 @@ def _env(quick: bool) -> dict:
             "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
             "processor": platform.processor(), "loadavg_start": loadavg(),
-            "cpu_kernels": cpu_kernels.enabled()}
+            "cpu": cpu_info(), "cpu_kernels": cpu_kernels.enabled()}
 
 
 def _sweep_from_args(args) -> Sweep:
@@ -213,10 +213,25 @@ def _peer_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _machine_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --machine-probe")
+    p.add_argument("--machine-probe", choices=("torch",), required=True)
+    p.add_argument("--n", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--model-shape", help="M,D,F of a model-shaped matmul")
+    a = p.parse_args(argv)
+    shape = tuple(int(v) for v in a.model_shape.split(",")) if a.model_shape else None
+    print(json.dumps(torch_matmul_probe(a.n, a.repeats, shape, a.threads)))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--compile-probe" in argv:
         return _probe_main(argv)
+    if "--machine-probe" in argv:
+        return _machine_main(argv)
     if "--peer-probe" in argv:
         return _peer_main(argv)
     p = argparse.ArgumentParser(prog="jaxinfer bench", description=__doc__.split("\n")[0])

@@ -37,7 +37,7 @@ class Sweep:
     bandwidth_mib: int = 256
     matmul_n: int = 2048
     machine_repeats: int = 7
-    peer_max_tokens: int = 4096       # peers run prefill cells with B*T at most this
+    peer_max_tokens: int = 16384      # peers run prefill cells with B*T at most this
     peer_max_decode_batch: int = 32
     stat: str = "median"              # headline statistic of repeated timings: "median" or "min"
 
