@@ -326,13 +326,21 @@ struct Bf16WidenPanel {
 
 // out[0:R, 0:cols] = x[0:R, :] @ panel over I inputs; x rows I apart, out rows O apart.
 // The panel's rows are read once per block, front to back, kPanel columns at a time.
+// `prefetch` (the unit's first block, which reads the panel from memory) issues software
+// prefetches a few rows ahead: the hardware prefetcher alone left the weight stream
+// latency-bound (benchmarks/README.md).
+constexpr int kPrefetchSteps = 8;
 template <typename Panel, int R>
 void panel_block(const float* __restrict x, int64_t I, const typename Panel::T* __restrict panel,
-                 float* __restrict out, int64_t O, int64_t cols) {
+                 float* __restrict out, int64_t O, int64_t cols, bool prefetch) {
   constexpr int S = Panel::kRowsPerStep;
+  constexpr int kPanelBytes = kPanel * sizeof(typename Panel::T);
   v16 acc[R][kPanelVectors] = {};
   const int64_t steps = I / S;
   for (int64_t i = 0; i < steps; ++i) {
+    if (prefetch)  // the panel comes from memory: ask for the rows kPrefetchSteps ahead
+      for (int line = 0; line < kPanelBytes; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(panel + (i + kPrefetchSteps) * kPanel) + line);
     v16 b[S][kPanelVectors];
     Panel::weights(panel + i * kPanel, b);
     for (int e = 0; e < S; ++e)
@@ -363,11 +371,11 @@ void panel_block(const float* __restrict x, int64_t I, const typename Panel::T* 
 
 template <typename Panel, int R>
 void panel_rows(int64_t rows, const float* x, int64_t I, const typename Panel::T* panel, float* out,
-                int64_t O, int64_t cols) {
+                int64_t O, int64_t cols, bool prefetch) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_rows<Panel, R - 1>(rows, x, I, panel, out, O, cols);
+    if (rows < R) return panel_rows<Panel, R - 1>(rows, x, I, panel, out, O, cols, prefetch);
   }
-  panel_block<Panel, R>(x, I, panel, out, O, cols);
+  panel_block<Panel, R>(x, I, panel, out, O, cols, prefetch);
 }
 
 // Work units are (panel, block of up to kRowsPerUnit rows), panel-major: the row blocks of
@@ -389,7 +397,7 @@ void packed_matmul(ffi::ThreadPool& pool, const float* x, const typename Panel::
     const typename Panel::T* panel = w + p * panel_rows_stored * kPanel;
     for (int64_t m = m0; m < m1; m += kRowBlock)
       panel_rows<Panel, kRowBlock>(std::min<int64_t>(kRowBlock, m1 - m), x + m * I, I, panel,
-                                   out + m * O + p * kPanel, O, cols);
+                                   out + m * O + p * kPanel, O, cols, m == m0);
   });
 }
 
@@ -545,7 +553,7 @@ extern "C" int jaxinfer_self_test() {
   float x[kRowBlock * 2], out[kRowBlock * kPanel], w[2 * kPanel];
   for (int i = 0; i < kRowBlock * 2; ++i) x[i] = static_cast<float>(i + 1);
   for (int i = 0; i < 2 * kPanel; ++i) w[i] = static_cast<float>(i % 5);
-  panel_block<F32Panel, kRowBlock>(x, 2, w, out, kPanel, kPanel);
+  panel_block<F32Panel, kRowBlock>(x, 2, w, out, kPanel, kPanel, false);
   for (int r = 0; r < kRowBlock; ++r)
     for (int c = 0; c < kPanel; ++c)
       if (out[r * kPanel + c] != x[2 * r] * w[c] + x[2 * r + 1] * w[kPanel + c]) return 0;
