@@ -18,6 +18,7 @@ from jaxinfer.engine import MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_ste
 from jaxinfer.params import prepare_params
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
+from packing import unpack_weight
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 ATOL = 1e-4
@@ -270,7 +271,7 @@ def test_prepared_params_give_the_same_logits(model):
     prepared = prepare_params(params, config)
     packed = isinstance(prepared["lm_head"], cpu_kernels.PackedWeight)
     assert packed == cpu_kernels.enabled()
-    plain = lambda w: np.asarray(cpu_kernels.unpack_weight(w) if packed else w)
+    plain = lambda w: np.asarray(unpack_weight(w) if packed else w)
     assert prepare_params(prepared, config) is prepared
     layers = np_params["layers"]
     n, kv, hd, f = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
