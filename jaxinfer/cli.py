@@ -36,8 +36,8 @@ def cmd_generate(args) -> int:
     from jaxinfer.llm import LLM
     from jaxinfer.loading import enable_compilation_cache
 
-    cfg = GenerationConfig.load(args.config, tuple(args.overrides))
-    sampling_params = cfg.sampling_params()  # validate before the model loads
+    cfg = GenerationConfig.load(args.config, tuple(args.overrides))  # validated before the load
+    sampling_params = cfg.sampling
     enable_compilation_cache()
     if (args.prompt is None) == (args.prompts_file is None):
         raise SystemExit("jaxinfer generate: give exactly one of --prompt or --prompts-file")

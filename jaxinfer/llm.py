@@ -249,7 +249,7 @@ class LLM:
         Args:
           prompts: texts, chat-message lists or token-id lists.
           sampling_params: one `SamplingParams` for all rows, a list (one per
-            row), or None for the default (temperature 1.0, no filters).
+            row), or None for the default, `SamplingParams()` (greedy).
           max_new_tokens: int or per-row list, >= 1.
           chat: render text prompts as a user turn with the chat template.
           stop: stop strings (the matched text is excluded from the output).
