@@ -46,6 +46,9 @@ from flax import struct
 SWITCH = "JAXINFER_CPU_KERNELS"  # "0" keeps every phase on XLA's own kernels
 SOURCE = pathlib.Path(__file__).parent / "kernels" / "cpu_kernels.cc"
 PANEL = 48  # columns per packed weight panel (kPanel in the C++ source)
+# Version of the PackedWeight layout `pack_weight` writes; part of the load
+# cache's key (jaxinfer/load_cache.py): bump it whenever packing changes.
+PACK_VERSION = 1
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")

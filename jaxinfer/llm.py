@@ -36,6 +36,7 @@ from jaxinfer.cache import grow_cache, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading import load_model
 from jaxinfer.params import prepare_params
+from jaxinfer.progress import Progress
 from jaxinfer.stop import StopMatcher
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -137,6 +138,7 @@ class _Programs:
         self._compiled = {}
         self.num_compiles = 0
         self.compile_s = 0.0
+        self.progress = Progress.off()   # reports each compile ("compiling start ... 0.9 s")
 
     def __call__(self, fn, *args, **static):
         shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
@@ -144,7 +146,8 @@ class _Programs:
                tuple(jax.tree_util.tree_leaves(shapes)))
         if key not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[key] = fn.lower(*args, **static).compile()
+            with self.progress.step(f"compiling {fn.__name__}"):
+                self._compiled[key] = fn.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0
             self.num_compiles += 1
         return self._compiled[key](*args)
@@ -190,20 +193,29 @@ class LLM:
         self.last_stats = RunStats()
 
     @classmethod
-    def load(cls, source: str, *, dtype: str = "float32", **kwargs) -> "LLM":
+    def load(cls, source: str, *, dtype: str = "float32", progress=None,
+             load_cache: Optional[bool] = None, **kwargs) -> "LLM":
         """Load a named model, a `.gguf` file or a Hugging Face folder.
 
         Args:
           source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder".
           dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
+          progress: a `jaxinfer.progress.Progress`, or True / False; None shows
+            download/load bars and compile lines when stderr is a terminal.
+          load_cache: keep prepared params in the load cache
+            (`jaxinfer.load_cache`); None: unless `JAXINFER_LOAD_CACHE=0`.
           kwargs: passed to `LLM(...)` (max_seq_len, decode_chunk, ...).
         Raises:
           ModelSourceError: the model file cannot be found or fetched.
           CheckpointError: a tensor is missing or has the wrong shape.
         """
-        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype))
+        progress = Progress.resolve(progress)
+        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
+                                               cache=load_cache, progress=progress)
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
-        return cls(config, params, tokenizer, **kwargs)
+        llm = cls(config, params, tokenizer, **kwargs)
+        llm.programs.progress = progress
+        return llm
 
     # --- prompts ---------------------------------------------------------------
 
@@ -232,12 +244,7 @@ class LLM:
     def _tokenize(self, prompt, chat: bool) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this LLM has no tokenizer: pass token ids")
-        if not chat:
-            return self.tokenizer.encode(prompt)
-        if not self.tokenizer.has_chat_template:
-            raise ValueError("this model has no chat template: use a raw prompt (chat: false)")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode_prompt(prompt, chat)
 
     # --- generation -------------------------------------------------------------
 
