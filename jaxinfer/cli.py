@@ -124,7 +124,7 @@ def cmd_generate(args) -> int:
     from jaxinfer.progress import Progress
 
     if (args.prompt is None) == (args.prompts_file is None):
-        args.parser.error("give exactly one of --prompt or --prompts-file")
+        args.parser.error("give exactly one of --prompt or --prompts-file")   # exits 2
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))  # validated before the load
     if args.prompt is not None:
         lines, labels = [(0, args.prompt)], ["--prompt"]
@@ -168,9 +168,13 @@ def main(argv=None) -> int:
     add_train_toy_parser(sub)
     add_trace_parser(sub)
     add_bench_parser(sub)
-    args = parser.parse_args(argv)
     try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:   # reported by the command's own parser: "jaxinfer <command>: error: ..."
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.func(args)
+    except SystemExit as e:           # argparse: --help (0) or a usage error (2, message printed)
+        return e.code
     except USAGE_ERRORS as e:
         print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
         return 2

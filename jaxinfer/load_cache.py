@@ -31,8 +31,8 @@ plus the leaves' shapes and dtypes. On read every one of these is checked;
 an entry that fails any check (truncated, unreadable header, another key,
 a shape, dtype or tree that does not match) is reported with a
 `RuntimeWarning`, deleted and rebuilt, never used. Writing is atomic (a
-temporary file renamed into place), and a new entry replaces older entries for
-the same source, dtype and packing.
+temporary file renamed into place); of the entries for one source, dtype and
+packing only the newest `KEEP_OTHERS + 1` are kept.
 
 Set `JAXINFER_LOAD_CACHE=0` (or pass `cache=False` to the loaders) to load
 without it. `STATS` counts hits, misses, rejected entries and writes.
@@ -66,6 +66,9 @@ PRODUCER_MODULES = ("jaxinfer.params", "jaxinfer.cpu_kernels", "jaxinfer.config"
                     "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
                     "jaxinfer.checkpoint.safetensors")
 _META = "jaxinfer"                 # safetensors header metadata key of our JSON
+# Older entries kept per (source, dtype, packing) besides the newest, e.g. for
+# two checkouts of different code sharing one cache; the rest are deleted.
+KEEP_OTHERS = 1
 
 
 @dataclasses.dataclass
@@ -254,8 +257,7 @@ def _static_from_json(value):
 
 def write_entry(entry: pathlib.Path, key: dict, config: ModelConfig, params) -> None:
     """Write prepared `params` (any pytree `describe` accepts) and `config`
-    under `key`, atomically; then delete older entries of the same source,
-    dtype and packing.
+    under `key`, atomically (a temporary file renamed into place).
 
     Raises:
       OSError: the file cannot be written (disk full, read-only cache).
@@ -275,10 +277,16 @@ def write_entry(entry: pathlib.Path, key: dict, config: ModelConfig, params) -> 
         os.replace(tmp, entry)
     finally:
         tmp.unlink(missing_ok=True)
-    same_source = entry.name[:entry.name.rindex("-") + 1]   # all but the key digest
-    for old in entry.parent.glob(f"{glob.escape(same_source)}*.safetensors"):
-        if old != entry:
-            old.unlink(missing_ok=True)
+
+
+def prune(entry: pathlib.Path) -> None:
+    """Delete all but the newest `KEEP_OTHERS` other entries named like
+    `entry` up to its key digest (same source, dtype and packing)."""
+    same_source = entry.name[:entry.name.rindex("-") + 1]
+    others = sorted((p for p in entry.parent.glob(f"{glob.escape(same_source)}*.safetensors")
+                     if p != entry), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in others[KEEP_OTHERS:]:
+        old.unlink(missing_ok=True)
 
 
 def read_entry(entry: pathlib.Path, key: dict):
@@ -396,6 +404,7 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
     try:
         with progress.step("saving params to the load cache"):
             write_entry(entry, key, config, params)
+            prune(entry)
         STATS.writes += 1
     except (OSError, TypeError) as e:
         warnings.warn(f"jaxinfer load cache: could not write {entry}: {e}", RuntimeWarning)
