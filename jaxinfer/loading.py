@@ -59,20 +59,23 @@ def gguf_reader(path: pathlib.Path, progress: Progress) -> Callable[[], object]:
     return reader
 
 
-def load_tokenizer(path: pathlib.Path, reader: Optional[Callable[[], object]] = None):
+def load_tokenizer(path: pathlib.Path, reader: Optional[Callable[[], object]] = None,
+                   progress: Optional[Progress] = None):
     """The `Tokenizer` of a .gguf file or HF folder (from `resolve_model`).
 
     Args:
       reader: for a .gguf, a function returning its `gguf.GGUFReader`,
         called only when the tokenizer must be converted (not cached yet).
+      progress: reports "loading the tokenizer" when it takes over 0.5 s.
     Raises:
       FileNotFoundError / ValueError: see `Tokenizer.from_source`.
     """
     from jaxinfer.tokenizer import Tokenizer
 
-    if pathlib.Path(path).is_file():
-        return Tokenizer.from_gguf(path, reader=reader)
-    return Tokenizer.from_source(path)
+    with Progress.resolve(progress).step("loading the tokenizer", after_s=0.5):
+        if pathlib.Path(path).is_file():
+            return Tokenizer.from_gguf(path, reader=reader)
+        return Tokenizer.from_source(path)
 
 
 def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False,
@@ -143,7 +146,7 @@ def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
     progress = Progress.resolve(progress)
     path = resolve_model(source, progress)
     reader = gguf_reader(path, progress) if path.is_file() else None
-    tokenizer = load_tokenizer(path, reader)
+    tokenizer = load_tokenizer(path, reader, progress)
     if before_weights is not None:
         before_weights(tokenizer)
     config, params = load_params(path, dtype, prepared=prepared, cache=cache, progress=progress,

@@ -62,6 +62,8 @@ class Progress:
         self._file = file
         self.enabled = bool(self._is_tty() if enabled is None else enabled)
         self.steps: list[tuple[str, float]] = []   # (desc, seconds) of every finished step
+        self._lock = threading.RLock()
+        self._open = None          # the step whose "desc ..." line awaits its seconds
 
     @classmethod
     def off(cls) -> "Progress":
@@ -92,19 +94,25 @@ class Progress:
             return _NoBar()
         from tqdm import tqdm
 
+        with self._lock:
+            self._break_line()
+
         return tqdm(total=total, desc=f"{PREFIX} {desc}", unit=unit, file=self.file,
                     unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
                     dynamic_ncols=True, leave=True)
 
-    def note(self, message: str) -> None:
-        """One line `[jaxinfer] message` when enabled."""
-        if self.enabled:
-            print(f"{PREFIX} {message}", file=self.file, flush=True)
+    def _break_line(self) -> None:
+        """End a step's open `desc ...` line before something else is printed."""
+        if self._open is not None:
+            print(file=self.file, flush=True)
+            self._open = None
 
     @contextlib.contextmanager
     def step(self, desc: str, after_s: float = 0.0) -> Iterator[None]:
         """Report one step: `[jaxinfer] desc ...`, then its seconds when it
-        ends (`... 1.23 s`, or `... failed after 1.23 s`).
+        ends (`... 1.23 s`, or `... failed after 1.23 s`). When other output
+        came in between (a nested step, a bar), the end is a line of its own:
+        `[jaxinfer] desc: 1.23 s`.
 
         Args:
           desc: what the step does.
@@ -114,14 +122,16 @@ class Progress:
         Records (desc, seconds) in `self.steps` whether enabled or not.
         """
         t0 = time.perf_counter()
-        shown = threading.Event()
-        lock = threading.Lock()
+        token = object()
+        state = {"shown": False, "done": False}
 
         def show():
-            with lock:
-                if not shown.is_set() and self.enabled:
-                    print(f"{PREFIX} {desc} ...", end="", file=self.file, flush=True)
-                    shown.set()
+            with self._lock:
+                if state["done"] or not self.enabled:
+                    return
+                self._break_line()
+                print(f"{PREFIX} {desc} ...", end="", file=self.file, flush=True)
+                self._open, state["shown"] = token, True
 
         timer = threading.Timer(after_s, show) if after_s > 0 else None
         if timer is None:
@@ -135,12 +145,17 @@ class Progress:
             ok = True
         finally:
             seconds = time.perf_counter() - t0
-            with lock:
+            with self._lock:
                 if timer is not None:
                     timer.cancel()
-                if shown.is_set():
-                    end = f" {seconds:.2f} s" if ok else f" failed after {seconds:.2f} s"
-                    print(end, file=self.file, flush=True)
-                shown.set()       # a timer that fires late prints nothing
+                state["done"] = True
+                if state["shown"]:
+                    end = f"{seconds:.2f} s" if ok else f"failed after {seconds:.2f} s"
+                    if self._open is token:
+                        print(f" {end}", file=self.file, flush=True)
+                        self._open = None
+                    else:
+                        self._break_line()
+                        print(f"{PREFIX} {desc}: {end}", file=self.file, flush=True)
             if ok:
                 self.steps.append((desc, seconds))

@@ -22,13 +22,46 @@ def load_hf_gguf(gguf_path):
     return model.eval(), tok
 
 
-def release(*objects) -> None:
-    """Drop references a module-scoped fixture held (HF models, LLMs) and
-    collect, so the next module's models do not stack on top of them."""
-    for obj in objects:
-        if isinstance(obj, dict):
-            obj.clear()
-    gc.collect()
+class OneAtATime:
+    """Loads values by key and keeps only the latest: asking for another key
+    drops the held value first (and collects), so two large models never
+    stack up, while tests that ask for the same model in a row share one load."""
+
+    def __init__(self, load):
+        self._load = load
+        self._key = self._value = None
+
+    def get(self, key):
+        if key != self._key:
+            self.clear()
+            self._value, self._key = self._load(key), key
+        return self._value
+
+    def clear(self) -> None:
+        self._key = self._value = None
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """name -> the named model's verified .gguf path, or a skip when it cannot be fetched."""
+    from jaxinfer.checkpoint.sources import ModelSourceError, resolve_model
+
+    def get(name: str) -> pathlib.Path:
+        try:
+            return resolve_model(name)
+        except ModelSourceError as e:
+            pytest.skip(f"model {name} unavailable: {e}")
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_gguf():
+    """gguf path -> (transformers model, tokenizer), one model held at a time
+    across the session (see `OneAtATime`); released at the end."""
+    holder = OneAtATime(load_hf_gguf)
+    yield holder.get
+    holder.clear()
 
 
 # --- the two-layer toy model, trained once per session -----------------------------------

@@ -393,23 +393,15 @@ def test_real_fetch_smollm2(tmp_cache):
 # ---------------------------------------------------------------------------
 # Real files vs the Hugging Face GGUF loader
 
-def _model_path(name: str) -> pathlib.Path:
-    try:
-        return resolve_model(name)
-    except ModelSourceError as e:
-        pytest.skip(f"model {name} unavailable: {e}")
-
-
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
-def loaded(request):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = _model_path(request.param)
+def loaded(request, real_model_path, hf_gguf):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = real_model_path(request.param)
     config, params, meta = load_gguf(path)
     params = jax.tree_util.tree_map(np.asarray, params)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    hf, _ = hf_gguf(path)             # shared with test_gemma3 / test_hf_smollm2 (conftest)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}   # views of the model's tensors
     return config, params, meta, hf.config, sd
 
 

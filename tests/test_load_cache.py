@@ -16,30 +16,7 @@ import pytest
 
 from jaxinfer import cpu_kernels, load_cache
 from jaxinfer.loading import load_params
-
-
-def tiny_folder(folder):
-    """A two-layer untied Llama HF folder with random float32 weights."""
-    from safetensors.numpy import save_file
-
-    cfg = dict(model_type="llama", vocab_size=50, hidden_size=16, intermediate_size=24,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               tie_word_embeddings=False)
-    rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (50, 16), "model.norm.weight": (16,),
-              "lm_head.weight": (50, 16)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (16,), p + "post_attention_layernorm.weight": (16,),
-                       p + "self_attn.q_proj.weight": (16, 16), p + "self_attn.k_proj.weight": (8, 16),
-                       p + "self_attn.v_proj.weight": (8, 16), p + "self_attn.o_proj.weight": (16, 16),
-                       p + "mlp.gate_proj.weight": (24, 16), p + "mlp.up_proj.weight": (24, 16),
-                       p + "mlp.down_proj.weight": (16, 24)})
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
-              str(folder / "model.safetensors"))
-    return folder
+from tiny import tiny_llama_folder
 
 
 @pytest.fixture
@@ -53,7 +30,8 @@ def cache_root(tmp_path, monkeypatch):
 
 @pytest.fixture
 def folder(tmp_path):
-    return tiny_folder(tmp_path / "tiny")
+    """An untied tiny Llama: its lm_head is packed too where the kernels are on."""
+    return tiny_llama_folder(tmp_path / "tiny", tied=False)
 
 
 def entries(root):
@@ -131,7 +109,7 @@ def test_tensor_not_matching_its_description_is_rejected(cache_root, folder):
     name = next(k for k in tensors if k.endswith("['norm']"))
     tensors[name] = tensors[name][:-1]                     # one element short
     save_file(tensors, str(entry), metadata=meta)
-    with pytest.warns(RuntimeWarning, match=r"tensor \['norm'\] is float32\[15\]"):
+    with pytest.warns(RuntimeWarning, match=r"tensor \['norm'\] is float32\[7\]"):
         load_params(folder, prepared=True)
     assert load_cache.STATS.rejected == 1
 
@@ -171,7 +149,7 @@ def test_stale_code_is_a_miss_and_old_entries_are_pruned(cache_root, folder, mon
 
 def test_changed_source_is_a_miss(cache_root, folder):
     load_params(folder, prepared=True)
-    tiny_folder(folder)                                       # same content: still a hit
+    tiny_llama_folder(folder, tied=False)                     # same content: still a hit
     load_params(folder, prepared=True)
     assert load_cache.STATS.hits == 1
     cfg = json.loads((folder / "config.json").read_text())
