@@ -9,7 +9,12 @@ is written to
 
 (safetensors, https://github.com/huggingface/safetensors: an 8-byte header
 length, a JSON header, then the raw little-endian tensors), and a later start
-maps that file and copies each tensor straight into a device buffer.
+maps that file. Every tensor starts on a 64-byte boundary (filler tensors and
+header padding see to it), so on CPU each device array is the mapped file
+itself (`jax.device_put(..., may_alias=True)`): no copy, and the pages are
+the OS page cache's, shared by every process that loads the same model.
+Entries are never modified in place (a writer renames a new file over the
+old one), which keeps a mapped file valid while it is in use.
 
 The key (stored in the file and hashed into its name) covers everything the
 prepared params depend on:
@@ -69,6 +74,10 @@ _META = "jaxinfer"                 # safetensors header metadata key of our JSON
 # Older entries kept per (source, dtype, packing) besides the newest, e.g. for
 # two checkouts of different code sharing one cache; the rest are deleted.
 KEEP_OTHERS = 1
+# Tensor data starts on this boundary in an entry (XLA:CPU can then use the
+# mapped file as the device buffer); filler tensors are named name + PAD_SUFFIX.
+ALIGN = 64
+PAD_SUFFIX = "\x01pad"
 
 
 @dataclasses.dataclass
@@ -270,10 +279,16 @@ def write_entry(entry: pathlib.Path, key: dict, config: ModelConfig, params) -> 
     meta = {"key": key, "config": dataclasses.asdict(config), "tree": desc,
             "treedef": str(jax.tree_util.tree_structure(params)),
             "leaves": {name: [list(a.shape), a.dtype.name] for name, a in tensors.items()}}
+    tensors.update(_alignment_pads(tensors))
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata={_META: json.dumps(meta)})
+        metadata = {_META: json.dumps(meta), "pad": ""}
+        save_file(tensors, str(tmp), metadata=metadata)
+        misaligned = (8 + _header_size(tmp)) % ALIGN
+        if misaligned:   # safetensors pads its header to 8 bytes; pad ours to ALIGN and rewrite
+            metadata["pad"] = " " * (ALIGN - misaligned)
+            save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, entry)
     finally:
         tmp.unlink(missing_ok=True)
@@ -287,6 +302,23 @@ def prune(entry: pathlib.Path) -> None:
                      if p != entry), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in others[KEEP_OTHERS:]:
         old.unlink(missing_ok=True)
+
+
+def _alignment_pads(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Zero filler tensors that make every tensor's data start at a multiple
+    of ALIGN bytes (given an aligned header): safetensors lays tensors out by
+    dtype, then name, so `name + PAD_SUFFIX` lands right after `name`."""
+    pads = {}
+    for name, a in tensors.items():
+        fill = (-a.nbytes) % ALIGN
+        if fill:
+            pads[name + PAD_SUFFIX] = np.zeros(fill // a.dtype.itemsize, a.dtype)
+    return pads
+
+
+def _header_size(path: pathlib.Path) -> int:
+    with open(path, "rb") as f:
+        return struct.unpack("<Q", f.read(8))[0]
 
 
 def read_entry(entry: pathlib.Path, key: dict):
@@ -326,13 +358,15 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.
 
 
 def _map_tensors(entry: pathlib.Path, expected: dict) -> dict[str, jax.Array]:
-    """Each tensor of a (validated) safetensors file as a device array, read
-    through one read-only memory map; shapes and dtypes checked against `expected`."""
+    """Each tensor of a (validated) safetensors file as a device array over
+    one read-only memory map (zero-copy where the data is ALIGN-aligned, as
+    `write_entry` lays it out); shapes and dtypes checked against `expected`."""
     mm = np.memmap(entry, dtype=np.uint8, mode="r")
     try:
         (n,) = struct.unpack("<Q", mm[:8].tobytes())
         header = json.loads(mm[8:8 + n].tobytes())
         header.pop("__metadata__", None)
+        header = {k: v for k, v in header.items() if not k.endswith(PAD_SUFFIX)}
         if set(header) != set(expected):
             raise CacheEntryError(f"holds tensors {sorted(set(header) ^ set(expected))[:3]} "
                                   "its description does not (or the reverse)")
@@ -344,7 +378,9 @@ def _map_tensors(entry: pathlib.Path, expected: dict) -> dict[str, jax.Array]:
             if [list(view.shape), dtype.name] != expected[name]:
                 raise CacheEntryError(f"tensor {name} is {dtype.name}{list(view.shape)}, "
                                       f"described as {expected[name]}")
-            out[name] = jax.device_put(view)
+            # On CPU an aligned view becomes the device buffer itself (no copy; the
+            # mapping lives as long as the array); JAX copies anything else.
+            out[name] = jax.device_put(view, may_alias=True)
         jax.block_until_ready(out)
         return out
     finally:
