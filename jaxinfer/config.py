@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+from jaxinfer.sampling import SamplingParams
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -135,6 +138,11 @@ class ModelConfig:
 class GenerationConfig:
     """What `jaxinfer generate` reads from a YAML file plus key=value overrides.
 
+    The YAML is flat: the keys are these attributes (except `sampling`) and
+    the fields of `jaxinfer.sampling.SamplingParams` (temperature, top_k,
+    top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+    seed), which go into `sampling` and are validated there, once.
+
     Attributes:
       model: a named model ("smollm2-135m-instruct", "gemma3-270m"), a .gguf
         path or a Hugging Face checkpoint folder.
@@ -142,12 +150,16 @@ class GenerationConfig:
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       max_new_tokens: generated tokens per prompt, at most.
       chat: render the prompt as a user turn with the model's chat template.
-      system_prompt: optional system turn for chat prompts.
-      temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-      frequency_penalty, seed: sampling (see `jaxinfer.sampling.SamplingParams`).
-      stop: stop strings.
+      system_prompt: a system turn before chat prompts; null keeps the
+        template's default.
+      stop: stop strings; a match ends the row and is cut from the text.
       decode_chunk: decode steps per compiled chunk (streaming granularity).
-      logprobs: None, or how many top alternatives to report per token.
+      sampling: the sampling parameters (`SamplingParams`; greedy unless the
+        YAML sets temperature > 0).
+
+    Raises:
+      ValueError: naming the key, for a value of the wrong type or out of range.
+      TypeError: from `SamplingParams`, for a sampling value of the wrong type.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -156,82 +168,71 @@ class GenerationConfig:
     max_new_tokens: int = 128
     chat: bool = True
     system_prompt: Optional[str] = None
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     decode_chunk: int = 16
-    logprobs: Optional[int] = None
+    sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
         self._check_types()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_seq_len", "max_new_tokens", "decode_chunk"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
     def _check_types(self) -> None:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
-        kinds = {"model": str, "dtype": str, "chat": bool, "max_seq_len": int, "max_new_tokens": int,
-                 "decode_chunk": int, "top_k": int, "temperature": float, "top_p": float,
-                 "min_p": float, "repetition_penalty": float, "presence_penalty": float,
-                 "frequency_penalty": float}
+        kinds = {"model": str, "dtype": str, "chat": bool, "max_seq_len": int,
+                 "max_new_tokens": int, "decode_chunk": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
-            ok = isinstance(value, bool) if kind is bool else (
-                isinstance(value, kind) or (kind is float and isinstance(value, int))
-            ) and not isinstance(value, bool)
-            if not ok:
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
-        for name in ("seed", "logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be an integer or null, got {value!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
-        stop = self.stop
-        if isinstance(stop, str):
-            stop = (stop,)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
 
     @classmethod
-    def from_dict(cls, values: dict) -> "GenerationConfig":
-        """Build from a mapping; raises ValueError naming unknown keys."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
+    def keys(cls) -> tuple[str, ...]:
+        """The YAML keys, in documentation order: own fields, then sampling fields."""
+        own = tuple(f.name for f in dataclasses.fields(cls) if f.name != "sampling")
+        return own + tuple(f.name for f in dataclasses.fields(SamplingParams))
 
     @classmethod
-    def load(cls, path: Optional[str] = None, overrides: tuple[str, ...] = ()) -> "GenerationConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> "GenerationConfig":
+        """Build from a flat mapping of YAML keys (see the class docstring).
+
+        Raises:
+          ValueError: unknown keys (all named, with the known ones), or invalid values.
+          TypeError: a sampling value of the wrong type.
+        """
+        check_keys(values, cls.keys(), "config")
+        sampling_names = {f.name for f in dataclasses.fields(SamplingParams)}
+        sampling = SamplingParams(**{k: v for k, v in values.items() if k in sampling_names})
+        return cls(sampling=sampling, **{k: v for k, v in values.items() if k not in sampling_names})
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, overrides: Sequence[str] = ()) -> "GenerationConfig":
         """Read a YAML file (or defaults when path is None) and apply
         `key=value` overrides, each value parsed as YAML (so 0.7, true, null work).
 
         Raises:
           ValueError: unknown keys, a malformed override, or invalid values.
+          TypeError: a sampling value of the wrong type.
           FileNotFoundError: the YAML file does not exist.
         """
         import yaml
 
-        values = {}
-        if path is not None:
-            with open(path, encoding="utf-8") as f:
-                values = yaml.safe_load(f) or {}
-            if not isinstance(values, dict):
-                raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
+        values = read_yaml_mapping(path) if path is not None else {}
         for item in overrides:
             key, sep, raw = item.partition("=")
-            if not sep or not key:
+            if not sep or not key.strip():
                 raise ValueError(f"override {item!r} is not key=value")
             try:
                 values[key.strip()] = yaml.safe_load(raw)
@@ -239,11 +240,69 @@ class GenerationConfig:
                 raise ValueError(f"override {item!r}: value is not valid YAML ({e})") from None
         return cls.from_dict(values)
 
-    def sampling_params(self):
-        """The sampling fields as a `jaxinfer.sampling.SamplingParams`."""
-        from jaxinfer.sampling import SamplingParams
+    @classmethod
+    def key_docs(cls) -> dict[str, str]:
+        """YAML key -> its documentation (from this docstring and
+        `SamplingParams`'), for `jaxinfer generate --help`."""
+        docs = {**attribute_docs(cls), **attribute_docs(SamplingParams)}
+        return {k: docs[k] for k in cls.keys()}
 
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed)
+
+def read_yaml_mapping(path: str | os.PathLike) -> dict:
+    """A YAML file's top-level mapping ({} for an empty file).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file is not valid YAML or not a mapping (names the file).
+    """
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            values = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
+    return values
+
+
+def check_keys(values: Mapping[str, Any], known: Sequence[str], what: str) -> None:
+    """Raise ValueError naming every key of `values` not in `known` (and the known keys)."""
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
+
+
+def attribute_docs(cls) -> dict[str, str]:
+    """name -> text of each entry in the "Attributes:" section of a class
+    docstring (Google style: `name: text`, continuation lines indented
+    deeper; `a, b: text` documents both)."""
+    lines = (cls.__doc__ or "").splitlines()
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    inside, indent = False, None
+    for line in lines:
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            inside = True
+            continue
+        if not inside or not stripped:
+            if inside and not stripped and names:
+                names = []
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        head, sep, text = stripped.partition(": ")
+        if depth == indent and sep and all(n.strip().isidentifier() for n in head.split(",")):
+            names = [n.strip() for n in head.split(",")]
+            for n in names:
+                docs[n] = text
+        elif names:
+            for n in names:
+                docs[n] += " " + stripped
+    return docs

@@ -50,6 +50,10 @@ REBUILD = "JAXINFER_REBUILD_KERNELS"  # "1" retries a build that failed before
 ARCH = "JAXINFER_KERNEL_ARCH"  # the -march the library targets (default "native")
 BF16_DOT = "JAXINFER_BF16_DOT"  # "0" widens bfloat16 weights even where VDPBF16PS runs
 SOURCE_DIR = pathlib.Path(__file__).parent / "kernels"
+# Version of the PackedWeight layout `pack_weight` writes; part of the load
+# cache's key (jaxinfer/load_cache.py, with the build's panel width): bump it
+# whenever packing changes.
+PACK_VERSION = 1
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",

@@ -30,6 +30,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.loading import load_model
 from jaxinfer.params import prepare_params
 from jaxinfer.programs import ProgramCache
+from jaxinfer.progress import Progress
 from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runner import ModelRunner
 from jaxinfer.scheduler import Scheduler
@@ -110,20 +111,29 @@ class LLM:
         self.last_stats = RunStats()
 
     @classmethod
-    def load(cls, source: str, *, dtype: str = "float32", **kwargs) -> "LLM":
+    def load(cls, source: str, *, dtype: str = "float32", progress=None,
+             load_cache: Optional[bool] = None, **kwargs) -> "LLM":
         """Load a named model, a `.gguf` file or a Hugging Face folder.
 
         Args:
           source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder".
           dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
+          progress: a `jaxinfer.progress.Progress`, or True / False; None shows
+            download/load bars and compile lines when stderr is a terminal.
+          load_cache: keep prepared params in the load cache
+            (`jaxinfer.load_cache`); None: unless `JAXINFER_LOAD_CACHE=0`.
           kwargs: passed to `LLM(...)` (max_seq_len, decode_chunk, ...).
         Raises:
           ModelSourceError: the model file cannot be found or fetched.
           CheckpointError: a tensor is missing or has the wrong shape.
         """
-        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype))
+        progress = Progress.resolve(progress)
+        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
+                                               cache=load_cache, progress=progress)
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
-        return cls(config, params, tokenizer, **kwargs)
+        llm = cls(config, params, tokenizer, **kwargs)
+        llm.programs.progress = progress
+        return llm
 
     # --- prompts -----------------------------------------------------------------------
 
@@ -152,12 +162,7 @@ class LLM:
     def _tokenize(self, prompt, chat: bool) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this LLM has no tokenizer: pass token ids")
-        if not chat:
-            return self.tokenizer.encode(prompt)
-        if not self.tokenizer.has_chat_template:
-            raise ValueError("this model has no chat template: use a raw prompt (chat: false)")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode_prompt(prompt, chat)
 
     # --- the serving engine ----------------------------------------------------------------
 
@@ -193,7 +198,7 @@ class LLM:
         Args:
           prompts: texts, chat-message lists or token-id lists.
           sampling_params: one `SamplingParams` for all prompts, a list (one
-            per prompt), or None for the default `SamplingParams()`.
+            per prompt), or None for the default, `SamplingParams()` (greedy).
           max_new_tokens: int or per-prompt list, >= 1.
           chat: render text prompts as a user turn with the chat template.
           stop: stop strings (the matched text is excluded from the output).

@@ -25,10 +25,13 @@ class ProgramCache:
     """
 
     def __init__(self):
+        from jaxinfer.progress import Progress
+
         self._compiled = {}
         self._lock = threading.Lock()
         self.num_compiles = 0
         self.compile_s = 0.0
+        self.progress = Progress.off()   # reports each compile ("compiling start ... 0.9 s")
 
     def __call__(self, fn, *args, **static):
         """Run jitted `fn(*args, **static)`; `static` must be its static arguments."""
@@ -41,7 +44,8 @@ class ProgramCache:
                 program = self._compiled.get(key)
                 if program is None:
                     t0 = time.perf_counter()
-                    program = fn.lower(*args, **static).compile()
+                    with self.progress.step(f"compiling {fn.__name__}"):
+                        program = fn.lower(*args, **static).compile()
                     self.compile_s += time.perf_counter() - t0
                     self.num_compiles += 1
                     self._compiled[key] = program

@@ -34,16 +34,13 @@ ways that give the same kept set:
 
 A row's path depends only on its own logits and parameters, and each step
 (`lax.top_k`, either bisection) runs only when some row in the batch needs it
-(`lax.cond`). Measured on this project's 2-core CPU under jit, V=49152,
-B=32 (process CPU time per call): a full sort (`jnp.sort` or
-`lax.top_k(V)`) ~300 ms; top-k=50 and/or top-p=0.9 here ~9 ms on the fast
-path, 19-36 ms by bisection alone. At B=1: sort ~9.5 ms, here 0.3-0.8 ms.
-The sort-based definition stays as the slow reference in
-tests/test_sampling.py.
+(`lax.cond`), so no full-vocabulary sort runs per step (measured against a
+sort in benchmarks/README.md, "Sampling"). The sort-based definition stays as
+the slow reference in tests/test_sampling.py.
 
 Drawing: one uniform per row and a two-level inverse CDF (`inverse_cdf`),
-one O(V) pass (~1 ms at B=32, V=49152), instead of
-`jax.random.categorical`'s V Gumbel draws and variadic argmax (~35 ms).
+one O(V) pass, instead of `jax.random.categorical`'s V Gumbel draws and a
+variadic argmax (benchmarks/README.md, "Sampling").
 
 Tie rule (both filters): all tokens whose scaled logit equals the boundary
 value are kept, as in Hugging Face's `TopKLogitsWarper` (which drops only
@@ -101,23 +98,31 @@ CANDIDATES = 256
 class SamplingParams:
     """Host-side sampling parameters of one request (one batch row).
 
+    The defaults are greedy decoding: `SamplingParams()` takes the argmax at
+    every step, so the same prompt always gives the same text (Hugging Face
+    `generate`'s default, `do_sample=False`). Set `temperature` > 0 to
+    sample; top_k, top_p and min_p only filter sampled rows. jaxinfer does
+    not read a checkpoint's `generation_config.json` sampling values: every
+    value comes from here (or the YAML keys of the same names).
+
     Attributes:
-      temperature: divides the logits; 0 means greedy (argmax). >= 0.
+      temperature: divides the logits before sampling; 0 (the default) is
+        greedy (argmax, lowest id on ties). >= 0.
       top_k: keep the k most likely tokens (ties at the k-th value all kept);
-        <= 0 or >= V filters nothing; 1 is greedy.
-      top_p: nucleus sampling (Holtzman et al. 2019); 1.0 filters nothing, a
-        tiny value keeps only the argmax (and tokens tied with it).
-        In (0, 1].
-      min_p: keep tokens with prob >= min_p * max prob. In [0, 1].
-      repetition_penalty: CTRL / Hugging Face convention (Keskar et al. 2019,
-        arXiv:1909.05858): a logit l of a token seen in the prompt or output
-        becomes l / r if l > 0 else l * r. > 0; 1.0 is off.
-      presence_penalty: OpenAI convention: l -= presence_penalty if the token
-        was generated at least once (prompt tokens do not count).
-      frequency_penalty: OpenAI convention: l -= frequency_penalty * count,
-        count = times the token was generated.
-      seed: 32-bit seed in [0, 2**32 - 1], or None for a random seed drawn on
-        the host (`resolve_seeds`).
+        0 or -1 (off) and k >= V filter nothing; 1 is greedy. >= -1.
+      top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set
+        of most likely tokens whose mass reaches top_p; 1.0 is off. In (0, 1].
+      min_p: keep tokens with prob >= min_p * max prob (Nguyen et al. 2024);
+        0 is off. In [0, 1].
+      repetition_penalty: a logit l of a token seen in the prompt or output
+        becomes l / r if l > 0 else l * r (CTRL, Keskar et al. 2019,
+        arXiv:1909.05858; Hugging Face convention); 1.0 is off. > 0.
+      presence_penalty: l -= presence_penalty once a token was generated
+        (OpenAI convention; prompt tokens do not count); 0 is off.
+      frequency_penalty: l -= frequency_penalty * (times the token was
+        generated) (OpenAI convention); 0 is off.
+      seed: sampling seed in [0, 2**32 - 1]; None (YAML null) draws a random
+        one per request (`resolve_seeds`). Greedy rows ignore it.
 
     Raises:
       ValueError: naming the field, for a value out of range or not finite.
@@ -125,7 +130,7 @@ class SamplingParams:
         field that is not a real number, top_k or seed not an integer).
     """
 
-    temperature: float = 1.0
+    temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -149,6 +154,8 @@ class SamplingParams:
                self.repetition_penalty)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
             raise TypeError(f"SamplingParams.top_k must be an int, got {self.top_k!r}")
+        _check(self.top_k >= -1, "top_k", "must be >= -1 (0 and -1 mean no top-k filter)",
+               self.top_k)
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
                 raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")

@@ -4,38 +4,20 @@ All tokenization is done by Hugging Face `transformers` on its Rust `tokenizers`
 backend; nothing here implements BPE or SentencePiece.
 
 * GGUF: the tokenizer `AutoTokenizer.from_pretrained(folder, gguf_file=name)`
-  would build, built without PyTorch. transformers' own GGUF path imports torch
-  (its GGUF reader does), and torch is not a jaxinfer dependency, so jaxinfer
-  does the torch-dependent part itself and hands the rest to transformers:
+  would build, built without PyTorch from the GGUF's `tokenizer.*` metadata
+  (`jaxinfer.checkpoint.gguf_tokenizer`, which reads the file with the same
+  `gguf.GGUFReader` the weights are loaded with).
 
-    1. read the GGUF metadata here (`_read_gguf_metadata`, a plain header
-       parser: values as transformers' reader returns them, the vocabulary and
-       merges as lists of strings);
-    2. group the `tokenizer.*` keys into transformers' `tokenizer` and
-       `tokenizer_config` dicts with its `GGUF_TOKENIZER_MAPPING`, plus the few
-       rules of its `get_gguf_tokenizer` (`_gguf_tokenizer_dicts`);
-    3. `convert_gguf_tokenizer` (transformers) builds the Rust tokenizer:
-       vocab, merges, normalizer, pre-tokenizer, decoder, control and
-       user-defined tokens;
-    4. wrap it in the tokenizer class `AutoTokenizer` picks for the GGUF's
-       architecture (`_gguf_tokenizer_class`: e.g. `GemmaTokenizer` for Gemma 3,
-       `TokenizersBackend` for Llama), with the `tokenizer_config` kwargs
-       (special tokens, `add_bos_token` / `add_eos_token`, `chat_template`),
-       as transformers' `TokenizersBackend.__init__` does for `gguf_file=`.
-
-  The tests check the result against a fresh `AutoTokenizer` (with torch) for
-  SmolLM2 and Gemma 3: same class, same serialized Rust tokenizer, same ids.
-  On a transformers without `transformers.integrations.gguf` (older layouts)
-  this falls back to `AutoTokenizer.from_pretrained(..., gguf_file=...)`.
-
-  Conversion takes seconds for a large vocabulary (the merges of Gemma 3's
-  262k vocab are rebuilt from the tokens), so the result is saved with
+  Conversion is slow for a large vocabulary (the merges of Gemma 3's 262k
+  vocab are rebuilt from the tokens), so the result is saved with
   `save_pretrained` under
 
       <jaxinfer cache dir>/tokenizers/<gguf stem>-<key>/
 
   where the key hashes the file's resolved path, size and mtime and the
-  transformers/tokenizers versions. Later runs load the saved folder instead.
+  transformers/tokenizers versions. Later runs load the saved folder with
+  the tokenizer class itself (not `AutoTokenizer`, whose import pulls in
+  torch when it is installed) and never open the GGUF.
 * Hugging Face folder: `tokenizer.json` + `tokenizer_config.json` (chat
   template inside, or in `chat_template.jinja`), loaded with
   `AutoTokenizer.from_pretrained(folder)`.
@@ -48,19 +30,18 @@ whose UTF-8 bytes are not complete yet.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
-import mmap
 import os
 import pathlib
 import shutil
-import struct
 import tempfile
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-_CACHE_FORMAT = 2   # 2: built without torch (see the module docstring)
+_CACHE_FORMAT = 3   # 2: built without torch; 3: the tokenizer class is recorded
 _META_FILE = "jaxinfer_tokenizer.json"
 _REPLACEMENT = "\ufffd"
 
@@ -70,11 +51,6 @@ END_OF_TURN_TOKENS = (
     "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>",
     "<|end_of_text|>", "</s>", "<|return|>", "<|call|>", "<|END_OF_TURN_TOKEN|>",
 )
-
-# Scalar GGUF keys whose ids end generation (llama.cpp's end-of-generation set).
-_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                  "tokenizer.ggml.eom_token_id")
-
 
 class Tokenizer:
     """Encode text, render chat prompts and decode ids with one HF fast tokenizer.
@@ -113,25 +89,29 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, *, cache: bool = True,
-                  cache_dir: str | os.PathLike | None = None) -> "Tokenizer":
+                  cache_dir: str | os.PathLike | None = None, reader=None) -> "Tokenizer":
         """Tokenizer from a GGUF file's `tokenizer.*` metadata.
 
         Builds, without PyTorch, the tokenizer `transformers.AutoTokenizer.
-        from_pretrained(folder, gguf_file=name)` would (see the module
-        docstring). The converted tokenizer is cached and reused when the
-        file's path, size and mtime and the library versions are unchanged.
+        from_pretrained(folder, gguf_file=name)` would (see
+        `jaxinfer.checkpoint.gguf_tokenizer`). The converted tokenizer is
+        cached and reused when the file's path, size and mtime and the
+        library versions are unchanged; a cached load does not open the GGUF.
 
         Args:
           path: a `.gguf` file.
           cache: read and write the converted-tokenizer cache.
           cache_dir: cache root; default `jaxinfer.checkpoint.sources.cache_dir()`
             ($JAXINFER_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer).
+          reader: a `gguf.GGUFReader` of `path`, or a function returning one,
+            used when the tokenizer must be converted (so the caller's one
+            header read serves both); None opens the file.
 
         Raises:
           FileNotFoundError: no such file.
           ValueError: not a GGUF file, or transformers cannot convert its tokenizer.
         """
-        from transformers import AutoTokenizer
+        from jaxinfer.checkpoint import gguf_tokenizer
 
         path = pathlib.Path(path).expanduser().resolve()
         if not path.is_file():
@@ -139,17 +119,32 @@ class Tokenizer:
         slot = _cache_slot(path, cache_dir) if cache else None
         if slot is not None and (slot / _META_FILE).is_file():
             try:
-                meta = json.loads((slot / _META_FILE).read_text())
-                hf = AutoTokenizer.from_pretrained(str(slot))
-                return cls(hf, extra_eos_token_ids=meta["gguf_eos_token_ids"], source=str(path))
+                return cls._from_cache(slot, path)
             except Exception as e:  # a damaged cache entry: convert again
                 warnings.warn(f"ignoring unreadable tokenizer cache {slot}: {e}", RuntimeWarning)
                 shutil.rmtree(slot, ignore_errors=True)
-        hf, scalars = _convert_gguf(path)
-        eos = [int(scalars[k]) for k in _GGUF_EOS_KEYS if k in scalars]
+        reader = reader() if callable(reader) else reader
+        if reader is None:
+            from jaxinfer.checkpoint.gguf import open_reader
+
+            reader = open_reader(path)
+        hf = gguf_tokenizer.convert_gguf_tokenizer(path, reader)
+        eos = gguf_tokenizer.eos_token_ids(reader)
         if slot is not None:
-            _save_to_cache(hf, slot, {"gguf_eos_token_ids": eos, "gguf": str(path)})
+            _save_to_cache(hf, slot, {"gguf_eos_token_ids": eos, "gguf": str(path),
+                                      "tokenizer_class": _class_path(type(hf))})
         return cls(hf, extra_eos_token_ids=eos, source=str(path))
+
+    @classmethod
+    def _from_cache(cls, slot: pathlib.Path, path: pathlib.Path) -> "Tokenizer":
+        """Load a converted tokenizer saved by `from_gguf` with its own class."""
+        meta = json.loads((slot / _META_FILE).read_text())
+        module, _, name = meta["tokenizer_class"].partition(":")
+        if not module.startswith("transformers."):
+            raise ValueError(f"unexpected tokenizer class {meta['tokenizer_class']!r}")
+        tokenizer_class = getattr(importlib.import_module(module), name)
+        hf = tokenizer_class.from_pretrained(str(slot))
+        return cls(hf, extra_eos_token_ids=meta["gguf_eos_token_ids"], source=str(path))
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "Tokenizer":
@@ -307,6 +302,23 @@ class Tokenizer:
         return out
 
     # ----- chat ---------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool = False) -> list[int]:
+        """Prompt ids: text encoded as is (BOS added when the model uses one),
+        or, with `chat` or for a message list, rendered with the chat template
+        (a text `prompt` becomes one user turn) and tokenized.
+
+        Raises:
+          ValueError: chat without a chat template, or empty messages.
+          TypeError: text that is not a str.
+        """
+        if isinstance(prompt, str) and not chat:
+            return self.encode(prompt)
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template: use a raw prompt (chat: false)")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return self.apply_chat_template(messages)
+
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs) -> str:
@@ -514,6 +526,10 @@ def _cache_slot(path: pathlib.Path, cache_dir: str | os.PathLike | None) -> path
     return _cache_root(cache_dir) / "tokenizers" / f"{path.stem}-{digest}"
 
 
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def _save_to_cache(hf, slot: pathlib.Path, meta: dict) -> None:
     """Write `hf` to `slot` atomically (temp folder + rename); warn, don't fail, on OSError."""
     tmp = None
@@ -530,256 +546,3 @@ def _save_to_cache(hf, slot: pathlib.Path, meta: dict) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ----- GGUF -> transformers tokenizer, without torch ----------------------
-
-# GGUF `tokenizer.ggml.*` id keys naming the special tokens transformers' tokenizer_config
-# gets (as in transformers' `get_gguf_tokenizer`).
-_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                        "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
-# The string arrays the tokenizer needs in full; any other string array is only counted.
-_GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-
-
-def _convert_gguf(path: pathlib.Path):
-    """`(transformers tokenizer, tokenizer.* scalars)` for the GGUF at `path`, built as
-    `AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)` builds it, but
-    without importing torch (see the module docstring).
-
-    Raises:
-      ValueError: not a GGUF file, or its tokenizer cannot be converted.
-    """
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
-    except ImportError:   # a transformers without this layout: its own (torch-needing) path
-        return _convert_gguf_with_auto_tokenizer(path), read_gguf_tokenizer_scalars(path)
-
-    metadata, array_keys, tensor_names = _read_gguf_metadata(
-        path, string_arrays=_GGUF_STRING_ARRAYS, tensor_names=True)
-    scalars = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") and k not in array_keys}
-    try:
-        tokenizer_dict, tokenizer_config = _gguf_tokenizer_dicts(metadata, GGUF_TOKENIZER_MAPPING)
-        backend, extra_kwargs = convert_gguf_tokenizer(metadata.get("general.architecture"),
-                                                       tokenizer_dict)
-        tokenizer_class = _gguf_tokenizer_class(metadata, tensor_names)
-        # The kwargs `from_pretrained` gives the class for a local `gguf_file` (its other
-        # vocab files absent), with the converted backend passed in (`__init__` deep-copies
-        # it: ~2 s for Gemma 3) and `tokenizer_config` added, as `TokenizersBackend.__init__`
-        # adds it after converting.
-        absent = {k: None for k in getattr(tokenizer_class, "vocab_files_names", {}) if k != "tokenizer_file"}
-        hf = tokenizer_class(tokenizer_object=backend, name_or_path=str(path.parent), is_local=True,
-                             local_files_only=False, added_tokens_decoder={},
-                             **{**absent, **tokenizer_config, **extra_kwargs})
-    except Exception as e:  # transformers raises several types for unsupported files
-        raise ValueError(f"transformers could not build a tokenizer from {path}: {e}") from e
-    return hf, scalars
-
-
-def _convert_gguf_with_auto_tokenizer(path: pathlib.Path):
-    from transformers import AutoTokenizer
-
-    read_gguf_tokenizer_scalars(path)             # a clear error for a non-GGUF file
-    try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:
-        raise ValueError(f"transformers could not build a tokenizer from {path}: {e}") from e
-
-
-def _gguf_tokenizer_dicts(metadata: Mapping[str, Any],
-                          mapping: Mapping[str, Mapping[str, str]]) -> tuple[dict, dict]:
-    """transformers' `(tokenizer_dict, tokenizer_config)` for GGUF `metadata`.
-
-    The same dicts as `transformers.integrations.gguf.get_gguf_tokenizer` (which
-    reads the file with a torch-importing reader): `tokenizer.*` keys renamed by
-    `GGUF_TOKENIZER_MAPPING`, BOS on by default for a SentencePiece ("llama")
-    vocabulary and off for "gemma4", and the special tokens as strings.
-    """
-    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
-                       if f"tokenizer.{key}" in metadata}
-               for group, renames in mapping.items()}
-    tokenizer, config = grouped.get("tokenizer", {}), grouped.get("tokenizer_config", {})
-    tokens = tokenizer.get("tokens")
-    if not isinstance(tokens, list):
-        raise ValueError("the GGUF has no tokenizer.ggml.tokens vocabulary")
-    tokenizer_type = tokenizer.get("tokenizer_type")
-    if tokenizer_type == "llama":
-        config.setdefault("add_bos_token", True)
-    elif tokenizer_type == "gemma4":
-        config["add_bos_token"] = False
-    for name, key in _GGUF_SPECIAL_TOKENS.items():
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
-        config[name] = tokens[token_id] if token_id is not None else None
-    return tokenizer, config
-
-
-def _gguf_model_type(metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> str | None:
-    """The transformers `model_type` AutoTokenizer derives for a GGUF (its config
-    for the file: `get_gguf_config` where transformers has one, else the renames of
-    `modeling_gguf_pytorch_utils.load_gguf_checkpoint`)."""
-    arch = metadata.get("general.architecture")
-    if not isinstance(arch, str):
-        return None
-    try:
-        from transformers.integrations.gguf.gguf_config_mapping import GGUF_CONFIG_ARCHS, get_gguf_config
-    except ImportError:
-        GGUF_CONFIG_ARCHS = {}
-    if arch in GGUF_CONFIG_ARCHS:
-        try:
-            return get_gguf_config(dict(metadata), tuple(tensor_names)).get("model_type")
-        except Exception:
-            return None
-    name = metadata.get("general.name")
-    name = name if isinstance(name, str) else ""
-    model_type = arch
-    if "llama" in arch and name == "mistral":
-        model_type = "mistral"
-    elif "t5" in arch:
-        model_type = "umt5" if "umt5" in name.lower() else "t5"
-    if "qwen2moe" in arch:
-        model_type = "qwen2_moe"
-    elif "gpt_oss" in arch or "gpt-oss" in arch:
-        model_type = "gpt_oss"
-    elif "qwen3moe" in arch:
-        model_type = "qwen3_moe"
-    elif "minimax-m2" in arch:
-        model_type = "minimax_m2"
-    return {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(model_type, model_type)
-
-
-def _gguf_tokenizer_class(metadata: Mapping[str, Any], tensor_names: Sequence[str]):
-    """The tokenizer class AutoTokenizer uses for a GGUF: the one registered for its
-    model type (e.g. `GemmaTokenizer` for Gemma 3), else `TokenizersBackend`."""
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    model_type = _gguf_model_type(metadata, tensor_names)
-    name = TOKENIZER_MAPPING_NAMES.get(model_type) if model_type else None
-    tokenizer_class = tokenizer_class_from_name(name) if name else None
-    # MistralCommonBackend needs mistral-common files a GGUF does not carry; AutoTokenizer
-    # then uses TokenizersBackend too.
-    if (not isinstance(tokenizer_class, type) or not issubclass(tokenizer_class, TokenizersBackend)
-            or tokenizer_class.__name__ == "MistralCommonBackend"):
-        return TokenizersBackend
-    return tokenizer_class
-
-
-# ----- GGUF header reader --------------------------------------------------
-
-# GGUF value types (ggml gguf.h): struct format of the fixed-size ones.
-_GGUF_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-               10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-               10: "<u8", 11: "<i8", 12: "<f8"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_tokenizer_scalars(path: str | os.PathLike) -> dict[str, Any]:
-    """Scalar and string `tokenizer.*` values of a GGUF (v2/v3, little-endian) header.
-
-    Arrays (the vocabulary itself) are skipped, so this takes ~0.1 s even for
-    a 262k vocab, where `gguf.GGUFReader` takes ~10 s.
-
-    Raises:
-      ValueError: not a GGUF v2/v3 little-endian file.
-    """
-    metadata, array_keys, _ = _read_gguf_metadata(path, arrays=False)
-    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.") and k not in array_keys}
-
-
-def _read_gguf_metadata(path: str | os.PathLike, *, arrays: bool = True,
-                        string_arrays: Iterable[str] = (), tensor_names: bool = False
-                        ) -> tuple[dict[str, Any], frozenset[str], tuple[str, ...]]:
-    """`(metadata, array_keys, tensor_names)` of a GGUF v2/v3 file, reading no tensor data.
-
-    Values as transformers' GGUF reader (`read_gguf_metadata`) returns them: numbers
-    as Python ints/floats/bools, strings as str, numeric arrays as lists, the string
-    arrays named in `string_arrays` as lists of str (strict UTF-8, like transformers)
-    and any other string array as its length. With `arrays=False` every array is
-    skipped (absent from `metadata`, but listed in `array_keys`). Tensor names only
-    with `tensor_names=True`.
-
-    Used instead of `gguf.GGUFReader`, which builds numpy views of every field
-    and tensor (~10 s for Gemma 3's 262k vocab; this takes well under a second).
-
-    Raises:
-      ValueError: not a GGUF v2/v3 little-endian file.
-    """
-    keep_strings = frozenset(string_arrays)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < 24:
-            raise ValueError(f"{path} is not a GGUF file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m[:4] != b"GGUF":
-                raise ValueError(f"{path} is not a GGUF file")
-            version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
-            if version not in (2, 3):
-                raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
-            try:
-                pos, metadata, array_keys = 24, {}, set()
-                for _ in range(n_kv):
-                    key, pos = _gguf_string(m, pos)
-                    (vtype,), pos = struct.unpack_from("<I", m, pos), pos + 4
-                    if vtype == _GGUF_ARRAY:
-                        array_keys.add(key)
-                    value, pos = _gguf_value(m, pos, vtype, arrays, key in keep_strings)
-                    if value is not _SKIPPED:
-                        metadata[key] = value
-                names = []
-                if tensor_names:
-                    for _ in range(n_tensors):
-                        name, pos = _gguf_string(m, pos)
-                        (n_dims,) = struct.unpack_from("<I", m, pos)
-                        pos += 4 + 8 * n_dims + 12          # dims, ggml type, data offset
-                        names.append(name)
-            except (struct.error, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}: corrupt GGUF header: {e}") from e
-    return metadata, frozenset(array_keys), tuple(names)
-
-
-_SKIPPED = object()
-
-
-def _gguf_string(m, pos: int, errors: str = "replace") -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", m, pos)
-    if pos + 8 + n > len(m):
-        raise struct.error(f"string of {n} bytes at byte {pos} runs past the end of the file")
-    return m[pos + 8:pos + 8 + n].decode("utf-8", errors=errors), pos + 8 + n
-
-
-def _gguf_value(m, pos: int, vtype: int, arrays: bool = False, strings: bool = False):
-    """`(value, position after it)`; an array is `_SKIPPED` unless `arrays`, and a
-    string array is its length unless `strings` too."""
-    if vtype in _GGUF_FIXED:
-        fmt = _GGUF_FIXED[vtype]
-        return struct.unpack_from(fmt, m, pos)[0], pos + struct.calcsize(fmt)
-    if vtype == _GGUF_STRING:
-        return _gguf_string(m, pos)
-    if vtype != _GGUF_ARRAY:
-        raise ValueError(f"unknown GGUF value type {vtype} at byte {pos}")
-    etype, count = struct.unpack_from("<IQ", m, pos)
-    pos += 12
-    if etype in _GGUF_FIXED:
-        end = pos + count * struct.calcsize(_GGUF_FIXED[etype])
-        if end > len(m):
-            raise struct.error(f"array of {count} values at byte {pos} runs past the end of the file")
-        if not arrays:
-            return _SKIPPED, end
-        return np.frombuffer(m[pos:end], dtype=_GGUF_NUMPY[etype]).tolist(), end
-    if etype == _GGUF_STRING:
-        if arrays and strings:
-            out = []
-            for _ in range(count):
-                value, pos = _gguf_string(m, pos, errors="strict")
-                out.append(value)
-            return out, pos
-        unpack = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            pos += 8 + unpack(m, pos)[0]
-        return (count if arrays else _SKIPPED), pos
-    out = []
-    for _ in range(count):
-        value, pos = _gguf_value(m, pos, etype, arrays, strings)
-        out.append(value)
-    return (out if arrays else _SKIPPED), pos

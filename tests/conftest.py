@@ -1,7 +1,13 @@
+import gc
 import os
+import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_hf_gguf(gguf_path):
@@ -14,3 +20,72 @@ def load_hf_gguf(gguf_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model.eval(), tok
+
+
+class OneAtATime:
+    """Loads values by key and keeps only the latest: asking for another key
+    drops the held value first (and collects), so two large models never
+    stack up, while tests that ask for the same model in a row share one load."""
+
+    def __init__(self, load):
+        self._load = load
+        self._key = self._value = None
+
+    def get(self, key):
+        if key != self._key:
+            self.clear()
+            self._value, self._key = self._load(key), key
+        return self._value
+
+    def clear(self) -> None:
+        self._key = self._value = None
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """name -> the named model's verified .gguf path, or a skip when it cannot be fetched."""
+    from jaxinfer.checkpoint.sources import ModelSourceError, resolve_model
+
+    def get(name: str) -> pathlib.Path:
+        try:
+            return resolve_model(name)
+        except ModelSourceError as e:
+            pytest.skip(f"model {name} unavailable: {e}")
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_gguf():
+    """gguf path -> (transformers model, tokenizer), one model held at a time
+    across the session (see `OneAtATime`); released at the end."""
+    holder = OneAtATime(load_hf_gguf)
+    yield holder.get
+    holder.clear()
+
+
+# --- the two-layer toy model, trained once per session -----------------------------------
+
+
+@pytest.fixture(scope="session")
+def toy_config():
+    from jaxinfer.tools import toy
+
+    return toy.ToyConfig.load(ROOT / "configs" / "toy-two-layer.yaml")
+
+
+@pytest.fixture(scope="session")
+def toy_trained(toy_config):
+    from jaxinfer.tools import toy
+
+    return toy.train(toy_config)
+
+
+@pytest.fixture(scope="session")
+def toy_folder(toy_trained, toy_config, tmp_path_factory):
+    """An HF Llama folder (config, safetensors, tokenizer) of the trained toy."""
+    from jaxinfer.tools import toy
+
+    path = tmp_path_factory.mktemp("toy") / "toy-two-layer"
+    toy.save_hf_folder(path, toy_trained, toy_config)
+    return path

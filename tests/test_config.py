@@ -1,17 +1,20 @@
 """GenerationConfig: YAML + key=value overrides, and the CLI's clean errors."""
 
+import re
+
 import pytest
 
 from jaxinfer.cli import main
 from jaxinfer.config import GenerationConfig
+from jaxinfer.sampling import SamplingParams
 
 
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: x.gguf\ntemperature: 0.5\nstop: ['END']\n")
     cfg = GenerationConfig.load(str(path), ("top_p=0.9", "seed=3", "chat=false", "stop=[a, b]"))
-    assert (cfg.model, cfg.temperature, cfg.top_p, cfg.seed, cfg.chat, cfg.stop) == (
-        "x.gguf", 0.5, 0.9, 3, False, ("a", "b"))
+    assert (cfg.model, cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed, cfg.chat,
+            cfg.stop) == ("x.gguf", 0.5, 0.9, 3, False, ("a", "b"))
 
 
 def test_unknown_key_rejected():
@@ -19,21 +22,48 @@ def test_unknown_key_rejected():
         GenerationConfig.load(None, ("temprature=0.5",))
 
 
-@pytest.mark.parametrize("override,message", [
-    ("temperature=abc", "temperature must be float, got 'abc'"),
-    ("chat=maybe", "chat must be bool, got 'maybe'"),
-    ("max_new_tokens=2.5", "max_new_tokens must be int, got 2.5"),
-    ("max_new_tokens=true", "max_new_tokens must be int, got True"),
-    ("system_prompt=yes", "system_prompt must be a string or null, got True"),
-    ("stop=5", "stop must be a string or a list of strings, got 5"),
-    ("seed=abc", "seed must be an integer or null, got 'abc'"),
-    ("dtype=int8", "dtype must be float32, bfloat16 or float16"),
-    ("max_new_tokens=0", "max_new_tokens must be >= 1, got 0"),
-    ("novalue", "override 'novalue' is not key=value"),
+@pytest.mark.parametrize("override,error,message", [
+    ("temperature=abc", TypeError, "SamplingParams.temperature must be a real number, got 'abc'"),
+    ("chat=maybe", ValueError, "chat must be bool, got 'maybe'"),
+    ("max_new_tokens=2.5", ValueError, "max_new_tokens must be int, got 2.5"),
+    ("max_new_tokens=true", ValueError, "max_new_tokens must be int, got True"),
+    ("system_prompt=yes", ValueError, "system_prompt must be a string or null, got True"),
+    ("stop=5", ValueError, "stop must be a string or a list of strings, got 5"),
+    ("seed=abc", TypeError, "SamplingParams.seed must be an int or None, got 'abc'"),
+    ("top_k=-3", ValueError,
+     "SamplingParams.top_k must be >= -1 (0 and -1 mean no top-k filter), got -3"),
+    ("dtype=int8", ValueError, "dtype must be float32, bfloat16 or float16"),
+    ("max_new_tokens=0", ValueError, "max_new_tokens must be >= 1, got 0"),
+    ("novalue", ValueError, "override 'novalue' is not key=value"),
+    ("sampling=1", ValueError, "unknown config keys ['sampling']"),
 ])
-def test_bad_values_rejected(override, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+def test_bad_values_rejected(override, error, message):
+    with pytest.raises(error, match=re.escape(message)):
         GenerationConfig.load(None, (override,))
+
+
+def test_sampling_keys_build_one_sampling_params():
+    cfg = GenerationConfig.load(None, ("temperature=0.7", "top_k=-1", "seed=5"))
+    assert cfg.sampling == SamplingParams(temperature=0.7, top_k=-1, seed=5)
+    assert GenerationConfig().sampling == SamplingParams() and SamplingParams().temperature == 0.0
+
+
+def test_every_key_is_documented():
+    docs = GenerationConfig.key_docs()
+    assert list(docs) == list(GenerationConfig.keys())
+    assert "logprobs" not in docs and "sampling" not in docs
+    assert all(len(text) > 10 for text in docs.values()), docs
+    assert docs["top_k"].startswith("keep the k most likely tokens")
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: expected a mapping of key: value, got list")):
+        GenerationConfig.load(str(path))
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not valid YAML")):
+        GenerationConfig.load(str(path))
 
 
 def test_cli_reports_bad_model_without_traceback(capsys):

@@ -193,13 +193,8 @@ EXTRA_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    from jaxinfer.checkpoint.sources import ModelSourceError, resolve_model
-
-    try:
-        return resolve_model("gemma3-270m")
-    except ModelSourceError as e:
-        pytest.skip(f"gemma3-270m unavailable: {e}")
+def gguf_path(real_model_path):
+    return real_model_path("gemma3-270m")
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +203,8 @@ def llm(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
-    from conftest import load_hf_gguf
-
-    return load_hf_gguf(gguf_path)
+def hf(gguf_path, hf_gguf):
+    return hf_gguf(gguf_path)       # shared with test_checkpoint's loaded[gemma3] (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from jaxinfer.config import SLIDING_ATTENTION as SLIDE
 from jaxinfer.engine import decode_step, prefill
 from jaxinfer.layers import rms_norm
 from jaxinfer.llm import LLM
+from tiny import tiny_llama_folder
 from jaxinfer.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -319,60 +320,36 @@ def test_unsupported_configs_raise(cfg, match):
 # ---------------------------------------------------------------------------
 # Broken checkpoints (written with safetensors.numpy: no torch needed)
 
-def _tiny_llama_folder(folder: pathlib.Path, tensors_edit=None) -> pathlib.Path:
-    from safetensors.numpy import save_file
-
-    cfg = dict(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=12,
-               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-               tie_word_embeddings=True)
-    rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (8,), p + "post_attention_layernorm.weight": (8,),
-                       p + "self_attn.q_proj.weight": (8, 8), p + "self_attn.k_proj.weight": (4, 8),
-                       p + "self_attn.v_proj.weight": (4, 8), p + "self_attn.o_proj.weight": (8, 8),
-                       p + "mlp.gate_proj.weight": (12, 8), p + "mlp.up_proj.weight": (12, 8),
-                       p + "mlp.down_proj.weight": (8, 12)})
-    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    if tensors_edit:
-        tensors_edit(tensors)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
-
-
 def test_tiny_handmade_folder_loads(tmp_path):
-    config, params = load_hf_folder(_tiny_llama_folder(tmp_path / "ok"))
+    config, params = load_hf_folder(tiny_llama_folder(tmp_path / "ok"))
     assert config.head_dim == 4 and config.num_kv_heads == 1 and "lm_head" not in params
     assert params["layers"]["q_proj"].shape == (2, 8, 2, 4)
 
 
 def test_missing_tensor_is_named(tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
-    folder = _tiny_llama_folder(tmp_path / "m", lambda t: t.pop(name))
+    folder = tiny_llama_folder(tmp_path / "m", lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
         load_hf_folder(folder)
 
 
 def test_wrong_shape_is_named(tmp_path):
     name = "model.layers.0.self_attn.k_proj.weight"
-    folder = _tiny_llama_folder(tmp_path / "s", lambda t: t.update({name: np.zeros((8, 8), np.float32)}))
+    folder = tiny_llama_folder(tmp_path / "s", lambda t: t.update({name: np.zeros((8, 8), np.float32)}))
     with pytest.raises(CheckpointError, match=rf"'{name}' has shape \(8, 8\).*\(4, 8\)"):
         load_hf_folder(folder)
 
 
 def test_unused_tensor_is_refused(tmp_path):
     name = "model.layers.0.self_attn.o_proj.bias"
-    folder = _tiny_llama_folder(tmp_path / "u", lambda t: t.update({name: np.zeros(8, np.float32)}))
+    folder = tiny_llama_folder(tmp_path / "u", lambda t: t.update({name: np.zeros(8, np.float32)}))
     with pytest.raises(CheckpointError, match=name):
         load_hf_folder(folder)
 
 
 def test_rotary_inv_freq_buffers_are_ignored(tmp_path):
     name = "model.layers.0.self_attn.rotary_emb.inv_freq"
-    folder = _tiny_llama_folder(tmp_path / "r", lambda t: t.update({name: np.ones(2, np.float32)}))
+    folder = tiny_llama_folder(tmp_path / "r", lambda t: t.update({name: np.ones(2, np.float32)}))
     load_hf_folder(folder)
 
 
@@ -397,7 +374,7 @@ def test_sharded_real_case_missing_tensor_and_shard(tmp_path):
 
 
 def test_folder_without_safetensors(tmp_path):
-    _tiny_llama_folder(tmp_path)
+    tiny_llama_folder(tmp_path)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_hf_folder(tmp_path)

@@ -24,10 +24,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    from jaxinfer.checkpoint.sources import resolve_model
-
-    return resolve_model("smollm2-135m-instruct")
+def gguf_path(real_model_path):
+    return real_model_path("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +34,8 @@ def llm(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
-    from conftest import load_hf_gguf
-
-    return load_hf_gguf(gguf_path)
+def hf(gguf_path, hf_gguf):
+    return hf_gguf(gguf_path)       # shared with test_checkpoint's loaded[smollm2] (conftest)
 
 
 def _hf_logits(model, ids):

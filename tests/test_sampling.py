@@ -285,7 +285,7 @@ def test_order_keys_are_monotone():
 
 def test_same_seed_same_tokens_different_seeds_differ():
     logits = np.zeros((8, 50))  # uniform
-    params = S.SamplingParams()
+    params = S.SamplingParams(temperature=1.0)
     a = np.stack([draw(logits, [7] * 8, params, [s] * 8) for s in range(8)])
     b = np.stack([draw(logits, [7] * 8, params, [s] * 8) for s in range(8)])
     np.testing.assert_array_equal(a, b)
@@ -344,9 +344,8 @@ def test_frequencies_follow_softmax_over_temperature():
 
 def test_frequencies_after_filters_are_renormalised():
     logits = np.log([0.5, 0.3, 0.2])
-    _assert_close_to(_frequencies(logits, dict(top_p=0.7)), [0.625, 0.375, 0.0])
-    _assert_close_to(_frequencies(logits, dict(top_k=2)), [0.625, 0.375, 0.0])
-    _assert_close_to(_frequencies(logits, dict(min_p=0.5)), [0.625, 0.375, 0.0])
+    for kw in (dict(top_p=0.7), dict(top_k=2), dict(min_p=0.5)):
+        _assert_close_to(_frequencies(logits, dict(temperature=1.0, **kw)), [0.625, 0.375, 0.0])
 
 
 def test_inverse_cdf_across_blocks():
@@ -416,7 +415,7 @@ def test_sample_inside_scan():
         seen, counts = S.update_history(seen, counts, tok, jnp.array([True, True]))
         return (seen, counts, steps + 1), tok
 
-    arrays = S.stack_params([S.SamplingParams(frequency_penalty=100.0, seed=1),
+    arrays = S.stack_params([S.SamplingParams(temperature=1.0, frequency_penalty=100.0, seed=1),
                              S.SamplingParams(temperature=0.0)])
     keys = S.row_keys([1, 2])
     init = (jnp.zeros((2, 6), bool), jnp.zeros((2, 6), jnp.int32), jnp.zeros(2, jnp.int32))
@@ -452,11 +451,22 @@ def test_log_softmax_topn():
     ("min_p", -0.01), ("min_p", 1.01),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", float("inf")), ("frequency_penalty", float("nan")),
-    ("seed", -1), ("seed", 2**32),
+    ("seed", -1), ("seed", 2**32), ("top_k", -2), ("top_k", -3),
 ])
 def test_validation_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         S.stack_params([S.SamplingParams(**{field: value})])
+
+
+def test_default_is_greedy_and_top_k_off_values_agree():
+    logits = np.array([[0.0, 3.0, 1.0, 3.0], [2.0, -1.0, 0.5, 1.9]])
+    # Default: greedy, lowest index among tied maxima, whatever the seed.
+    np.testing.assert_array_equal(draw(logits, [1, 2], S.SamplingParams()), [1, 0])
+    # top_k -1 and 0 both mean "no filter": same draws as each other for every seed.
+    for seed in range(5):
+        a = draw(logits, [seed] * 2, S.SamplingParams(temperature=1.0, top_k=0))
+        b = draw(logits, [seed] * 2, S.SamplingParams(temperature=1.0, top_k=-1))
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("field,value", [("top_k", 2.5), ("top_k", True), ("seed", 1.0),

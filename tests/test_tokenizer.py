@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_tokenizer_scalars
+from jaxinfer.checkpoint.gguf_tokenizer import read_gguf_tokenizer_scalars
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -443,18 +444,19 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
     assert scalars["tokenizer.chat_template"] == CHAT_TEMPLATE
     assert "tokenizer.ggml.tokens" not in scalars              # arrays are skipped
 
-    import jaxinfer.tokenizer as jt
+    from jaxinfer.checkpoint import gguf_tokenizer
 
     cache = tmp_path / "cache"
     conversions, loads = [], []
-    real_convert, real_load = jt._convert_gguf, AutoTokenizer.from_pretrained
-    monkeypatch.setattr(jt, "_convert_gguf", lambda p: conversions.append(p.name) or real_convert(p))
+    real_convert, real_load = gguf_tokenizer.convert_gguf_tokenizer, AutoTokenizer.from_pretrained
+    monkeypatch.setattr(gguf_tokenizer, "convert_gguf_tokenizer",
+                        lambda p, r: conversions.append(p.name) or real_convert(p, r))
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
                         lambda *a, **k: loads.append(k.get("gguf_file")) or real_load(*a, **k))
     cold = Tokenizer.from_gguf(gguf_path, cache_dir=cache)
     warm = Tokenizer.from_gguf(gguf_path, cache_dir=cache)
-    assert conversions == ["tiny.gguf"]                        # converted once (no AutoTokenizer),
-    assert loads == [None]                                     # then loaded from the cache folder
+    assert conversions == ["tiny.gguf"]                        # converted once, then loaded from the
+    assert loads == []                                         # cache folder by its own class
     slots = list((cache / "tokenizers").iterdir())
     assert len(slots) == 1 and (slots[0] / "jaxinfer_tokenizer.json").is_file()
     fresh = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
@@ -517,33 +519,26 @@ def test_bad_sources(tmp_path):
         Tokenizer.from_gguf(bad, cache=False)
 
 
-def test_gguf_metadata_reader(tmp_path):
-    """The header reader returns what the tokenizer conversion needs, as gguf.GGUFReader reads it."""
-    import gguf
-    from jaxinfer.tokenizer import _read_gguf_metadata
+def test_gguf_tokenizer_metadata(tmp_path):
+    """The values the conversion reads come from gguf.GGUFReader as Python values."""
+    from jaxinfer.checkpoint.gguf import open_reader
+    from jaxinfer.checkpoint.gguf_tokenizer import eos_token_ids, tokenizer_metadata, tokenizer_scalars
 
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path)
-    meta, arrays, names = _read_gguf_metadata(path, string_arrays=["tokenizer.ggml.tokens"],
-                                              tensor_names=True)
-    reader = gguf.GGUFReader(str(path))
-    field = lambda k: reader.fields[k]                                          # noqa: E731
-    tokens = [bytes(field("tokenizer.ggml.tokens").parts[i]).decode()
-              for i in field("tokenizer.ggml.tokens").data]
-    assert meta["tokenizer.ggml.tokens"] == tokens
-    assert meta["tokenizer.ggml.token_type"] == [int(field("tokenizer.ggml.token_type").parts[i][0])
-                                                 for i in field("tokenizer.ggml.token_type").data]
-    assert meta["tokenizer.ggml.merges"] == len(field("tokenizer.ggml.merges").data)  # not asked: a count
-    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 1
-    assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
-    assert arrays == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
-    assert names == ("token_embd.weight",)
-    meta, arrays, names = _read_gguf_metadata(path, arrays=False)
-    assert not arrays & meta.keys() and names == ()
+    write_tiny_gguf(path, eot_token_id=5)
+    reader = open_reader(path)
+    meta = tokenizer_metadata(reader)
+    model = json.loads(bytelevel_hf()[0].to_str())["model"]
+    assert meta["tokenizer.ggml.tokens"] == sorted(model["vocab"], key=model["vocab"].get)
+    assert meta["tokenizer.ggml.merges"] == [" ".join(m) for m in _merges(model)]
+    assert meta["general.architecture"] == "llama" and "llama.block_count" not in meta
+    scalars = tokenizer_scalars(reader)
+    assert scalars["tokenizer.ggml.model"] == "gpt2" and "tokenizer.ggml.token_type" not in scalars
+    assert eos_token_ids(reader) == [0, 5]                      # eos, then eot
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(path.read_bytes()[:2000])
-    with pytest.raises(ValueError, match="corrupt GGUF header"):
-        _read_gguf_metadata(truncated, string_arrays=["tokenizer.ggml.tokens"])
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        open_reader(truncated)
 
 
 def assert_same_hf_tokenizer(ours, hf) -> None:

@@ -32,20 +32,13 @@ def _leaves_equal(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def toy_config():
-    return toy.ToyConfig.load(TOY_YAML)
+def trained(toy_trained):          # conftest: trained once per session
+    return toy_trained
 
 
 @pytest.fixture(scope="module")
-def trained(toy_config):
-    return toy.train(toy_config)
-
-
-@pytest.fixture(scope="module")
-def folder(trained, toy_config, tmp_path_factory):
-    path = tmp_path_factory.mktemp("toy") / "toy-two-layer"
-    toy.save_hf_folder(path, trained, toy_config)
-    return path
+def folder(toy_folder):
+    return toy_folder
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,8 @@
-"""Tiny random models for engine tests (no checkpoint needed)."""
+"""Tiny random models for engine tests (no checkpoint needed), and a tiny
+Hugging Face checkpoint folder for loader tests."""
+
+import json
+import pathlib
 
 import numpy as np
 
@@ -46,3 +50,32 @@ def random_params(config: ModelConfig, seed: int = 0, scale: float = 0.3) -> dic
     if not c.tie_word_embeddings:
         params["lm_head"] = rng.normal(0, scale, (D, V)).astype(np.float32)
     return params
+
+
+def tiny_llama_folder(folder: pathlib.Path, tensors_edit=None, tied: bool = True) -> pathlib.Path:
+    """A two-layer Llama HF folder (config.json + model.safetensors), float32
+    random weights: V=16, D=8, N=2, K=1, H=4, F=12; an lm_head when untied.
+    `tensors_edit(tensors)` may change the name -> array dict before saving."""
+    from safetensors.numpy import save_file
+
+    cfg = dict(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=12,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               tie_word_embeddings=tied)
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,)}
+    if not tied:
+        shapes["lm_head.weight"] = (16, 8)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (8,), p + "post_attention_layernorm.weight": (8,),
+                       p + "self_attn.q_proj.weight": (8, 8), p + "self_attn.k_proj.weight": (4, 8),
+                       p + "self_attn.v_proj.weight": (4, 8), p + "self_attn.o_proj.weight": (8, 8),
+                       p + "mlp.gate_proj.weight": (12, 8), p + "mlp.up_proj.weight": (12, 8),
+                       p + "mlp.down_proj.weight": (8, 12)})
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    if tensors_edit:
+        tensors_edit(tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder

@@ -1,6 +1,6 @@
 """Hugging Face-named tensors -> the jaxinfer params pytree.
 
-Every checkpoint reader (GGUF now, HF safetensors later) hands this module
+Every checkpoint reader (`gguf.py`, `safetensors.py`) hands this module
 tensors under Hugging Face names in Hugging Face layout (`nn.Linear.weight`
 is `[out, in]`). All layout surgery happens here, once, at load time:
 transposes, head splits, stacking layers into `[L, ...]`, norm conventions,
@@ -134,6 +134,15 @@ def _stack_layer_param(get, names, config: ModelConfig, suffix: str, kind: str,
             out = np.empty((config.num_layers,) + w.shape, np.float32)
         out[i] = w
     return jnp.asarray(out, dtype=dtype)
+
+
+def counted(get: Callable[[str], np.ndarray], bar) -> Callable[[str], np.ndarray]:
+    """`get` that advances a progress bar (`jaxinfer.progress.Progress.bar`) per tensor."""
+    def get_and_count(name: str) -> np.ndarray:
+        w = get(name)
+        bar.update(1)
+        return w
+    return get_and_count
 
 
 def has_separate_lm_head(config: ModelConfig, names: Collection[str]) -> bool:

@@ -20,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import struct
 from collections import Counter
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.checkpoint.convert import CheckpointError, params_from_hf_tensors, resolve_tied
+from jaxinfer.checkpoint.convert import CheckpointError, counted, params_from_hf_tensors, resolve_tied
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.progress import Progress
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
 
@@ -322,7 +324,27 @@ def _tensor_getter(by_hf: Mapping[str, Any], config: ModelConfig, arch: str):
     return get
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, dict, GGUFMetadata]:
+def open_reader(path: str | os.PathLike):
+    """A `gguf.GGUFReader` of `path` (memory-maps the file; parses every
+    metadata field and tensor header, which takes seconds for a large vocabulary).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not a GGUF file (names the file).
+    """
+    from gguf import GGUFReader
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, struct.error) as e:   # bad magic, truncated header
+        raise ValueError(f"{path} is not a GGUF file (or is truncated): {e}") from e
+
+
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None,
+              progress: Optional[Progress] = None) -> tuple[ModelConfig, dict, GGUFMetadata]:
     """Read a GGUF file into (config, params, metadata).
 
     Tensors are dequantized one at a time to float32 on the host, converted
@@ -334,6 +356,8 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
       path: a `.gguf` file (GGUF v2/v3; spec
         https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
       dtype: jnp dtype of every params leaf.
+      reader: an open `gguf.GGUFReader` of `path` to reuse (`open_reader`).
+      progress: shows a "loading tensors" bar when enabled.
 
     Returns:
       config: ModelConfig (tie_word_embeddings says whether "lm_head" exists).
@@ -343,15 +367,16 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
     Raises:
       CheckpointError: unsupported architecture, quantization or tensor, a
         missing tensor, or a shape that disagrees with the metadata.
-      FileNotFoundError / ValueError: from gguf.GGUFReader for unreadable files.
+      FileNotFoundError / ValueError: an unreadable or non-GGUF file (`open_reader`).
     """
-    from gguf import GGUFReader
-    reader = GGUFReader(os.fspath(path))
+    reader = reader if reader is not None else open_reader(path)
     shapes = {t.name: _numpy_shape(t) for t in reader.tensors}
     config = config_from_gguf(reader.fields, shapes)
     arch = _require(reader.fields, "general.architecture")
     by_hf = _hf_name_map(reader.tensors, arch)
     config = resolve_tied(config, by_hf)
-    params = params_from_hf_tensors(_tensor_getter(by_hf, config, arch), by_hf, config, dtype)
+    with (progress or Progress.off()).bar(len(by_hf), "loading tensors", unit="tensor") as bar:
+        params = params_from_hf_tensors(counted(_tensor_getter(by_hf, config, arch), bar), by_hf,
+                                        config, dtype)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     return config, params, metadata_from_gguf(reader.fields, types)

@@ -51,8 +51,9 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers numpy dtype "bfloat16" for safe_open)
 import numpy as np
 
-from jaxinfer.checkpoint.convert import CheckpointError, params_from_hf_tensors, resolve_tied
+from jaxinfer.checkpoint.convert import CheckpointError, counted, params_from_hf_tensors, resolve_tied
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.progress import Progress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -446,7 +447,8 @@ def read_config_json(folder: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path}: invalid JSON: {e}") from e
 
 
-def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32, *,
+                   progress: Optional[Progress] = None) -> tuple[ModelConfig, dict]:
     """Read a Hugging Face checkpoint folder into (config, params).
 
     Tensors are read one at a time from memory-mapped safetensors files,
@@ -459,6 +461,7 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelCon
       path: a folder with config.json and model.safetensors, or shards plus
         model.safetensors.index.json.
       dtype: jnp dtype of every params leaf.
+      progress: shows a "loading tensors" bar when enabled.
 
     Returns:
       config: ModelConfig (tie_word_embeddings says whether "lm_head" exists).
@@ -479,7 +482,8 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelCon
             used.add(name)
             return get(name)
 
-        params = params_from_hf_tensors(tracked_get, files, config, dtype,
-                                        norm_offset=norm_offset_for(cfg))
+        with (progress or Progress.off()).bar(len(files), "loading tensors", unit="tensor") as bar:
+            params = params_from_hf_tensors(counted(tracked_get, bar), files, config, dtype,
+                                            norm_offset=norm_offset_for(cfg))
     _check_all_used(files, used, config)
     return config, params

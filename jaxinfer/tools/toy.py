@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxinfer import engine
 from jaxinfer.cache import init_cache
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, check_keys, read_yaml_mapping
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
@@ -107,10 +107,7 @@ class ToyConfig:
     @classmethod
     def from_dict(cls, values: dict) -> "ToyConfig":
         """Build from a mapping. Raises ValueError naming unknown keys."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown toy config keys {unknown}; known keys: {known}")
+        check_keys(values, [f.name for f in dataclasses.fields(cls)], "toy config")
         return cls(**values)
 
     @classmethod
@@ -127,17 +124,6 @@ class ToyConfig:
             intermediate_size=self.intermediate_size, rope_theta=float(self.rope_theta),
             rms_norm_eps=float(self.rms_norm_eps),
             max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False)
-
-
-def read_yaml_mapping(path: str | os.PathLike) -> dict:
-    """A YAML file's top-level mapping. Raises ValueError if it is not one."""
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        values = yaml.safe_load(f) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
-    return values
 
 
 def model_dir(toy: ToyConfig, out: Optional[str | os.PathLike] = None) -> pathlib.Path:

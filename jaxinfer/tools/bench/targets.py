@@ -51,6 +51,8 @@ TARGETS: tuple[Target, ...] = (
     *_prefill_targets(),
     Target("compile prefill+decode, first start (s)", "compile.first_start_compile_s", "<", 20.0),
     Target("compile prefill+decode, second start (s)", "compile.second_start_compile_s", "<", 3.0),
+    Target("warm start: load + prefill compile, second start (s)", "compile.second_start_ready_s",
+           "<", 2.0),
 )
 
 _STEP = re.compile(r"^(\w+)(?:\[([^\]]*)\])?$")

@@ -33,8 +33,8 @@ from jaxinfer.tools.trace.tracer import run_trace
 def load_trace_config(path: str | os.PathLike):
     """("toy", ToyConfig) for a YAML with `kind: toy`, else ("generation",
     GenerationConfig). Raises ValueError for unknown keys or an unknown kind."""
-    from jaxinfer.config import GenerationConfig
-    from jaxinfer.tools.toy import ToyConfig, read_yaml_mapping
+    from jaxinfer.config import GenerationConfig, read_yaml_mapping
+    from jaxinfer.tools.toy import ToyConfig
 
     values = read_yaml_mapping(path)
     kind = values.get("kind")

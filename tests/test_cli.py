@@ -1,0 +1,176 @@
+"""`jaxinfer generate`: exit codes and messages of every usage error, the
+prompts-file rules, --help, --quiet, and progress on stderr (issue 18)."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import loading
+from jaxinfer.cli import main
+from jaxinfer.config import GenerationConfig
+from jaxinfer.progress import Progress
+
+PREFIX = "jaxinfer generate: error: "
+
+
+def run(capsys, *argv):
+    rc = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if model weights are read."""
+    def forbidden(*a, **k):
+        raise AssertionError("weights were loaded")
+    monkeypatch.setattr(loading, "load_params", forbidden)
+
+
+@pytest.fixture
+def toy_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_prompt_and_prompts_file_are_exclusive(capsys, no_weights):
+    for argv in ((), ("--prompt", "a", "--prompts-file", "p.txt")):
+        rc, out, err = run(capsys, *argv)
+        assert rc == 2 and out == ""
+        assert err.splitlines()[-1] == PREFIX + "give exactly one of --prompt or --prompts-file"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("top_k=-3", "SamplingParams.top_k must be >= -1 (0 and -1 mean no top-k filter), got -3"),
+    ("temperature=hot", "SamplingParams.temperature must be a real number, got 'hot'"),
+    ("temprature=1", "unknown config keys ['temprature']"),
+    ("max_new_tokens=0", "max_new_tokens must be >= 1, got 0"),
+    ("model=no-such-model", "unknown model 'no-such-model'"),
+])
+def test_config_errors_exit_2_with_the_prefix(capsys, override, message):
+    rc, out, err = run(capsys, "--prompt", "hi", override)
+    assert rc == 2 and out == ""
+    assert err.startswith(PREFIX + message) and "Traceback" not in err
+
+
+def test_unknown_flag_is_an_argparse_usage_error(capsys):
+    rc, _, err = run(capsys, "--prompt", "hi", "--temperature", "1")
+    assert rc == 2 and err.splitlines()[-1].startswith(PREFIX + "unrecognized arguments")
+
+
+def test_top_k_off_values_are_accepted(capsys, no_weights):
+    for value in ("-1", "0"):
+        cfg = GenerationConfig.load(None, (f"top_k={value}",))
+        assert cfg.sampling.top_k == int(value)
+
+
+def test_prompts_file_errors_name_file_and_line(tmp_path, capsys, no_weights):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("first\nsecond ok\nthird \xe9\n".encode("latin-1"))
+    rc, _, err = run(capsys, "--prompts-file", str(bad))
+    assert rc == 2
+    assert err.strip() == (PREFIX + f"{bad}:3: not valid UTF-8 (unexpected end of data: "
+                           "byte 0xe9 at column 7)")
+    rc, _, err = run(capsys, "--prompts-file", str(tmp_path / "missing.txt"))
+    assert rc == 2 and err.strip() == PREFIX + f"prompts file {tmp_path / 'missing.txt'}: no such file"
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    rc, _, err = run(capsys, "--prompts-file", str(blank))
+    assert rc == 2 and err.splitlines() == [
+        f"jaxinfer generate: warning: {blank}:1: empty line skipped",
+        f"jaxinfer generate: warning: {blank}:2: empty line skipped",
+        PREFIX + f"prompts file {blank} holds no prompts"]
+
+
+def test_prompt_length_is_checked_before_the_weights(toy_folder, toy_cache, capsys, no_weights, tmp_path):
+    common = (f"model={toy_folder}", "chat=false", "max_seq_len=32", "max_new_tokens=4")
+    rc, _, err = run(capsys, "--prompt", "你好" * 20, *common)
+    assert rc == 2 and err.strip() == PREFIX + (
+        "--prompt: prompt length 40 + max_new_tokens 4 = 44 exceeds max_seq_len 32; "
+        "shorten the prompt, lower max_new_tokens or raise max_seq_len")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("你好\n" + "世界" * 15 + "\n")
+    rc, _, err = run(capsys, "--prompts-file", str(prompts), *common)
+    assert rc == 2 and err.strip().startswith(PREFIX + f"{prompts}:2: prompt length 30 + ")
+
+
+def test_prompts_file_skips_empty_lines_and_labels_by_line(toy_folder, toy_cache, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes("你好\r\n\n世界\n".encode())
+    rc, out, err = run(capsys, "--prompts-file", str(prompts), f"model={toy_folder}", "chat=false",
+                       "max_seq_len=16", "max_new_tokens=2", "decode_chunk=2")
+    assert rc == 0, err
+    labels = re.findall(r"^--- \[line (\d+)\] finish_reason=(\w+)$", out, re.M)
+    assert [n for n, _ in labels] == ["1", "3"]
+    assert f"jaxinfer generate: warning: {prompts}:2: empty line skipped" in err
+    # stderr is not a terminal here: no progress lines, just the summary line.
+    assert [line for line in err.splitlines() if line.startswith("[jaxinfer]")] == [
+        line for line in err.splitlines() if line.startswith("[jaxinfer] load ")]
+
+
+def test_quiet_prints_no_summary(toy_folder, toy_cache, capsys):
+    rc, out, err = run(capsys, "--prompt", "你好", "-q", f"model={toy_folder}", "chat=false",
+                       "max_seq_len=16", "max_new_tokens=2", "decode_chunk=2")
+    assert rc == 0 and out.startswith("世界") and err == ""
+
+
+def test_help_lists_every_config_key(capsys):
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    listed = re.findall(r"^  (\w+) \(default ", out, re.M)
+    assert listed == list(GenerationConfig.keys())
+    assert "  top_k (default 0): keep the k most likely tokens" in out
+
+
+def test_exit_code_of_the_installed_command():
+    proc = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", "hi",
+                           "top_k=-2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == PREFIX + (
+        "SamplingParams.top_k must be >= -1 (0 and -1 mean no top-k filter), got -2")
+
+
+# --- progress ---------------------------------------------------------------------------
+
+
+def test_progress_reports_load_and_compile_when_enabled(toy_folder, toy_cache):
+    from jaxinfer.llm import LLM
+
+    out = io.StringIO()
+    llm = LLM.load(str(toy_folder), max_seq_len=16, decode_chunk=2,
+                   progress=Progress(enabled=True, file=out))
+    llm.generate(["你好"], max_new_tokens=3)
+    text = out.getvalue()
+    assert "[jaxinfer] loading tensors" in text and "tensor/s" in text
+    assert re.search(r"\[jaxinfer\] saving params to the load cache \.\.\. \d+\.\d\d s\n", text)
+    assert re.search(r"\[jaxinfer\] compiling start \.\.\. \d+\.\d\d s\n", text)
+    assert re.search(r"\[jaxinfer\] compiling decode_chunk \.\.\. \d+\.\d\d s\n", text)
+    quiet = io.StringIO()
+    LLM.load(str(toy_folder), max_seq_len=16, progress=Progress(enabled=False, file=quiet))
+    assert quiet.getvalue() == ""
+
+
+def test_progress_is_off_when_the_stream_is_not_a_terminal():
+    assert not Progress(file=io.StringIO()).enabled
+    assert Progress(enabled=True, file=io.StringIO()).enabled
+
+
+def test_step_prints_only_after_its_delay():
+    import time
+
+    out = io.StringIO()
+    progress = Progress(enabled=True, file=out)
+    with progress.step("instant", after_s=5.0):
+        pass
+    assert out.getvalue() == "" and progress.steps[0][0] == "instant"
+    with progress.step("slow", after_s=0.05):
+        time.sleep(0.3)
+    assert re.fullmatch(r"\[jaxinfer\] slow \.\.\. 0\.\d\d s\n", out.getvalue())
+    with pytest.raises(KeyError):
+        with progress.step("broken"):
+            raise KeyError("x")
+    assert out.getvalue().endswith("[jaxinfer] broken ... failed after 0.00 s\n")
