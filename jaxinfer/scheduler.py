@@ -99,14 +99,9 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> int:
-        """Queue a request; returns its id.
-
-        Raises:
-          ValueError: the prompt is empty, or prompt + max_new_tokens exceeds
-            max_seq_len (checked here, not discovered mid-run).
-          QueueFullError: the waiting queue is full.
-        """
+    def check(self, request: Request) -> None:
+        """Raise ValueError when the request can never run here: an empty
+        prompt, or prompt + max_new_tokens beyond max_seq_len."""
         n, limit = len(request.prompt_ids), self.runner.max_seq_len
         if n == 0:
             raise ValueError("empty prompt: a request needs at least one token")
@@ -114,6 +109,15 @@ class Scheduler:
             raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} = "
                              f"{n + request.max_new_tokens} exceeds max_seq_len {limit}; shorten "
                              "the prompt, lower max_new_tokens or raise max_seq_len")
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request; returns its id.
+
+        Raises:
+          ValueError: see `check` (checked here, not discovered mid-run).
+          QueueFullError: the waiting queue is full.
+        """
+        self.check(request)
         if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting "
                                  f"(max_waiting_requests {self.max_waiting_requests})")

@@ -129,3 +129,54 @@ def test_generate_compiles_a_handful_of_programs(llm):
     llm.generate([_ids(n, v, n + 1) for n in (4, 11, 25)], [SEEDED, GREEDY, SEEDED],
                  max_new_tokens=4)
     assert llm.programs.num_compiles == before
+
+
+# --- the engine thread --------------------------------------------------------------------------
+
+
+def test_engine_thread_serves_concurrent_submitters(llm):
+    """Four threads submit requests to one engine thread (2 slots): every
+    request's tokens equal a run of the request alone; one aborted request
+    ends with "abort"; a full queue is refused at submit; stop() ends the thread."""
+    import threading
+
+    from jaxinfer.scheduler import QueueFullError
+    from jaxinfer.serving import EngineThread
+
+    v = llm.config.vocab_size
+    requests = [Request(_ids(3 + 4 * i, v, 50 + i), SamplingParams(temperature=0.9, seed=i),
+                        max_new_tokens=5 + i) for i in range(6)]
+    alone = [llm.generate([list(r.prompt_ids)], r.sampling, max_new_tokens=r.max_new_tokens)[0]
+             for r in requests]
+    engine = EngineThread(llm.scheduler(2), max_waiting_requests=6).start()
+    results, errors = {}, []
+
+    def client(i):
+        try:
+            results[i] = [t for e in engine.submit(requests[i]) for t in e.token_ids]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and all(not t.is_alive() for t in threads)
+    assert [results[i] for i in range(6)] == [a.token_ids for a in alone]
+    # abort: a long request ends with "abort" and frees its slot
+    long = engine.submit(Request(_ids(5, v, 99), SEEDED, max_new_tokens=50))
+    first = next(iter(long))
+    long.abort()
+    rest = list(long)
+    assert rest[-1].finish_reason == "abort" and len(first.token_ids) + sum(
+        len(e.token_ids) for e in rest) < 50
+    # a full waiting queue is refused at submit, before any work
+    blocker = EngineThread(llm.scheduler(1), max_waiting_requests=1)   # not started: nothing drains
+    blocker.submit(requests[0])
+    with pytest.raises(QueueFullError, match="1 requests are already waiting"):
+        blocker.submit(requests[1])
+    with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
+        engine.submit(Request(_ids(60, v, 1), GREEDY, max_new_tokens=10))
+    engine.stop()
+    assert not engine.running and engine.error is None
