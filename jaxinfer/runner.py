@@ -41,6 +41,28 @@ def logprob_bucket(n: Optional[int]) -> int:
     return -1 if n is None else bucket_for(n, LOGPROB_BUCKETS)
 
 
+def row_inputs(requests: Sequence[Request], vocab_size: int) -> engine.RowInputs:
+    """`engine.start`'s per-row inputs for requests (one row each): budgets,
+    min_tokens, ignore_eos, the prompt's token set, PRNG keys, sampling arrays."""
+    seen = np.zeros((len(requests), vocab_size), bool)
+    for row, r in enumerate(requests):
+        seen[row, list(r.prompt_ids)] = True
+    return engine.RowInputs(
+        max_new_tokens=jnp.array([r.max_new_tokens for r in requests], jnp.int32),
+        min_tokens=jnp.array([r.min_tokens for r in requests], jnp.int32),
+        ignore_eos=jnp.array([r.ignore_eos for r in requests]), seen=jnp.asarray(seen),
+        keys=sampling.row_keys([r.sampling.seed for r in requests]),
+        sampling=sampling.stack_params([r.sampling for r in requests]))
+
+
+def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> engine.StopTokens:
+    """The device's stop rule: every id in either set ends a row, EOS ones
+    unless the row has ignore_eos (-1 pads an empty set)."""
+    ids = sorted(set(stop_token_ids) | set(eos_token_ids)) or [-1]
+    return engine.StopTokens(jnp.asarray(np.array(ids, np.int32)),
+                             jnp.asarray(np.isin(ids, list(eos_token_ids))))
+
+
 @dataclasses.dataclass
 class PrefillJob:
     """A request being prefilled: its own one-row cache and progress.
@@ -91,10 +113,9 @@ class ModelRunner:
         self.prefill_chunk_size = prefill_chunk_size
         self.cache_dtype = cache_dtype
         self.programs = programs or ProgramCache()
-        ids = sorted(set(stop_token_ids) | set(eos_token_ids)) or [-1]
-        self.stop = engine.StopTokens(jnp.asarray(np.array(ids, np.int32)),
-                                      jnp.asarray(np.isin(ids, list(eos_token_ids))))
+        self.stop = stop_tokens(stop_token_ids, eos_token_ids)
         self.state: Optional[engine.DecodeState] = None
+        self.min_capacity = 0  # the decode state's cache never gets smaller than this (benchmarks)
         self._length_bound = np.zeros(self.max_num_seqs, np.int64)  # cache length after dispatched work
         self.decode_steps = 0  # decode steps dispatched
 
@@ -112,15 +133,7 @@ class ModelRunner:
         fresh_bucket = self.buckets.prompt_bucket(p) if whole else 0
         size = self.buckets.cache_bucket(max(fresh_bucket, p + self.decode_chunk))
         cache = init_cache(self.config, 1, size, self.cache_dtype)
-        seen = np.zeros((1, self.config.vocab_size), bool)
-        seen[0, list(request.prompt_ids)] = True
-        inputs = engine.RowInputs(
-            max_new_tokens=jnp.array([request.max_new_tokens], jnp.int32),
-            min_tokens=jnp.array([request.min_tokens], jnp.int32),
-            ignore_eos=jnp.array([request.ignore_eos]), seen=jnp.asarray(seen),
-            keys=sampling.row_keys([request.sampling.seed]),
-            sampling=sampling.stack_params([request.sampling]))
-        return PrefillJob(request, cache, inputs)
+        return PrefillJob(request, cache, row_inputs([request], self.config.vocab_size))
 
     def prefill(self, job: PrefillJob, budget: int) -> int:
         """Run the next piece of `job`'s prompt: at most `budget` tokens (at
@@ -167,7 +180,7 @@ class ModelRunner:
     def _fit(self, needed: int) -> None:
         """Size the decode state's cache to the bucket of `needed` positions:
         grow when it is too small, shrink when it is over twice too large."""
-        size = self.buckets.cache_bucket(needed)
+        size = max(self.buckets.cache_bucket(needed), self.min_capacity)
         if self.state is None:
             self.state = self._empty_state(size)
             return
@@ -188,7 +201,6 @@ class ModelRunner:
         self.state = self.programs(engine.insert, self.state, job.prefix,
                                    jnp.asarray(slot, jnp.int32))
         self._length_bound[slot] = p
-        job.prefix = None
 
     def decode(self, occupied: np.ndarray, num_logprobs: int = -1) -> engine.StepOutput:
         """Dispatch one decode chunk over all slots; slots not `occupied`

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 def _fmt(x, spec: str = ".3g", scale: float = 1.0) -> str:
@@ -165,8 +165,9 @@ def _json_default(x):
     return str(x)
 
 
-def write_results(results: dict, out_dir: str, stem: str) -> dict:
-    """Write `<out_dir>/<stem>.json` and `<out_dir>/<stem>.md`.
+def write_results(results: dict, out_dir: str, stem: str, report: Optional[str] = None) -> dict:
+    """Write `<out_dir>/<stem>.json` and `<out_dir>/<stem>.md` (`report`, by
+    default `format_report(results)`).
 
     Returns:
       {"json": path, "md": path}. The directory is created if needed.
@@ -177,5 +178,5 @@ def write_results(results: dict, out_dir: str, stem: str) -> dict:
         json.dump(results, f, indent=1, default=_json_default, allow_nan=True)
         f.write("\n")
     with open(paths["md"], "w", encoding="utf-8") as f:
-        f.write(format_report(results) + "\n")
+        f.write((report if report is not None else format_report(results)) + "\n")
     return paths

@@ -139,6 +139,12 @@ def run_bench(args) -> dict:
 
 
 def cmd_bench(args) -> int:
+    if args.serving:
+        from jaxinfer.config import GenerationConfig
+        from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
+
+        cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+        return cmd_serving(args, cfg, QUICK_SERVING if args.quick else ServingSweep())
     results = run_bench(args)
     stem = f"{_model_stem(results['model'])}-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = write_results(results, args.out, stem)
@@ -154,6 +160,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML generation config (see configs/)")
     p.add_argument("--quick", action="store_true",
                    help="small sweep for smoke runs (prompts 32/128, batches 1/4, few steps)")
+    p.add_argument("--serving", action="store_true",
+                   help="the serving benchmark instead: request traces through the scheduler "
+                        "(continuous vs static batching, chunked prefill on/off, transformers' "
+                        "continuous batching); see jaxinfer/tools/bench/serving.py")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--peers", choices=("all", "hf", "llamacpp", "none"), default="all",
                    help="peers to compare with when installed (default all)")
@@ -163,8 +173,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context", type=int, help="prompt tokens before decode timing")
     p.add_argument("--decode-steps", type=int, help="timed decode steps per batch size")
     p.add_argument("--decode-cache-len", type=int,
-                   help="KV-cache length for decode cells (default: the cache bucket LLM.generate "
-                        "would use, `LLM.cache_bucket`)")
+                   help="smallest KV-cache length for decode cells (default: the cache bucket the "
+                        "serving engine sizes for them, `Buckets.cache_bucket`)")
     p.add_argument("--repeats", type=int, help="timed repetitions per prefill cell")
     p.add_argument("--stat", choices=("median", "min"),
                    help="headline statistic of repeated timings (default median; min is "
@@ -226,8 +236,24 @@ def _machine_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _serving_peer_main(argv: Sequence[str]) -> int:
+    from jaxinfer.tools.bench.serving import hf_serving_worker
+
+    p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --serving-peer")
+    p.add_argument("--serving-peer", choices=("hf",), required=True)
+    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face folder")
+    p.add_argument("--spec", required=True, help="JSON file of the trace (see hf_serving_worker)")
+    a = p.parse_args(argv)
+    with open(a.spec, encoding="utf-8") as f:
+        spec = json.load(f)
+    print(json.dumps(hf_serving_worker(a.model, spec)))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serving-peer" in argv:
+        return _serving_peer_main(argv)
     if "--compile-probe" in argv:
         return _probe_main(argv)
     if "--machine-probe" in argv:

@@ -61,9 +61,9 @@ def enable_persistent_cache(path: Optional[str] = None) -> str:
 
 
 class Runner:
-    """Drives the compiled phases of one model directly (`engine.start`,
-    `engine.decode_chunk`) through an `LLM`'s AOT program cache, so compile
-    seconds are counted apart from run time."""
+    """Drives the compiled phases of one model through the public API: batched
+    prefill cells through `engine.start`, decode cells through a
+    `ModelRunner`'s slots; compile seconds are counted apart (`LLM.programs`)."""
 
     def __init__(self, config, params, *, chunk: int = 16, max_seq_len: int = 2048):
         from jaxinfer.llm import LLM
@@ -75,76 +75,60 @@ class Runner:
         self.dtype = self.llm.cache_dtype
         self.dtype_bytes = np.dtype(self.dtype).itemsize
 
-    def _start_inputs(self, tokens: np.ndarray, budget: int):
-        import jax.numpy as jnp
-
-        from jaxinfer import sampling
-
-        b, t = tokens.shape
-        greedy = [sampling.SamplingParams(temperature=0.0)] * b
-        return (jnp.asarray(tokens), jnp.full((b,), t, jnp.int32), jnp.full((b,), budget, jnp.int32),
-                sampling.stack_params(greedy), sampling.row_keys([0] * b),
-                jnp.array([-1], jnp.int32))
-
-    def start(self, tokens: np.ndarray, cache_len: int, budget: int = 1):
-        """One timed `engine.start`. Returns (seconds excluding compile,
-        compile seconds, state)."""
+    def start(self, tokens: np.ndarray, cache_len: int):
+        """One timed `engine.start` over greedy rows (B = tokens.shape[0]) on an
+        empty cache of `cache_len`. Returns (seconds excluding compile, compile seconds)."""
         import jax
+        import jax.numpy as jnp
 
         from jaxinfer import engine
         from jaxinfer.cache import init_cache
+        from jaxinfer.request import Request
+        from jaxinfer.runner import row_inputs, stop_tokens
 
-        inputs = self._start_inputs(tokens, budget)
-        cache = jax.block_until_ready(init_cache(self.config, tokens.shape[0], cache_len, self.dtype))
-        c0 = self.llm.programs.compile_s
-        t0 = time.perf_counter()
-        state, out = self.llm.programs(engine.start, self.params, cache, *inputs, config=self.config)
+        b, t = tokens.shape
+        inputs = row_inputs([Request(row, max_new_tokens=1) for row in tokens], self.config.vocab_size)
+        cache = jax.block_until_ready(init_cache(self.config, b, cache_len, self.dtype))
+        programs = self.llm.programs
+        c0, t0 = programs.compile_s, time.perf_counter()
+        _, out = programs(engine.start, self.params, cache, jnp.asarray(tokens),
+                          jnp.full((b,), t, jnp.int32), inputs, stop_tokens((), ()), config=self.config)
         jax.device_get(out.token)
-        compile_s = self.llm.programs.compile_s - c0
-        return time.perf_counter() - t0 - compile_s, compile_s, state
+        compile_s = programs.compile_s - c0
+        return time.perf_counter() - t0 - compile_s, compile_s
 
-    def chunk_step(self, state):
-        """One `engine.decode_chunk` of `self.chunk` steps, tokens fetched to
-        the host. Returns (seconds excluding compile, compile seconds, state)."""
+    def decode_slots(self, batch: int, tokens: np.ndarray, budget: int, cache_len: int = 0):
+        """A `ModelRunner` of `batch` slots, each holding the one prefilled
+        prompt `tokens` [1, T] (decode cost does not depend on the cache's
+        contents, so one prefill stands in for B) with `budget` new tokens;
+        its cache is at least `cache_len` positions."""
+        from jaxinfer.request import Request
+
+        runner = self.llm.runner(batch)
+        runner.min_capacity = cache_len
+        job = runner.begin(Request(tokens[0], max_new_tokens=budget))
+        while job.remaining:
+            runner.prefill(job, job.remaining)
+        for slot in range(batch):
+            runner.insert(job, slot, np.arange(batch) < slot)
+        return runner
+
+    def chunk_step(self, runner):
+        """One decode chunk of `self.chunk` steps over every slot, tokens
+        fetched to the host. Returns (seconds excluding compile, compile seconds)."""
         import jax
 
-        from jaxinfer import engine
-
-        c0 = self.llm.programs.compile_s
-        t0 = time.perf_counter()
-        state, out = self.llm.programs(engine.decode_chunk, self.params, state, config=self.config,
-                                       num_steps=self.chunk)
-        jax.device_get(out.token)
-        compile_s = self.llm.programs.compile_s - c0
-        return time.perf_counter() - t0 - compile_s, compile_s, state
-
-
-def tile_state(state, batch: int):
-    """A DecodeState of `batch` rows, each a copy of row 0 of `state`
-    (decode cost does not depend on the cache's contents, so one prefilled
-    row stands in for a batch and saves B-1 prefills)."""
-    import jax
-    import jax.numpy as jnp
-
-    rep = lambda x: jnp.repeat(x[:1], batch, axis=0)
-    c = state.cache
-    tile = lambda bufs: tuple(rep(buf) for buf in bufs)
-    cache = c.replace(k_full=tile(c.k_full), v_full=tile(c.v_full),
-                      k_window=tile(c.k_window), v_window=tile(c.v_window),
-                      window_pos=rep(c.window_pos), lengths=rep(c.lengths))
-    changes = {}
-    for f in dataclasses.fields(state):
-        if f.name in ("cache", "stop_ids") or not f.metadata.get("pytree_node", True):
-            continue
-        changes[f.name] = jax.tree_util.tree_map(rep, getattr(state, f.name))
-    return jax.block_until_ready(state.replace(cache=cache, **changes))
-
+        programs = self.llm.programs
+        c0, t0 = programs.compile_s, time.perf_counter()
+        jax.device_get(runner.decode(np.ones(runner.max_num_seqs, bool)).token)
+        compile_s = programs.compile_s - c0
+        return time.perf_counter() - t0 - compile_s, compile_s
 
 
 def measure_prefill(runner: Runner, batch: int, length: int, sweep: Sweep, machine: dict) -> dict:
     """TTFT of `batch` prompts of `length` tokens (median of repeats) and the roofline point."""
     tokens = random_prompts(runner.config.vocab_size, batch, length, seed=length)
-    first_s, compile_s, _ = runner.start(tokens, length)
+    first_s, compile_s = runner.start(tokens, length)
     if first_s > sweep.cell_budget_s:  # a slow cell: its first run (compile excluded) is the sample
         times = [first_s]
     else:
@@ -166,18 +150,16 @@ def measure_decode(runner: Runner, batch: int, sweep: Sweep, machine: dict,
     warm-up chunk (compiles), then `decode_steps / chunk` timed chunks."""
     ctx, chunk = sweep.decode_context, runner.chunk
     n_chunks = max(1, sweep.decode_steps // chunk)
-    # the cache bucket `LLM.generate` runs these chunks in: it covers the
-    # prompt, the warm-up chunk and the timed chunks
-    cache_len = cache_len or runner.llm.cache_bucket(ctx + chunk * (n_chunks + 1))
     budget = 2 + chunk * (n_chunks + 1)
     tokens = random_prompts(runner.config.vocab_size, 1, ctx, seed=ctx)
-    _, _, state = runner.start(tokens, cache_len, budget)
-    state = tile_state(state, batch) if batch > 1 else state
-    _, compile_s, state = runner.chunk_step(state)
+    slots = runner.decode_slots(batch, tokens, budget, cache_len or 0)
+    _, compile_s = runner.chunk_step(slots)
     chunk_times = []
     for _ in range(n_chunks):
-        dt, _, state = runner.chunk_step(state)
+        dt, _ = runner.chunk_step(slots)
         chunk_times.append(dt)
+    # the cache bucket the serving engine sized for the prompt and the chunks
+    cache_len = slots.cache_capacity
     tpot_samples = [t / chunk for t in chunk_times]
     tpot = headline(tpot_samples, sweep.stat)
     mean_ctx = ctx + chunk + (n_chunks * chunk - 1) / 2  # cached tokens, mean over timed steps
@@ -261,9 +243,10 @@ def compile_probe(source: str, dtype: str, max_seq_len: int, prompt_len: int, ch
     load_s = time.perf_counter() - t0
     runner = Runner(llm.config, llm.params, chunk=chunk, max_seq_len=max_seq_len)
     tokens = random_prompts(llm.config.vocab_size, 1, prompt_len)
-    cache_len = llm.cache_bucket(prompt_len + chunk)  # as `LLM.generate` sizes it
-    _, prefill_c, state = runner.start(tokens, cache_len, budget=2 * chunk + 1)
-    _, decode_c, _ = runner.chunk_step(state)
+    c0 = llm.programs.compile_s
+    slots = runner.decode_slots(1, tokens, budget=2 * chunk + 1)   # start + insert, as generate
+    prefill_c = runner.llm.programs.compile_s - c0
+    _, decode_c = runner.chunk_step(slots)
     return {"load_s": load_s, "prefill_compile_s": prefill_c, "decode_compile_s": decode_c,
             "compile_s": prefill_c + decode_c}
 
