@@ -32,7 +32,7 @@ from jaxinfer.params import prepare_params
 from jaxinfer.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.request import Request, RequestOutput
-from jaxinfer.runner import ModelRunner
+from jaxinfer.runner import ModelRunner, SpecConfig
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.stats import RunStats
 
@@ -80,6 +80,7 @@ class LLM:
       min_kv_bucket: smallest KV-cache bucket, tokens.
       stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
+      speculative: a `runner.SpecConfig` for speculative decoding, or None.
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], or a
         size below 1.
@@ -88,7 +89,8 @@ class LLM:
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
                  decode_chunk: int = 16, max_num_seqs: int = 256,
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
-                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = ()):
+                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
+                 speculative: Optional[SpecConfig] = None):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
@@ -107,6 +109,7 @@ class LLM:
         self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
         self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
         self.cache_dtype = _params_dtype(params)
+        self.speculative = speculative
         self.programs = ProgramCache()
         self.last_stats = RunStats()
 
@@ -172,7 +175,8 @@ class LLM:
         return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs, buckets=self.buckets,
                            decode_chunk=self.decode_chunk, prefill_chunk_size=self.prefill_chunk_size,
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
-                           cache_dtype=self.cache_dtype, programs=self.programs)
+                           cache_dtype=self.cache_dtype, programs=self.programs,
+                           speculative=self.speculative)
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
