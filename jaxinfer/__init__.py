@@ -5,14 +5,19 @@ Public API:
   SamplingParams                     per-request sampling settings
   ModelConfig, GenerationConfig      static model shape; YAML run settings
   KVCache, init_cache                the KV-cache pytree
-  prefill, decode_step               the two compiled phases
+  extend, prefill, decode_step       the compiled phases
+  Request, RequestOutput, Scheduler  the serving engine (continuous batching)
 """
 
 from jaxinfer.cache import KVCache, init_cache
 from jaxinfer.config import GenerationConfig, ModelConfig
-from jaxinfer.engine import decode_step, prefill
-from jaxinfer.llm import LLM, Completion, RunStats
+from jaxinfer.engine import decode_step, extend, prefill
+from jaxinfer.llm import LLM, Completion
+from jaxinfer.request import Request, RequestOutput
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.scheduler import Scheduler
+from jaxinfer.stats import RunStats
 
 __all__ = ["LLM", "Completion", "RunStats", "SamplingParams", "ModelConfig", "GenerationConfig",
-           "KVCache", "init_cache", "prefill", "decode_step"]
+           "KVCache", "init_cache", "extend", "prefill", "decode_step", "Request", "RequestOutput",
+           "Scheduler"]

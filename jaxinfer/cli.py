@@ -138,10 +138,12 @@ def cmd_generate(args) -> int:
     config, params, tokenizer = load_model(
         cfg.model, cfg.dtype, prepared=True, progress=progress,
         before_weights=lambda tok: check_prompt_lengths(tok, zip(labels, prompts), cfg))
-    llm = LLM(config, params, tokenizer, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk)
+    llm = LLM(config, params, tokenizer, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk,
+              max_num_seqs=cfg.max_num_seqs, prefill_chunk_size=cfg.prefill_chunk_size)
     llm.programs.progress = progress
     load_s = time.perf_counter() - t0
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, chat=cfg.chat, stop=cfg.stop)
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, chat=cfg.chat, stop=cfg.stop,
+                  min_tokens=cfg.min_tokens, ignore_eos=cfg.ignore_eos)
     if args.prompt is not None:
         for piece in llm.stream(prompts[0], cfg.sampling, **kwargs):
             progress.enabled = False          # text is streaming: no more progress lines

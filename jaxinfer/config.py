@@ -153,7 +153,15 @@ class GenerationConfig:
       system_prompt: a system turn before chat prompts; null keeps the
         template's default.
       stop: stop strings; a match ends the row and is cut from the text.
-      decode_chunk: decode steps per compiled chunk (streaming granularity).
+      min_tokens: stop tokens and stop strings are ignored until this many
+        tokens were generated.
+      ignore_eos: the tokenizer's EOS does not end a row (fixed-length runs).
+      decode_chunk: decode steps per compiled chunk (streaming granularity;
+        shorter chunks admit waiting requests sooner).
+      max_num_seqs: decode slots, the most requests decoding at once.
+      prefill_chunk_size: the per-step prefill token budget while requests
+        decode, and the largest piece of a prompt one call prefills; null
+        prefills every prompt whole (see jaxinfer/scheduler.py).
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 
@@ -169,27 +177,40 @@ class GenerationConfig:
     chat: bool = True
     system_prompt: Optional[str] = None
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
     decode_chunk: int = 16
+    max_num_seqs: int = 256
+    prefill_chunk_size: Optional[int] = 512
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
         self._check_types()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_seq_len", "max_new_tokens", "decode_chunk"):
+        for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1 or null, got {self.prefill_chunk_size}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
+                             f"got {self.min_tokens}")
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
     def _check_types(self) -> None:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
         kinds = {"model": str, "dtype": str, "chat": bool, "max_seq_len": int,
-                 "max_new_tokens": int, "decode_chunk": int}
+                 "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
+                 "ignore_eos": bool, "max_num_seqs": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+        chunk = self.prefill_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)):
+            raise ValueError(f"prefill_chunk_size must be int or null, got {chunk!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

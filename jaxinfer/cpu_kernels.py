@@ -6,22 +6,23 @@
   one of them on a single core. The kernel does the same math in one pass
   over K and V per (row, kv head).
 - `packed_matmul`: x @ W with W packed once (`pack_weight`) into column
-  panels that stream sequentially. In stand-alone tests on the 2-core dev VM,
-  XLA:CPU's dots ran the SmolLM2 decode shapes at 14-47 GB/s at batch 1 and
-  87-159 GFLOP/s at batch 16-64; a stand-alone version of the packed kernel
-  (on huge pages, with its own pinned threads) at 60-65 GB/s and 198-230
-  GFLOP/s.
+  panels that stream sequentially, faster than XLA:CPU's dots at the decode
+  shapes (benchmarks/README.md has the measurements).
 
 Both split their work across XLA's intra-op thread pool
-(`jaxinfer/kernels/cpu_kernels.cc`). They are C++ built on first use with
-the host compiler (`$CXX`, else `c++`, `g++` or `clang++`; `-O3
--march=native`) against the FFI headers that ship with jaxlib, and cached
-under `<cache dir>/kernels/` keyed by source, flags, jaxlib version and the
-host CPU's feature flags. Where they cannot be built (no compiler, a bad
-`$CXX`, another platform; a warning says why, and each new process tries
-again) or `JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the
-engine keeps the pure-XLA path and plain [K, N] weights; both compute the
-same functions (the tests compare them).
+(`jaxinfer/kernels/*.cc`, every source compiled into one library). They are
+C++ built on first use with the host compiler (`$CXX`, else `c++`, `g++` or
+`clang++`; `-O3 -march=native`) against the FFI headers that ship with
+jaxlib, and cached under `<cache dir>/kernels/` keyed by the sources, flags,
+jaxlib version and the host CPU's feature flags. Where they cannot be built
+(no compiler, a bad `$CXX`, another platform; a warning says why) or
+`JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the engine keeps
+the pure-XLA path and plain [I, O] weights; both compute the same functions
+(the tests compare them). A compiler that fails leaves a marker
+(`cpu_kernels-<key>.failed`, holding its message) beside the cache: later
+processes skip the build with a one-line warning until the key changes (new
+sources, flags, jaxlib, CPU or compiler) or `JAXINFER_REBUILD_KERNELS=1` is
+set.
 
 FFI reference: https://docs.jax.dev/en/latest/ffi.html
 """
@@ -41,21 +42,72 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 SWITCH = "JAXINFER_CPU_KERNELS"  # "0" keeps every phase on XLA's own kernels
-SOURCE = pathlib.Path(__file__).parent / "kernels" / "cpu_kernels.cc"
-PANEL = 48  # columns per packed weight panel (kPanel in the C++ source)
+REBUILD = "JAXINFER_REBUILD_KERNELS"  # "1" retries a build that failed before
+ARCH = "JAXINFER_KERNEL_ARCH"  # the -march the library targets (default "native")
+BF16_DOT = "JAXINFER_BF16_DOT"  # "0" widens bfloat16 weights even where VDPBF16PS runs
+SOURCE_DIR = pathlib.Path(__file__).parent / "kernels"
 # Version of the PackedWeight layout `pack_weight` writes; part of the load
-# cache's key (jaxinfer/load_cache.py): bump it whenever packing changes.
+# cache's key (jaxinfer/load_cache.py, with the build's panel width): bump it
+# whenever packing changes.
 PACK_VERSION = 1
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
-            "jaxinfer_packed_matmul": "JaxinferPackedMatmul"}
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+            "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
+            "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
+            "jaxinfer_read_sum": "JaxinferReadSum"}
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+# Run in a fresh process by `_probe`: call one int() C function of the library (argv[1],
+# argv[2]) and print its result. A CPU that lacks an instruction the build uses kills
+# that process (SIGILL), not the caller.
+_PROBE_CODE = "import ctypes, sys; print(getattr(ctypes.CDLL(sys.argv[1]), sys.argv[2])())"
+_INFO: dict = {}  # the loaded library's facts (`kernel_info`)
 
 
 class KernelBuildError(RuntimeError):
-    """The host C++ compiler is missing or failed on the kernel source."""
+    """The host C++ compiler is missing or failed on the kernel sources."""
+
+
+class KernelBuildSkipped(KernelBuildError):
+    """An earlier build with the same key failed; its marker is still there."""
+
+
+def _flags() -> tuple[str, ...]:
+    """Compiler flags: `_FLAGS` and -march=$JAXINFER_KERNEL_ARCH (default native)."""
+    return (*_FLAGS, f"-march={os.environ.get(ARCH) or 'native'}")
+
+
+def _probe(path: str | os.PathLike, symbol: str, timeout: float = 60) -> tuple[bool, str]:
+    """Call the library's `int symbol(void)` in a fresh Python process.
+
+    Returns:
+      (True, "") when it printed 1; else (False, why): the signal that killed
+      it (SIGILL: an instruction the CPU or VM does not run), its exit code
+      and stderr's last line, or the value it returned.
+    """
+    import signal
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE_CODE, str(path), symbol],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"{symbol} timed out after {timeout:.0f} s"
+    if done.returncode < 0:
+        return False, f"{symbol} was killed by {signal.Signals(-done.returncode).name}"
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return False, f"{symbol} exited {done.returncode}: {tail}"
+    value = done.stdout.strip()
+    return (True, "") if value == "1" else (False, f"{symbol} returned {value}")
+
+
+def sources() -> list[pathlib.Path]:
+    """The C++ sources compiled into the one kernel library: every
+    `jaxinfer/kernels/*.cc`, in name order."""
+    return sorted(SOURCE_DIR.glob("*.cc"))
 
 
 def _compiler() -> str:
@@ -87,36 +139,58 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
     Args:
       out_dir: where builds are kept; default `<jaxinfer cache dir>/kernels`.
     Returns:
-      path of the shared library, named by a hash of the source, the flags,
+      path of the shared library, named by a hash of the sources, the flags,
       the jaxlib version and the host CPU's feature flags (`-march=native`),
       so a stale build or one made for another CPU is never loaded. A cached
       build needs no compiler.
     Raises:
-      KernelBuildError: the build is not cached and there is no compiler, or
-        the compiler failed (its output attached).
+      KernelBuildError: the build is not cached and there is no compiler, the
+        compiler failed (its output attached), or the new library fails its
+        self-test in a fresh process (`jaxinfer_self_test`: e.g. SIGILL where
+        the CPU or VM reports instructions it does not run). A `.failed`
+        marker with the same text is written next to where the library would be.
+      KernelBuildSkipped: a marker says this key's build failed before and
+        `JAXINFER_REBUILD_KERNELS` is not "1" (one-line message).
     """
     import jaxlib
 
-    from jaxinfer.checkpoint.sources import cache_dir
-
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), jaxlib.__version__,
-                                    _host_cpu()]).encode()).hexdigest()[:16]
-    out_dir = pathlib.Path(out_dir) if out_dir else cache_dir() / "kernels"
+    srcs = sources()
+    flags = _flags()
+    key = hashlib.sha256("\0".join([*(f"{p.name}\0{p.read_text()}" for p in srcs), " ".join(flags),
+                                    jaxlib.__version__, _host_cpu()]).encode()).hexdigest()[:16]
+    out_dir = pathlib.Path(out_dir) if out_dir else _default_dir()
     path = out_dir / f"cpu_kernels-{key}.so"
     if path.exists():
         return path
     cxx = _compiler()
+    marker = out_dir / f"cpu_kernels-{key}-{hashlib.sha256(cxx.encode()).hexdigest()[:8]}.failed"
+    if marker.exists():
+        if os.environ.get(REBUILD) != "1":
+            raise KernelBuildSkipped(f"an earlier build failed ({marker}; {REBUILD}=1 retries)")
+        marker.unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_path = pathlib.Path(tmp) / path.name
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp_path)]
+        cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, srcs), "-o", str(tmp_path)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not tmp_path.is_file():
             output = (done.stderr or done.stdout)[-4000:] or "(no output)"
-            raise KernelBuildError(f"{' '.join(cmd)} exited {done.returncode} without a "
-                                   f"library:\n{output}")
+            message = f"{' '.join(cmd)} exited {done.returncode} without a library:\n{output}"
+        else:
+            ok, why = _probe(tmp_path, "jaxinfer_self_test")
+            message = None if ok else (f"the library built with {flags[-1]} fails its self-test "
+                                       f"({why}); {ARCH}=x86-64-v3 builds for AVX2 only")
+        if message is not None:
+            marker.write_text(message + "\n", encoding="utf-8")
+            raise KernelBuildError(message)
         os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
     return path
+
+
+def _default_dir() -> pathlib.Path:
+    from jaxinfer.checkpoint.sources import cache_dir
+
+    return cache_dir() / "kernels"
 
 
 @functools.cache
@@ -125,12 +199,56 @@ def _load() -> bool:
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelBuildError, OSError) as err:
-        warnings.warn(f"jaxinfer CPU kernels unavailable, every phase stays on XLA: {err}")
+        warnings.warn(f"jaxinfer CPU kernels unavailable, every phase stays on XLA: {err}",
+                      stacklevel=2)
         return False
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
+    _INFO.update(path=library._name, arch=_flags()[-1], panel_width=library.jaxinfer_panel_width(),
+                 row_block=library.jaxinfer_row_block(), vector_lanes=library.jaxinfer_vector_lanes(),
+                 bf16_dot_built=bool(library.jaxinfer_has_bf16_dot()))
     return True
+
+
+def kernel_info() -> dict:
+    """Facts about the loaded library (empty when the kernels are not enabled):
+    {"path", "arch" (the -march flag), "panel_width" (columns per packed
+    panel), "row_block" (rows per register block), "vector_lanes" (floats per
+    vector register), "bf16_dot_built" (the AVX512-BF16 path is compiled in),
+    "bf16_dot" (and runs here, `bf16_dot()`)}."""
+    if not enabled():
+        return {}
+    return dict(_INFO, bf16_dot=bf16_dot())
+
+
+def panel_width() -> int:
+    """Columns per packed weight panel: 3 vector registers of this build
+    (48 with AVX-512, 24 with AVX2).
+
+    Raises:
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    _require_enabled()
+    return _INFO["panel_width"]
+
+
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether bfloat16 weights multiply through AVX512-BF16 dot products
+    (VDPBF16PS; x rounded to bfloat16, float32 accumulation) rather than
+    widened to float32 first. True only where the build has the path (the
+    compiler saw AVX512-BF16 under -march), `JAXINFER_BF16_DOT` is not "0",
+    and a probe in a fresh process ran the instruction and got the right
+    answer; a CPU or VM that reports the feature but fails the probe gives a
+    one-line warning and the widening path. Decided once per process."""
+    if not enabled() or not _INFO["bf16_dot_built"] or os.environ.get(BF16_DOT, "1") == "0":
+        return False
+    ok, why = _probe(_INFO["path"], "jaxinfer_probe_bf16_dot")
+    if not ok:
+        warnings.warn(f"jaxinfer: AVX512-BF16 is reported but its probe failed ({why}); bfloat16 "
+                      "weights are widened to float32 instead", stacklevel=2)
+    return ok
 
 
 def enabled() -> bool:
@@ -181,12 +299,14 @@ def _require_enabled():
 
 @struct.dataclass
 class PackedWeight:
-    """A float32 weight W [K, N] as column panels for `packed_matmul`.
+    """A weight W [I, O] (float32 or bfloat16) as column panels for `packed_matmul`.
 
     Attributes:
-      panels: float32 [ceil(N / PANEL), K, PANEL]; panels[p, k, j] = W[k, p*PANEL + j],
-        zero past column N.
-      n: N, the number of output columns (static).
+      panels: float32 [ceil(O / P), I, P] with panels[p, i, j] = W[i, p*P + j];
+        or bfloat16 [ceil(O / P), ceil(I / 2), 2P] with panels[p, i, 2j + e] =
+        W[2i + e, p*P + j] (input rows in pairs, as VDPBF16PS reads them);
+        zero past column O (and past row I). P = `panel_width()`.
+      n: O, the number of output columns (static).
     """
 
     panels: jax.Array
@@ -194,8 +314,9 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(K, N), the shape of the unpacked weight."""
-        return (self.panels.shape[1], self.n)
+        """(I, O), the shape of the unpacked weight (I rounded up to even for bfloat16)."""
+        rows = self.panels.shape[1] * (2 if self.dtype == jnp.bfloat16 else 1)
+        return (rows, self.n)
 
     @property
     def dtype(self):
@@ -203,43 +324,79 @@ class PackedWeight:
 
 
 def pack_weight(w: jax.Array) -> PackedWeight:
-    """Pack W [K, N] float32 into `PackedWeight` panels (a copy, done once at load).
+    """Pack W [I, O] (float32 or bfloat16, kept as is) into `PackedWeight`
+    panels (a copy, done once at load).
 
     Raises:
-      ValueError: w is not a float32 matrix.
+      ValueError: w is not a float32 or bfloat16 matrix.
+      RuntimeError: the kernels are not `enabled()` (the panel width is the build's).
     """
-    if w.ndim != 2 or w.dtype != jnp.float32:
-        raise ValueError(f"pack_weight: expected a float32 [K, N] matrix, got {w.dtype}{list(w.shape)}")
-    k, n = w.shape
-    p = -(-n // PANEL)
-    panels = jnp.pad(w, ((0, 0), (0, p * PANEL - n))).reshape(k, p, PANEL).transpose(1, 0, 2)
-    return PackedWeight(panels, n)
-
-
-def unpack_weight(w: PackedWeight) -> jax.Array:
-    """The [K, N] matrix a `PackedWeight` holds."""
-    k = w.panels.shape[1]
-    return w.panels.transpose(1, 0, 2).reshape(k, -1)[:, :w.n]
+    if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"pack_weight: expected a float32 or bfloat16 [I, O] matrix, got "
+                         f"{w.dtype}{list(w.shape)}")
+    width = panel_width()
+    rows, cols = w.shape
+    p = -(-cols // width)
+    if w.dtype == jnp.float32:
+        panels = jnp.pad(w, ((0, 0), (0, p * width - cols))).reshape(rows, p, width)
+        return PackedWeight(panels.transpose(1, 0, 2), cols)
+    pairs = -(-rows // 2)
+    padded = jnp.pad(w, ((0, 2 * pairs - rows), (0, p * width - cols)))
+    panels = padded.reshape(pairs, 2, p, width).transpose(2, 0, 3, 1)  # [P, I/2, width, 2]
+    return PackedWeight(panels.reshape(p, pairs, 2 * width), cols)
 
 
 def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x @ W for x float32 [..., K] and a packed W [K, N] -> float32 [..., N].
+    """x @ W for x [..., I] (any float dtype, read as float32) and a packed
+    W [I, O] -> float32 [..., O], accumulated in float32.
+
+    float32 panels: float32 products. bfloat16 panels: VDPBF16PS products of
+    x rounded to bfloat16 where `bf16_dot()`, else W widened to float32 and
+    x as is.
 
     Raises:
-      ValueError: x is not float32 or its last axis is not K (at trace time).
+      ValueError: x's last axis is not I (at trace time).
       RuntimeError: the kernels are not `enabled()`.
     """
-    k, n = w.shape
-    if x.dtype != jnp.float32 or x.shape[-1] != k:
-        raise ValueError(f"packed_matmul: x is {x.dtype}{list(x.shape)}, expected float32[..., {k}]")
+    rows, n = w.shape
+    k = x.shape[-1]
+    bf16 = w.dtype == jnp.bfloat16
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not (k == rows or (bf16 and k == rows - 1)):
+        raise ValueError(f"packed_matmul: x is {x.dtype}{list(x.shape)}, expected float[..., {rows}]")
     _require_enabled()
-    rows = x.reshape(-1, k)
-    out = jax.ffi.ffi_call("jaxinfer_packed_matmul",
-                           jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, w.panels)
+    flat = x.reshape(-1, k).astype(jnp.float32)
+    result = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
+    if bf16:
+        out = jax.ffi.ffi_call("jaxinfer_packed_matmul_bf16", result)(
+            flat, w.panels, dot=np.int32(bf16_dot()))
+    else:
+        out = jax.ffi.ffi_call("jaxinfer_packed_matmul", result)(flat, w.panels)
     return out.reshape(*x.shape[:-1], n)
 
 
 def take_columns(w: PackedWeight, ids: jax.Array) -> jax.Array:
-    """Columns W[:, ids] of a packed W [K, N], as rows [..., K] (a tied model's
-    embedding lookup from its packed LM head). ids must be in [0, N)."""
-    return w.panels[ids // PANEL, :, ids % PANEL]
+    """Columns W[:, ids] of a packed W [I, O], as rows [..., I] in W's dtype
+    (a tied model's embedding lookup from its packed LM head). ids must be in
+    [0, O)."""
+    width = w.panels.shape[-1] // (2 if w.dtype == jnp.bfloat16 else 1)
+    if w.dtype != jnp.bfloat16:
+        return w.panels[ids // width, :, ids % width]
+    ids = jnp.asarray(ids)
+    col = 2 * (ids % width)[..., None] + jnp.arange(2)
+    pairs = w.panels[(ids // width)[..., None], :, col]  # [..., 2, I/2]
+    return jnp.swapaxes(pairs, -1, -2).reshape(*ids.shape, -1)
+
+
+def read_sum(x: jax.Array) -> jax.Array:
+    """Sum of a float32 vector [n] -> float32 [], read once front to back by a
+    plain C++ loop split over XLA's thread pool: the bench's own memory-read
+    probe (`jaxinfer.tools.bench.machine`), beside XLA's reductions.
+
+    Raises:
+      ValueError: x is not a float32 vector.
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    if x.ndim != 1 or x.dtype != jnp.float32:
+        raise ValueError(f"read_sum: expected a float32 vector, got {x.dtype}{list(x.shape)}")
+    _require_enabled()
+    return jax.ffi.ffi_call("jaxinfer_read_sum", jax.ShapeDtypeStruct((), jnp.float32))(x)

@@ -79,8 +79,8 @@ def rope_cos_sin(positions: jax.Array | np.ndarray, inv_freq: np.ndarray) -> tup
     Positions given as a numpy array (known when tracing, as in prefill) give
     numpy tables, which enter the compiled program as constants: XLA:CPU
     otherwise fuses cos and sin into every consumer and evaluates them once
-    per rotated element, N + K times per table entry in every layer (~30 ms
-    of a 0.73 s SmolLM2 prefill at T = 512).
+    per rotated element, N + K times per table entry in every layer
+    (benchmarks/README.md has the measured cost).
     """
     xp = np if isinstance(positions, np.ndarray) else jnp
     angles = positions.astype(np.float32)[..., None] * inv_freq.astype(np.float32)
@@ -142,9 +142,8 @@ def attention_scores(qg: jax.Array, k: jax.Array, softcap: float | None = None) 
       softcap: optional tanh soft-cap (Gemma 2): cap * tanh(s / cap).
     Returns:
       [B, K, T, G, S] float32. With this layout a prompt's scores are one
-      [T*G, H] x [H, S] matmul per kv head (3x faster than a [B, K, G, T, S]
-      result for SmolLM2 at T = 512 on XLA:CPU, where that layout cost
-      transposes around the softmax).
+      [T*G, H] x [H, S] matmul per kv head; a [B, K, G, T, S] result costs
+      transposes around the softmax on XLA:CPU (benchmarks/README.md).
     """
     b, kv_heads, t, g, h = qg.shape
     if t == 1:  # decode: a multiply-reduce over H streams K once, vectorized along S
@@ -170,16 +169,130 @@ def attention_output(weights: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(b, kv_heads, t, g, h)
 
 
+def visible_keys(q_positions: jax.Array, k_positions: jax.Array, window: int | None) -> jax.Array:
+    """Which keys each query may attend: bool [B, T, S], True where
+    0 <= k_pos <= q_pos and, with a window W, q_pos - k_pos < W.
+
+    Args:
+      q_positions: int32 [B, T], each query's position (-1: a padding query
+        that sees nothing).
+      k_positions: int32 [B, S], the position each key slot holds (-1: empty).
+      window: None (full attention) or W >= 1 (sliding window).
+    """
+    q, k = q_positions[:, :, None], k_positions[:, None, :]
+    visible = (k >= 0) & (k <= q)
+    if window is not None:
+        visible &= q - k < window
+    return visible
+
+
+def blocked_attention(qg: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                      k_positions: jax.Array, window: int | None = None, *,
+                      query_block: int = 256, key_block: int = 256,
+                      softcap: float | None = None) -> jax.Array:
+    """Attention over key blocks with an online softmax (flash-style), so a
+    long prompt needs O(query_block * key_block) scores per kv head, not T * S.
+
+    Same function as dense `attention_scores` -> `masked_softmax` (mask from
+    `visible_keys`) -> `attention_output`, up to float32 rounding. Queries
+    go in blocks of `query_block` (a `lax.map`), each scanning the key blocks
+    with a running max m, normalizer l and output acc (Milakov & Gimelshein
+    2018, "Online normalizer calculation for softmax", arXiv:1805.02867; Dao
+    et al. 2022, "FlashAttention", arXiv:2205.14135, Algorithm 1); a key block
+    that no query of the block can see is skipped (`lax.cond`), which halves
+    a causal prompt's work and leaves a window's band.
+
+    Args:
+      qg: [B, K, T, G, H] grouped queries (`group_heads`), already multiplied
+        by the query scale.
+      k: [B, K, H, S] keys, keys-minor (the KV-cache layout of K).
+      v: [B, K, S, H] values.
+      q_positions: int32 [B, T] query positions (-1: padding, sees nothing).
+      k_positions: int32 [B, S] positions the key slots hold (-1: empty).
+      window: None, or the sliding window W (q_pos - k_pos < W).
+      query_block, key_block: block sizes (static, >= 1); T and S are padded
+        up to multiples of them internally.
+      softcap: optional tanh soft-cap of the scores (Gemma 2).
+    Returns:
+      [B, K, T, G, H] in v.dtype; all zeros for a query that sees no key.
+    Raises:
+      ValueError: shapes that do not match the above, or a block size or
+        window below 1 (at trace time).
+    """
+    b, kv_heads, t, g, h = qg.shape
+    s = k.shape[-1]
+    expected = {"k": (k.shape, (b, kv_heads, h, s)), "v": (v.shape, (b, kv_heads, s, h)),
+                "q_positions": (q_positions.shape, (b, t)), "k_positions": (k_positions.shape, (b, s))}
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"blocked_attention: {name} has shape {list(got)}, expected {list(want)}")
+    if min(query_block, key_block) < 1 or (window is not None and window < 1):
+        raise ValueError(f"blocked_attention: query_block={query_block}, key_block={key_block} "
+                         f"and window={window} must be >= 1")
+    qb, kb = min(query_block, t), min(key_block, s)
+    nq, nk = -(-t // qb), -(-s // kb)
+    q_pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, nq * qb - t)), constant_values=-1)
+    k_pos = jnp.pad(k_positions.astype(jnp.int32), ((0, 0), (0, nk * kb - s)), constant_values=-1)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, nq * qb - t), (0, 0), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, nk * kb - s)))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, nk * kb - s), (0, 0)))
+    # blocks first, for lax.map / lax.scan
+    q_blocks = qg.reshape(b, kv_heads, nq, qb * g, h).transpose(2, 0, 1, 3, 4)  # [nq, B, K, qb*G, H]
+    qpos_blocks = q_pos.reshape(b, nq, qb).transpose(1, 0, 2)                   # [nq, B, qb]
+    k_blocks = k.reshape(b, kv_heads, h, nk, kb).transpose(3, 0, 1, 2, 4)      # [nk, B, K, H, kb]
+    v_blocks = v.reshape(b, kv_heads, nk, kb, h).transpose(2, 0, 1, 3, 4)      # [nk, B, K, kb, H]
+    kpos_blocks = k_pos.reshape(b, nk, kb).transpose(1, 0, 2)                   # [nk, B, kb]
+
+    def query_block_out(args):
+        q, qp = args  # [B, K, qb*G, H], [B, qb]
+
+        def step(carry, key_block_args):
+            kk, vv, kp = key_block_args
+            visible = visible_keys(qp, kp, window)  # [B, qb, kb]
+
+            def update(carry):
+                m, l, acc = carry  # [B, K, qb*G], same, [B, K, qb*G, H]
+                sc = jnp.einsum("BKMH,BKHS->BKMS", q, kk, preferred_element_type=jnp.float32)
+                if softcap:
+                    sc = softcap * jnp.tanh(sc / softcap)
+                mask = jnp.repeat(visible, g, axis=1)[:, None]  # [B, 1, qb*G, kb]
+                sc = jnp.where(mask, sc, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(sc - m_safe[..., None])
+                correction = jnp.exp(m - m_safe)
+                l = l * correction + jnp.sum(p, axis=-1)
+                acc = acc * correction[..., None] + jnp.einsum(
+                    "BKMS,BKSH->BKMH", p, vv.astype(jnp.float32))
+                return m_new, l, acc
+
+            return jax.lax.cond(jnp.any(visible), update, lambda c: c, carry), None
+
+        init = (jnp.full((b, kv_heads, qb * g), -jnp.inf, jnp.float32),
+                jnp.zeros((b, kv_heads, qb * g), jnp.float32),
+                jnp.zeros((b, kv_heads, qb * g, h), jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(step, init, (k_blocks, v_blocks, kpos_blocks))
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+    out = jax.lax.map(query_block_out, (q_blocks, qpos_blocks))  # [nq, B, K, qb*G, H]
+    out = out.reshape(nq, b, kv_heads, qb, g, h).transpose(1, 2, 0, 3, 4, 5)
+    return out.reshape(b, kv_heads, nq * qb, g, h)[:, :, :t].astype(v.dtype)
+
+
 # --- Matmul ---------------------------------------------------------------------
 
 
 def matmul(x: jax.Array, w: jax.Array | PackedWeight, preferred_element_type=None) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N]; a `PackedWeight` (float32 on CPU,
-    see `params.prepare_params`) goes through `cpu_kernels.packed_matmul`,
-    which computes in and returns float32."""
+    """x [..., I] @ w [I, O] -> [..., O] (I input features, O output features:
+    D, N*H, F or V depending on the projection), in `preferred_element_type`
+    if given, else x's dtype.
+
+    A `PackedWeight` (float32 or bfloat16 panels on CPU, see
+    `params.prepare_params`) goes through `cpu_kernels.packed_matmul`, which
+    accumulates in float32."""
     if isinstance(w, PackedWeight):
-        return packed_matmul(x, w)
-    return jnp.einsum("...K,KN->...N", x, w, preferred_element_type=preferred_element_type)
+        return packed_matmul(x, w).astype(preferred_element_type or x.dtype)
+    return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
 
 
 # --- MLP -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The host side of generation: load a model once, then generate or stream.
+"""The host API: load a model once, then generate, stream or score.
 
     llm = LLM.load("smollm2-135m-instruct")
     [c] = llm.generate(["What is the capital of France?"], chat=True, max_new_tokens=32)
@@ -8,47 +8,44 @@ All input checks happen here, on the host, before any device work: JAX clamps
 out-of-range indices and slice starts silently, so lengths and ids are checked
 before they reach a compiled program.
 
-Which shapes compile: one `start` program (prefill + first token) per
-(batch bucket, prompt-length bucket, cache bucket) and one `decode_chunk`
-program per (batch bucket, cache bucket). Batch buckets are powers of two;
-prompt-length buckets are powers of two from `min_prompt_bucket` up to
-`max_seq_len`. A run's KV cache starts at the smallest cache bucket that
-holds its prompts and first chunk, and grows (`cache.grow_cache`) to the next
-bucket when a chunk would overflow it, so a decode step attends over a buffer
-sized to the context, not to `max_seq_len`. Cache buckets are the powers of
-two and 1.5x powers of two from `min_kv_bucket` up to `max_seq_len`
-(`cache_buckets`): at most a third of the attended buffer is ahead of the
-longest row once it passes `min_kv_bucket`.
+`generate` and `stream` run on the serving engine: the requests go to a
+`Scheduler` (continuous batching over `max_num_seqs` slots, chunked prefill)
+driving a `ModelRunner` (the compiled programs), on the calling thread. Which
+shapes compile is described in `jaxinfer.runner` and `jaxinfer.buckets`;
+`LLM.programs` counts them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Iterator, Optional, Sequence, Union
+from typing import Generator, Iterator, Optional, Sequence, Union
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import engine, sampling
-from jaxinfer.cache import grow_cache, init_cache
+from jaxinfer.buckets import Buckets, batch_bucket
+from jaxinfer.cache import init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading import load_model
 from jaxinfer.params import prepare_params
+from jaxinfer.programs import ProgramCache
 from jaxinfer.progress import Progress
-from jaxinfer.stop import StopMatcher
+from jaxinfer.request import Request, RequestOutput
+from jaxinfer.runner import ModelRunner
+from jaxinfer.scheduler import Scheduler
+from jaxinfer.stats import RunStats
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
 @dataclasses.dataclass
 class Completion:
-    """One row's result.
+    """One request's result.
 
     Attributes:
       prompt_token_ids: the prompt as fed to the model.
-      token_ids: generated ids, including a final stop token when one ended the row.
+      token_ids: generated ids, including a final stop token when one ended it.
       text: detokenized generated text, stop token and stop string excluded.
       finish_reason: "stop" (stop token or stop string) or "length".
       logprobs: per generated token (token_id, logprob, [(alt_id, alt_logprob), ...])
@@ -62,134 +59,55 @@ class Completion:
     logprobs: Optional[list] = None
 
 
-@dataclasses.dataclass
-class RunStats:
-    """Timing of the last generate/stream call. Seconds, tokens and tokens/s.
-
-    ttft_s: from the call's device work start to the first tokens on the host,
-    excluding compilation. tpot_s: decode seconds per decode step run.
-    decode_tokens_per_s: decoded tokens (after each row's first) per decode second.
-    """
-
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    compile_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-
-    decoded_tokens: int = 0
-
-    @property
-    def tpot_s(self) -> float:
-        """Decode seconds per decode step run (compiled chunks run whole, so
-        steps past a row's stop token count too)."""
-        return self.decode_s / self.decode_steps if self.decode_steps else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens produced by decode steps (all rows, after each row's first
-        token) per decode second."""
-        return self.decoded_tokens / self.decode_s if self.decode_s > 0 else float("nan")
-
-    def summary(self) -> str:
-        return (f"prompt tokens {self.prompt_tokens} | generated tokens {self.generated_tokens} | "
-                f"compile {self.compile_s:.2f} s | TTFT {self.ttft_s * 1e3:.1f} ms | "
-                f"TPOT {self.tpot_s * 1e3:.1f} ms/step ({self.decode_steps} steps) | "
-                f"decode {self.decode_tokens_per_s:.1f} tokens/s")
-
-
-def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
-    """(low, 2*low, 4*low, ..., high): every bucket <= high, high included."""
-    out, b = [], max(1, low)
-    while b < high:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (high,)
-
-
-def cache_buckets(low: int, high: int) -> tuple[int, ...]:
-    """(low, 1.5*low, 2*low, 3*low, 4*low, 6*low, ...): every bucket < high, then high.
-
-    Two buckets per doubling: going from power-of-two buckets to these cut
-    SmolLM2's batch-32 decode step at ~290 cached tokens from 147 ms (buffer
-    512) to 123 ms (buffer 384) on the 2-core CI machine, for at most twice
-    the decode programs.
-    """
-    low = max(1, low)
-    out = sorted({b for i in range(high.bit_length() + 1) for b in (low << i, (3 * low << i) // 2)
-                  if b < high})
-    return tuple(out) + (high,)
-
-
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= n. Raises ValueError when n exceeds the largest."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-class _Programs:
-    """Ahead-of-time compiled programs keyed by static arguments and shapes,
-    so the number of compilations and their seconds are observable."""
-
-    def __init__(self):
-        self._compiled = {}
-        self.num_compiles = 0
-        self.compile_s = 0.0
-        self.progress = Progress.off()   # reports each compile ("compiling start ... 0.9 s")
-
-    def __call__(self, fn, *args, **static):
-        shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
-        key = (fn.__name__, tuple(sorted(static.items())), jax.tree_util.tree_structure(args),
-               tuple(jax.tree_util.tree_leaves(shapes)))
-        if key not in self._compiled:
-            t0 = time.perf_counter()
-            with self.progress.step(f"compiling {fn.__name__}"):
-                self._compiled[key] = fn.lower(*args, **static).compile()
-            self.compile_s += time.perf_counter() - t0
-            self.num_compiles += 1
-        return self._compiled[key](*args)
-
-
 class LLM:
     """A loaded model: config, params, tokenizer and compiled programs.
 
     Args:
       config: ModelConfig.
       params: params pytree (jax arrays), as loaded or prepared; kept
-        prepared (`params.prepare_params`), the layout the compiled phases
-        run fastest on.
+        prepared (`params.prepare_params`), the layout the compiled phases run on.
       tokenizer: a `jaxinfer.tokenizer.Tokenizer`, or None to accept token-id
         prompts only.
-      max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
-      decode_chunk: decode steps per compiled chunk (streaming granularity).
+      max_seq_len: KV-cache capacity per request, tokens (prompt + generated).
+      decode_chunk: decode steps per compiled chunk (streaming granularity;
+        shorter chunks also admit waiting requests sooner).
+      max_num_seqs: the most requests one `generate` call decodes at once
+        (its slots: the batch bucket of min(len(prompts), max_num_seqs)).
+      prefill_chunk_size: per-step prefill token budget and largest prompt
+        piece while requests decode (see `jaxinfer.scheduler`); None
+        prefills every prompt whole.
       min_prompt_bucket: smallest prompt-length bucket.
-      min_kv_bucket: smallest KV-cache bucket, tokens: a run's cache is the
-        smallest bucket (`cache_buckets`) that covers its longest running row
-        through the next decode chunk, grown bucket by bucket up to max_seq_len.
-      stop_token_ids: extra ids that end a row (the tokenizer's EOS set is
+      min_kv_bucket: smallest KV-cache bucket, tokens.
+      stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
+    Raises:
+      ValueError: max_seq_len outside [2, the model's context length], or a
+        size below 1.
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
-                 decode_chunk: int = 16, min_prompt_bucket: int = 16, min_kv_bucket: int = 256,
-                 stop_token_ids: Sequence[int] = ()):
+                 decode_chunk: int = 16, max_num_seqs: int = 256,
+                 prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
+                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = ()):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
+        for name, value in (("decode_chunk", decode_chunk), ("max_num_seqs", max_num_seqs),
+                            ("prefill_chunk_size", prefill_chunk_size or 1)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.config = config
         self.params = prepare_params(params, config)
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
         self.decode_chunk = int(decode_chunk)
-        self.prompt_buckets = power_of_two_buckets(min(min_prompt_bucket, max_seq_len), max_seq_len)
-        self.kv_buckets = cache_buckets(min(min_kv_bucket, max_seq_len), max_seq_len)
-        eos = set(tokenizer.eos_token_ids) if tokenizer is not None else set()
-        self.stop_token_ids = tuple(sorted(eos | set(stop_token_ids)))
-        self.cache_dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        self.programs = _Programs()
+        self.max_num_seqs = int(max_num_seqs)
+        self.prefill_chunk_size = prefill_chunk_size
+        self.buckets = Buckets.create(self.max_seq_len, min_prompt_bucket, min_kv_bucket)
+        self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
+        self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
+        self.cache_dtype = _params_dtype(params)
+        self.programs = ProgramCache()
         self.last_stats = RunStats()
 
     @classmethod
@@ -217,7 +135,7 @@ class LLM:
         llm.programs.progress = progress
         return llm
 
-    # --- prompts ---------------------------------------------------------------
+    # --- prompts -----------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a prompt: text (raw, or a user turn with chat=True),
@@ -246,43 +164,139 @@ class LLM:
             raise ValueError("this LLM has no tokenizer: pass token ids")
         return self.tokenizer.encode_prompt(prompt, chat)
 
-    # --- generation -------------------------------------------------------------
+    # --- the serving engine ----------------------------------------------------------------
+
+    def runner(self, max_num_seqs: int) -> ModelRunner:
+        """A `ModelRunner` over `max_num_seqs` decode slots, compiling through
+        this LLM's `programs`."""
+        return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs, buckets=self.buckets,
+                           decode_chunk=self.decode_chunk, prefill_chunk_size=self.prefill_chunk_size,
+                           stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
+                           cache_dtype=self.cache_dtype, programs=self.programs)
+
+    def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
+        """A `Scheduler` over a new runner of `max_num_seqs` slots (default
+        this LLM's), detokenizing with this LLM's tokenizer, timed on
+        `programs.clock` (compile time excluded). kwargs go to `Scheduler`
+        (policy, max_waiting_requests, prefill_chunk_size)."""
+        from jaxinfer.tokenizer import IncrementalDetokenizer
+
+        tok = self.tokenizer
+        kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)
+        return Scheduler(self.runner(max_num_seqs or self.max_num_seqs),
+                         detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
+                         stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
+                         clock=self.programs.clock, **kwargs)
+
+    # --- generation ----------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], sampling_params=None, *, max_new_tokens=64,
-                 chat: bool = False, stop: Sequence[str] = (), logprobs: Optional[int] = None
-                 ) -> list[Completion]:
-        """Generate completions for a batch of prompts in one compiled batch.
+                 chat: bool = False, stop: Sequence[str] = (), logprobs: Optional[int] = None,
+                 min_tokens=0, ignore_eos=False) -> list[Completion]:
+        """Generate completions for a list of prompts.
 
         Args:
           prompts: texts, chat-message lists or token-id lists.
-          sampling_params: one `SamplingParams` for all rows, a list (one per
-            row), or None for the default, `SamplingParams()` (greedy).
-          max_new_tokens: int or per-row list, >= 1.
+          sampling_params: one `SamplingParams` for all prompts, a list (one
+            per prompt), or None for the default, `SamplingParams()` (greedy).
+          max_new_tokens: int or per-prompt list, >= 1.
           chat: render text prompts as a user turn with the chat template.
           stop: stop strings (the matched text is excluded from the output).
-          logprobs: None, or the number of top alternatives to return per token.
+          logprobs: None, or the number of top alternatives (0-20) per token.
+          min_tokens: int or per-prompt list: stop tokens and strings are
+            ignored until this many tokens were generated.
+          ignore_eos: bool or per-prompt list: EOS does not end the request.
         Returns:
           One Completion per prompt, in order. Timing is in `self.last_stats`.
         Raises:
-          ValueError: bad prompts, or prompt length + max_new_tokens > max_seq_len,
-            checked before any work starts.
+          ValueError / TypeError: bad prompts or settings, or prompt length +
+            max_new_tokens > max_seq_len, checked before any work starts.
         """
-        events = self._run(prompts, sampling_params, max_new_tokens, chat, stop, logprobs)
-        for _ in events:
-            pass
-        return self._completions
+        requests = self.requests(prompts, sampling_params, max_new_tokens=max_new_tokens, chat=chat,
+                                 stop=stop, logprobs=logprobs, min_tokens=min_tokens,
+                                 ignore_eos=ignore_eos)
+        run = self._run(requests)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
 
     def stream(self, prompt: Prompt, sampling_params=None, *, max_new_tokens=64, chat: bool = False,
-               stop: Sequence[str] = ()) -> Iterator[str]:
+               stop: Sequence[str] = (), min_tokens: int = 0, ignore_eos: bool = False
+               ) -> Iterator[str]:
         """Yield the generated text of one prompt piece by piece.
 
         The concatenated pieces equal `generate(...)[0].text` for the same
         arguments and seed. Text that could still be the start of a stop
         string, or an incomplete UTF-8 character, is held back.
         """
-        for _row, piece in self._run([prompt], sampling_params, max_new_tokens, chat, stop, None):
-            if piece:
-                yield piece
+        requests = self.requests([prompt], sampling_params, max_new_tokens=max_new_tokens, chat=chat,
+                                 stop=stop, min_tokens=min_tokens, ignore_eos=ignore_eos)
+        for _, event in self._run(requests):
+            if event.text:
+                yield event.text
+
+    def requests(self, prompts: Sequence[Prompt], sampling_params=None, *, max_new_tokens=64,
+                 chat: bool = False, stop: Sequence[str] = (), logprobs: Optional[int] = None,
+                 min_tokens=0, ignore_eos=False) -> list[Request]:
+        """Validated `Request`s for prompts and settings (see `generate`).
+
+        Raises:
+          ValueError / TypeError: as `generate`, naming the row.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list; wrap a single prompt in [...]")
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("no prompts given")
+        ids = [self.encode_prompt(p, chat) for p in prompts]
+        params = _per_row(sampling_params, n, "sampling_params") or [sampling.SamplingParams()] * n
+        budgets = _per_row(max_new_tokens, n, "max_new_tokens")
+        mins = _per_row(min_tokens, n, "min_tokens")
+        ignores = _per_row(ignore_eos, n, "ignore_eos")
+        out = []
+        for row, (p, m) in enumerate(zip(ids, budgets)):
+            if isinstance(m, (int, np.integer)) and m >= 1 and len(p) + m > self.max_seq_len:
+                raise ValueError(
+                    f"row {row}: prompt length {len(p)} + max_new_tokens {m} = {len(p) + m} exceeds "
+                    f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens "
+                    "or raise max_seq_len")
+            try:
+                out.append(Request(p, params[row], int(m), int(mins[row]), bool(ignores[row]),
+                                   tuple(stop), logprobs))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"row {row}: {e}") from None
+        return out
+
+    def _run(self, requests: Sequence[Request]
+             ) -> Generator[tuple[int, RequestOutput], None, list[Completion]]:
+        """Run requests to the end on the scheduler; yields (index, event) and
+        returns the Completions (in order). Sets `last_stats`."""
+        compile_before = self.programs.compile_s
+        scheduler = self.scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
+        index = {scheduler.add_request(r): i for i, r in enumerate(requests)}
+        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None) for _ in requests]
+        steps = 0
+        while scheduler.has_unfinished():
+            for event in scheduler.step():
+                i = index[event.request_id]
+                acc = parts[i]
+                acc["tokens"] += event.token_ids
+                acc["text"].append(event.text)
+                acc["logprobs"] += event.logprobs or []
+                acc["reason"], acc["timings"] = event.finish_reason, event.timings
+                yield i, event
+        steps = scheduler.runner.decode_steps
+        self.last_stats = RunStats.from_requests(
+            [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
+            [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
+            decode_steps=steps)
+        return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
+                           p["logprobs"] if r.logprobs is not None else None)
+                for r, p in zip(requests, parts)]
+
+    # --- scoring -------------------------------------------------------------------------
 
     def score(self, prompts: Sequence[Prompt], continuations: Sequence[Union[str, Sequence[int]]],
               *, chat: bool = False) -> list[float]:
@@ -310,9 +324,9 @@ class LLM:
                 raise ValueError(f"row {row}: prompt {len(p)} + continuation {len(c)} tokens exceed "
                                  f"max_seq_len {self.max_seq_len}")
         full = [p + c for p, c in rows]
-        b = _batch_bucket(len(full))
-        tokens, lengths = _pad(full, b, bucket_for(max(map(len, full)), self.prompt_buckets))
-        cache = init_cache(self.config, b, tokens.shape[1], self.cache_dtype)
+        tokens, lengths = _pad(full, batch_bucket(len(full)),
+                               self.buckets.prompt_bucket(max(map(len, full))))
+        cache = init_cache(self.config, tokens.shape[0], tokens.shape[1], self.cache_dtype)
         logp = np.asarray(self.programs(engine.token_logprobs, self.params, cache, tokens, lengths,
                                         config=self.config))
         return [float(logp[row, len(p) - 1:len(p) + len(c) - 1].sum())
@@ -329,101 +343,14 @@ class LLM:
             raise ValueError("empty continuation: nothing to score")
         return self.encode_prompt(ids)
 
-    def _requests(self, prompts, sampling_params, max_new_tokens, chat):
-        if isinstance(prompts, str):
-            raise TypeError("prompts must be a list; wrap a single prompt in [...]")
-        n = len(prompts)
-        if n == 0:
-            raise ValueError("no prompts given")
-        ids = [self.encode_prompt(p, chat) for p in prompts]
-        params = _per_row(sampling_params, n, "sampling_params") or [sampling.SamplingParams()] * n
-        budgets = [int(m) for m in _per_row(max_new_tokens, n, "max_new_tokens")]
-        for row, (p, m) in enumerate(zip(ids, budgets)):
-            if m < 1:
-                raise ValueError(f"row {row}: max_new_tokens must be >= 1, got {m}")
-            if len(p) + m > self.max_seq_len:
-                raise ValueError(
-                    f"row {row}: prompt length {len(p)} + max_new_tokens {m} = {len(p) + m} exceeds "
-                    f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens "
-                    "or raise max_seq_len")
-        return ids, params, budgets
 
-    def _device_inputs(self, ids, params, budgets):
-        n = len(ids)
-        b = _batch_bucket(n)
-        tokens, lengths = _pad(ids, b, bucket_for(max(len(p) for p in ids), self.prompt_buckets))
-        fill = [sampling.SamplingParams(temperature=0.0)] * (b - n)
-        arrays = sampling.stack_params(list(params) + fill)
-        keys = sampling.row_keys([p.seed for p in params] + [0] * (b - n))
-        budget = np.array(list(budgets) + [1] * (b - n), np.int32)
-        stop_ids = np.array(self.stop_token_ids or (-1,), np.int32)
-        return tokens, lengths, jnp.asarray(budget), arrays, keys, jnp.asarray(stop_ids)
+def _params_dtype(params: dict):
+    import jax
 
-    def _run(self, prompts, sampling_params, max_new_tokens, chat, stop, logprobs):
-        """Generator of (row, text piece) events; fills self._completions."""
-        ids, params, budgets = self._requests(prompts, sampling_params, max_new_tokens, chat)
-        rows = [_Row(self.tokenizer, p, m, stop, self.stop_token_ids) for p, m in zip(ids, budgets)]
-        inputs = self._device_inputs(ids, params, budgets)
-        stats = RunStats(prompt_tokens=sum(map(len, ids)))
-        compile_before = self.programs.compile_s
-        num_logprobs = -1 if logprobs is None else int(logprobs)
-        b, t = inputs[0].shape
-        cache = init_cache(self.config, b, max(t, self._cache_len(rows)), self.cache_dtype)
-        t0 = time.perf_counter()
-        state, out = self.programs(engine.start, self.params, cache, *inputs, config=self.config,
-                                   num_logprobs=num_logprobs)
-        yield from self._absorb(rows, jax.device_get(out), single_step=True)
-        stats.ttft_s = time.perf_counter() - t0 - (self.programs.compile_s - compile_before)
-        t1, compile_mid = time.perf_counter(), self.programs.compile_s
-        while not all(r.finished for r in rows):
-            state = state.replace(done=state.done | _host_done(rows, state.done.shape[0]))
-            cache_len = self._cache_len(rows)
-            if cache_len > state.cache.max_seq_len:
-                state = state.replace(cache=self.programs(grow_cache, state.cache, config=self.config,
-                                                          max_seq_len=cache_len))
-            state, out = self.programs(engine.decode_chunk, self.params, state, config=self.config,
-                                       num_steps=self.decode_chunk, num_logprobs=num_logprobs)
-            stats.decode_steps += self.decode_chunk
-            yield from self._absorb(rows, jax.device_get(out), single_step=False)
-        stats.decode_s = time.perf_counter() - t1 - (self.programs.compile_s - compile_mid)
-        for row, r in enumerate(rows):
-            yield row, r.finish()
-        stats.compile_s = self.programs.compile_s - compile_before
-        stats.generated_tokens = sum(len(r.token_ids) for r in rows)
-        stats.decoded_tokens = sum(max(len(r.token_ids) - 1, 0) for r in rows)
-        self.last_stats = stats
-        self._completions = [r.completion(logprobs is not None) for r in rows]
-
-    def _cache_len(self, rows) -> int:
-        """Smallest cache bucket covering every running row through the next
-        decode chunk: a row's cache holds prompt + generated - 1 tokens, and
-        before its first token, prompt tokens (the first token's K/V is
-        written by the first decode step)."""
-        needed = max(len(r.prompt_ids) + max(len(r.token_ids), 1) - 1 for r in rows if not r.finished)
-        return self.cache_bucket(needed + self.decode_chunk)
-
-    def cache_bucket(self, tokens: int) -> int:
-        """The KV-cache bucket for `tokens` cached positions (capped at max_seq_len)."""
-        return bucket_for(min(tokens, self.max_seq_len), self.kv_buckets)
-
-    def _absorb(self, rows, out: engine.StepOutput, single_step: bool):
-        """Feed a step's (or a chunk's) host-side outputs to each row."""
-        out = jax.tree_util.tree_map(lambda x: x[None] if single_step else x, out)
-        for row, r in enumerate(rows):
-            for step in range(out.token.shape[0]):
-                lp = None if out.logprob is None else (
-                    out.logprob[step, row], out.top_ids[step, row], out.top_logprobs[step, row])
-                piece = r.add(int(out.token[step, row]), lp)
-                if piece:
-                    yield row, piece
+    return jax.tree_util.tree_leaves(params)[0].dtype
 
 
-def _batch_bucket(n: int) -> int:
-    """Batch bucket for n rows: the next power of two."""
-    return 1 << (n - 1).bit_length()
-
-
-def _pad(ids: Sequence[Sequence[int]], batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):
     """Right-pad id lists into int32 tokens [batch, length] and lengths [batch]."""
     tokens = np.zeros((batch, length), np.int32)
     lengths = np.zeros((batch,), np.int32)
@@ -441,65 +368,3 @@ def _per_row(value, n: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
-
-
-def _host_done(rows, batch: int) -> jax.Array:
-    """Rows finished on the host (a stop string matched), padded to the batch."""
-    done = np.zeros((batch,), bool)
-    done[:len(rows)] = [r.finished for r in rows]
-    return jnp.asarray(done)
-
-
-class _Row:
-    """Host-side state of one row: ids, streamed text, stop handling."""
-
-    def __init__(self, tokenizer, prompt_ids, max_new_tokens, stop_strings, stop_token_ids):
-        self.prompt_ids = list(prompt_ids)
-        self.max_new_tokens = max_new_tokens
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.finished = False
-        self.finish_reason = "length"
-        self.stop_token_ids = set(stop_token_ids)
-        self.matcher = StopMatcher(stop_strings)
-        self.detok = None
-        if tokenizer is not None:
-            from jaxinfer.tokenizer import IncrementalDetokenizer
-            self.detok = IncrementalDetokenizer(tokenizer)
-
-    def add(self, token: int, logprob) -> str:
-        """Record one token (-1 = the device row was already done); returns text to emit."""
-        if self.finished:
-            return ""
-        if token < 0:
-            raise RuntimeError("device finished a row the host thinks is running")
-        self.token_ids.append(token)
-        self.finished = len(self.token_ids) >= self.max_new_tokens
-        if logprob is not None:
-            lp, top_ids, top_lp = logprob
-            self.logprobs.append((token, float(lp), [(int(i), float(v)) for i, v in zip(top_ids, top_lp)]))
-        if token in self.stop_token_ids:
-            self.finished, self.finish_reason = True, "stop"
-            return ""
-        return self._text(self.detok.push([token]) if self.detok else "")
-
-    def _text(self, new_text: str) -> str:
-        piece, matched = self.matcher.push(new_text)
-        if matched:
-            self.finished, self.finish_reason = True, "stop"
-        return piece
-
-    def finish(self) -> str:
-        """Flush held-back text at the end; returns the last piece."""
-        if self.matcher.stopped:
-            return ""
-        tail = self.detok.flush() if self.detok else ""
-        piece, matched = self.matcher.push(tail)
-        if matched:
-            self.finish_reason = "stop"
-            return piece
-        return piece + self.matcher.flush()
-
-    def completion(self, with_logprobs: bool) -> Completion:
-        return Completion(self.prompt_ids, self.token_ids, self.matcher.text, self.finish_reason,
-                          self.logprobs if with_logprobs else None)

@@ -140,7 +140,8 @@ def cache_key(path: pathlib.Path, dtype, pack: bool) -> dict:
         "format": FORMAT_VERSION,
         "sources": [[p.name, p.stat().st_size, file_sha256(p)] for p in source_files(path)],
         "dtype": jnp.dtype(dtype).name,
-        "pack": bool(pack), "pack_version": cpu_kernels.PACK_VERSION, "panel": cpu_kernels.PANEL,
+        "pack": bool(pack), "pack_version": cpu_kernels.PACK_VERSION,
+        "panel": cpu_kernels.panel_width() if pack and cpu_kernels.enabled() else 0,
         "code": code_digest(),
         "versions": {"jax": jax.__version__, "numpy": np.__version__, "gguf": gguf_version},
     }

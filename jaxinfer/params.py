@@ -29,7 +29,7 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None) 
         read as columns of it), an untied one also keeps embed_tokens [V, D].
 
     With `pack` (default: where `cpu_kernels.enabled()` and the weights
-    are float32), the four projections and the LM head become
+    are float32 or bfloat16), the four projections and the LM head become
     `cpu_kernels.PackedWeight` column panels (o_proj as [N*H, D]) for
     `cpu_kernels.packed_matmul`. The jitted phases prepare raw params
     without packing, so they stay differentiable (the toy trainer
@@ -65,7 +65,7 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None) 
     if "lm_head" not in out:  # tied: the one [V, D] table becomes the [D, V] head
         out["lm_head"] = out.pop("embed_tokens").T
     if pack is None:
-        pack = out["lm_head"].dtype == jnp.float32 and cpu_kernels.enabled()
+        pack = out["lm_head"].dtype in (jnp.float32, jnp.bfloat16) and cpu_kernels.enabled()
     if pack:
         out = _pack_matmul_weights(out)
     return out

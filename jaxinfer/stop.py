@@ -30,11 +30,16 @@ class StopMatcher:
         self.stopped = False
         self._held = ""
 
-    def push(self, new_text: str) -> tuple[str, bool]:
-        """Add text; returns (text safe to emit now, whether a stop string matched)."""
+    def push(self, new_text: str, match: bool = True) -> tuple[str, bool]:
+        """Add text; returns (text safe to emit now, whether a stop string matched).
+        With match=False the text (and anything held back) is released without
+        looking for stop strings (a request's first `min_tokens` tokens)."""
         if self.stopped:
             return "", True
         pending = self._held + new_text
+        if not match:
+            self._held = ""
+            return self._release(pending), False
         cut = self._first_match(pending)
         if cut is not None:
             self.stopped = True

@@ -12,11 +12,13 @@ import pytest
 import reference
 from jaxinfer import cpu_kernels
 from jaxinfer.cache import cache_nbytes, grow_cache, init_cache
-from jaxinfer.engine import (MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, layer_segments,
-                             prefill, query_blocks)
+from jaxinfer.buckets import cache_buckets
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
+from jaxinfer.engine import MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, prefill, query_blocks
 from jaxinfer.params import prepare_params
-from jaxinfer.llm import LLM, cache_buckets
+from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
+from packing import unpack_weight
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 ATOL = 1e-4
@@ -127,19 +129,21 @@ def test_ring_buffer_holds_last_window_positions():
     config, params = TINY_GEMMA3, jax.tree_util.tree_map(jnp.asarray, random_params(TINY_GEMMA3))
     _, cache = _prefill_all(params, config, _prompt(10, config))
     # positions 6..9 at ring index p % 4
-    assert np.asarray(cache.window_pos)[0].tolist() == [8, 9, 6, 7]
+    assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 6, 7]
     _, cache = decode_step(params, cache, jnp.array([1], jnp.int32), config=config)
-    assert np.asarray(cache.window_pos)[0].tolist() == [8, 9, 10, 7]
+    assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 10, 7]
 
 
 def test_gemma_cache_is_window_sized():
     config = TINY_GEMMA3
     cache = init_cache(config, 2, 64)
-    assert [k.shape for k in cache.k_full] == [(2, 1, 16, 64)] * 2  # keys-minor
-    assert [v.shape for v in cache.v_full] == [(2, 1, 64, 16)] * 2
-    assert [k.shape for k in cache.k_window] == [(2, 1, 16, 4)] * 2
-    assert [v.shape for v in cache.v_window] == [(2, 1, 4, 16)] * 2
-    assert cache.window == 4
+    full = [kv for kv, kind in zip(cache.layers, cache.kinds) if kind == FULL_ATTENTION]
+    ring = [kv for kv, kind in zip(cache.layers, cache.kinds) if kind == SLIDING_ATTENTION]
+    assert [kv.keys.shape for kv in full] == [(2, 1, 16, 64)] * 2  # keys-minor
+    assert [kv.values.shape for kv in full] == [(2, 1, 64, 16)] * 2
+    assert [kv.keys.shape for kv in ring] == [(2, 1, 16, 4)] * 2
+    assert [kv.values.shape for kv in ring] == [(2, 1, 4, 16)] * 2
+    assert cache.window == 4 and cache.ring_size == 4
     assert cache_nbytes(config, 2, 64) == 2 * 2 * 16 * 4 * (2 * 64 + 2 * 4)
     assert cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
 
@@ -164,9 +168,10 @@ def test_grown_cache_decodes_like_the_reference(model, decode_path):
     config, np_params, params = model
     seq = _prompt(3, config, seed=5).tolist()
     _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3)
-    cache = grow_cache(cache, config, 16)
-    assert cache.max_seq_len == 16 and [k.shape[3] for k in cache.k_full] == [16] * len(cache.k_full)
-    assert cache.window == (4 if config.sliding_layers else 0)
+    cache = grow_cache(cache, 16)
+    sizes = [kv.keys.shape[3] for kv, kind in zip(cache.layers, cache.kinds) if kind == FULL_ATTENTION]
+    assert cache.max_seq_len == 16 and sizes == [16] * len(config.full_layers)
+    assert cache.ring_size == (4 if config.sliding_layers else 0)
     for step in range(6):
         token = (7 * step + 1) % config.vocab_size
         logits, cache = decode_step(params, cache, jnp.array([token], jnp.int32), config=config)
@@ -179,7 +184,7 @@ def test_grown_cache_decodes_like_the_reference(model, decode_path):
 def test_grow_cache_refuses_to_shrink():
     cache = init_cache(TINY_LLAMA, 1, 16)
     with pytest.raises(ValueError, match="cannot shrink a cache from 16 to 8 positions"):
-        grow_cache(cache, TINY_LLAMA, 8)
+        grow_cache(cache, 8)
 
 
 def test_cache_buckets_two_per_doubling():
@@ -189,10 +194,11 @@ def test_cache_buckets_two_per_doubling():
     assert cache_buckets(64, 64) == (64,)
 
 
-def test_layer_segments_follow_pattern():
-    assert [(s.kind[:4], s.start, s.stop, s.cache_start) for s in layer_segments(TINY_GEMMA3)] == [
-        ("slid", 0, 1, 0), ("full", 1, 2, 0), ("slid", 2, 3, 1), ("full", 3, 4, 1)]
-    assert len(layer_segments(TINY_LLAMA)) == 1
+def test_cache_layers_follow_the_layer_pattern():
+    cache = init_cache(TINY_GEMMA3, 1, 16)
+    assert cache.kinds == TINY_GEMMA3.layer_types
+    assert [kv.keys.shape[3] for kv in cache.layers] == [4, 16, 4, 16]  # ring, full, ring, full
+    assert [kv.keys.shape[3] for kv in init_cache(TINY_LLAMA, 1, 16).layers] == [16] * 3
 
 
 def test_bfloat16_padding_logits_finite():
@@ -265,7 +271,7 @@ def test_prepared_params_give_the_same_logits(model):
     prepared = prepare_params(params, config)
     packed = isinstance(prepared["lm_head"], cpu_kernels.PackedWeight)
     assert packed == cpu_kernels.enabled()
-    plain = lambda w: np.asarray(cpu_kernels.unpack_weight(w) if packed else w)
+    plain = lambda w: np.asarray(unpack_weight(w) if packed else w)
     assert prepare_params(prepared, config) is prepared
     layers = np_params["layers"]
     n, kv, hd, f = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size

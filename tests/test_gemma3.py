@@ -79,8 +79,7 @@ def test_gemma3_270m_cache_bytes_at_32k():
     assert ratio == sizes[jnp.bfloat16, False] / sizes[jnp.bfloat16, True]
     # the allocated cache agrees (at a small length, to keep the test light)
     cache = init_cache(c, 1, 1024, jnp.bfloat16)
-    k_and_v = sum(x.nbytes for bufs in (cache.k_full, cache.v_full, cache.k_window, cache.v_window)
-                  for x in bufs)
+    k_and_v = sum(kv.keys.nbytes + kv.values.nbytes for kv in cache.layers)
     assert k_and_v == cache_nbytes(c, 1, 1024, jnp.bfloat16) == 2 * 2 * 256 * (3 * 1024 + 15 * 512)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.cache import init_cache
-from jaxinfer.engine import decode_step, prefill
+from jaxinfer.engine import decode_step, extend, prefill
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
 
@@ -95,6 +95,31 @@ def test_greedy_32_tokens_match_hf(llm, hf, kind, text):
     assert ours.token_ids == theirs
     if kind == "raw":
         assert len(ours.token_ids) == 32
+
+
+@pytest.mark.parametrize("sizes", [(7, 7, 7, 7, 100), (1, 16, 5, 100)], ids=["7s", "1-16-5"])
+def test_chunked_extend_matches_hf_all_position_logits(llm, hf, sizes):
+    """A prompt prefilled in chunks through `extend` (each chunk attending to
+    the cache so far) gives HF's all-position logits within the same bound."""
+    model, _ = hf
+    ids = llm.encode_prompt("Chunked prefill: each piece of a long prompt attends to the cache of "
+                            "the pieces before it, and the logits do not change.")
+    cache, out, start = init_cache(llm.config, 1, llm.max_seq_len), [], 0
+    for n in sizes:
+        n = min(n, len(ids) - start)
+        if n <= 0:
+            break
+        tokens = np.zeros((1, 16 if n <= 16 else 128), np.int32)
+        tokens[0, :n] = ids[start:start + n]
+        logits, cache = extend(llm.params, cache, jnp.asarray(tokens), jnp.array([n], jnp.int32),
+                               config=llm.config, all_logits=True)
+        out.append(np.asarray(logits)[0, :n])
+        start += n
+    ours, theirs = np.concatenate(out), _hf_logits(model, ids)
+    assert start == len(ids) and ours.shape == theirs.shape
+    diff = np.abs(ours - theirs).max()
+    assert diff <= HF_LOGIT_ATOL, f"max |logit diff| {diff}"
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
 def test_serial_decode_equals_parallel_prefill_real_model(llm):

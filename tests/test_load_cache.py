@@ -177,8 +177,9 @@ def test_changed_source_is_a_miss(cache_root, folder):
 
 def test_any_pytree_round_trips(tmp_path):
     """Quantized layouts: int8 arrays, scales, nested tuples, None, dataclass static fields."""
-    packed = cpu_kernels.PackedWeight(jnp.arange(2 * 3 * cpu_kernels.PANEL, dtype=jnp.float32)
-                                      .reshape(2, 3, cpu_kernels.PANEL), 60)
+    width = 48  # a panel width; the tree is only stored and read back, never multiplied
+    packed = cpu_kernels.PackedWeight(jnp.arange(2 * 3 * width, dtype=jnp.float32)
+                                      .reshape(2, 3, width), 60)
     tree = {"layers": ({"w": jnp.array([[1, -2], [3, 4]], jnp.int8), "scale": jnp.ones(2, jnp.bfloat16),
                         "packed": packed, "none": None},),
             "lists": [jnp.zeros((0, 3)), np.arange(3, dtype=np.uint8)]}

@@ -11,6 +11,11 @@ import pytest
 from jaxinfer import metrics
 from jaxinfer.config import ModelConfig
 
+def attainable_flops(intensity, peak_flops, bandwidth):
+    """Roofline: min(peak FLOP/s, intensity * bandwidth) (Williams et al. 2009)."""
+    return min(peak_flops, intensity * bandwidth)
+
+
 # L=2, D=4, N=2, K=1, H=2, F=8, V=10, tied embeddings.
 TINY = ModelConfig(arch="llama", vocab_size=10, num_layers=2, hidden_size=4, num_heads=2,
                    num_kv_heads=1, head_dim=2, intermediate_size=8, tie_word_embeddings=True)
@@ -100,8 +105,8 @@ def test_decode_is_memory_bound_and_prefill_compute_bound_on_real_shapes():
 def test_roofline_by_hand():
     peak, bw = 100.0, 10.0
     assert metrics.ridge_point(peak, bw) == 10.0
-    assert metrics.attainable_flops(5.0, peak, bw) == 50.0
-    assert metrics.attainable_flops(20.0, peak, bw) == 100.0
+    assert attainable_flops(5.0, peak, bw) == 50.0
+    assert attainable_flops(20.0, peak, bw) == 100.0
     assert metrics.bound(5.0, peak, bw) == "memory"
     assert metrics.bound(10.0, peak, bw) == "compute"
     assert metrics.bound(20.0, peak, bw) == "compute"
@@ -110,6 +115,11 @@ def test_roofline_by_hand():
     assert pt["achieved_gflops"] == pytest.approx(50 / 1e9)
     assert pt["achieved_gbps"] == pytest.approx(5 / 1e9)
     assert pt["compute_fraction"] == 0.5 and pt["memory_fraction"] == 0.5
+    # roofline_fraction is achieved / attainable FLOP/s
+    for cost in (metrics.Cost(1000.0, 100.0, 1), metrics.Cost(100.0, 100.0, 1)):
+        pt = metrics.roofline_point(cost, 20.0, peak, bw)
+        attainable = attainable_flops(cost.intensity, peak, bw)
+        assert pt["roofline_fraction"] == pytest.approx(cost.flops / 20.0 / attainable)
     mem = metrics.roofline_point(metrics.Cost(100.0, 100.0, 1), 20.0, peak, bw)
     assert mem["bound"] == "memory" and mem["roofline_s"] == 10.0
     assert mem["memory_fraction"] == 0.5 and mem["compute_fraction"] == 0.05
@@ -132,7 +142,10 @@ def test_percentile():
 
 
 def _fake_results():
-    machine = {"bandwidth_gbps": 10.0, "peak_gflops": 100.0, "ridge": 10.0, "repeats": 3}
+    machine = {"bandwidth_gbps": 10.0, "peak_gflops": 100.0, "ridge": 10.0, "repeats": 3,
+               "peak_source": "torch_square_2048", "bandwidth_source": "cpp_read_sum",
+               "matmul_kernels_gflops": {"xla_square_2048": 80.0, "torch_square_2048": 100.0},
+               "bandwidth_kernels_gbps": {"xla_gemv": 9.0, "cpp_read_sum": 10.0}}
     pre = {"batch": 1, "prompt_len": 512, "ttft_s": 2.0, "tokens_per_s": 256.0, "compile_s": 3.0}
     pre.update(metrics.roofline_point(metrics.Cost(140e9, 0.6e9, 512), 2.0, 100e9, 10e9))
     pre["peers"] = {"hf": {"ttft_s": 3.0, "speedup": 1.5}}
@@ -149,6 +162,7 @@ def _fake_results():
            "tpot_s": metrics.summarize([0.05, 0.06])}
     return {"model": "tiny", "dtype": "float32",
             "env": {"timestamp": "2025-01-01 00:00:00", "backend": "cpu", "cpu_count": 2,
+                    "cpu": {"model": "Test CPU 9000", "cores": 2, "features": ["avx2", "avx512_bf16"]},
                     "jax_version": "0", "loadavg_start": [1.0, 1.0, 1.0], "quick": True},
             "machine": machine, "load_s": 1.5, "peak_rss_bytes": 2**30, "weight_bytes": 2**29,
             "kv_cache": {"bytes_per_token": 46080, "default_max_seq_len": 2048,
@@ -160,32 +174,41 @@ def _fake_results():
 
 
 def test_report_and_json_writer(tmp_path):
-    from jaxinfer.tools.bench import run as bench
+    from jaxinfer.tools.bench import report, targets
 
     results = _fake_results()
-    results["targets"] = bench.compute_targets(results)
+    results["targets"] = targets.compute_targets(results)
     assert results["targets"][0]["passed"] is False  # 0.55 GB / 10 GB/s / 0.08 s = 0.69
     assert results["targets"][0]["value"] == pytest.approx(0.6875)
     assert results["targets"][1]["value"] == 2.5 and results["targets"][1]["passed"]
     assert results["targets"][3]["value"] == pytest.approx(64 / 20)   # 64 tok/s vs llama.cpp 20
-    assert results["targets"][6]["passed"] and results["targets"][7]["passed"]
-    paths = metrics.write_results(results, str(tmp_path / "out"), "tiny-1")
+    by_measure = {t["measure"]: t for t in results["targets"]}
+    assert by_measure["compile.first_start_compile_s"]["passed"]
+    assert by_measure["compile.second_start_compile_s"]["passed"]
+    b1 = by_measure["prefill[batch=1,prompt_len=512].peers.hf.speedup"]
+    assert b1["value"] == 1.5 and b1["passed"]
+    assert by_measure["prefill[batch=1,prompt_len=512].compute_fraction"]["value"] == pytest.approx(0.7)
+    assert by_measure["prefill[batch=8,prompt_len=2048].peers.hf.speedup"]["value"] is None
+    paths = report.write_results(results, str(tmp_path / "out"), "tiny-1")
     loaded = json.loads(open(paths["json"]).read())
     assert loaded["decode"][1]["batch"] == 32 and loaded["sweep"]["prefill_lengths"] == [32, 512]
     md = open(paths["md"]).read()
     for piece in ("## Prefill", "## Decode", "## End to end", "## Targets", "| 512 |", "x1.50",
-                  "FAIL", "PASS", "TTFT ms (queued)", "Noisy machine"):
+                  "FAIL", "PASS", "TTFT ms (queued)", "Noisy machine",
+                  "CPU: Test CPU 9000, 2 cores; features: avx2 avx512_bf16",
+                  "matmul 100.0 GFLOP/s (torch_square_2048)", "10.00 GB/s (cpp_read_sum)",
+                  "probes, GFLOP/s: xla_square_2048 80.0, torch_square_2048 100.0"):
         assert piece in md, piece
 
 
 def test_report_formats_partial_and_unmeasured_results(capsys):
-    from jaxinfer.tools.bench import run as bench
+    from jaxinfer.tools.bench import report, targets
 
-    assert metrics.format_report({}).startswith("# jaxinfer bench")
-    results = {"model": "m", "decode": [], "targets": bench.compute_targets({})}
+    assert report.format_report({}).startswith("# jaxinfer bench")
+    results = {"model": "m", "decode": [], "targets": targets.compute_targets({})}
     assert all(t["passed"] is None for t in results["targets"])
-    assert "n/a" in metrics.format_report(results)
-    bench.print_targets(results["targets"])
+    assert "n/a" in report.format_report(results)
+    targets.print_targets(results["targets"])
     assert capsys.readouterr().out.count("not measured") == len(results["targets"])
     # a NaN-containing result still serialises
     assert "NaN" in json.dumps({"x": math.nan})
@@ -193,15 +216,16 @@ def test_report_formats_partial_and_unmeasured_results(capsys):
 
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from jaxinfer.tools.bench import run as bench
+    from jaxinfer.tools.bench import plots
 
-    path = bench.plot_results(_fake_results(), str(tmp_path / "plot.png"))
+    path = plots.plot_results(_fake_results(), str(tmp_path / "plot.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_parser_registers_subcommand():
     import argparse
 
+    from jaxinfer.tools.bench import common
     from jaxinfer.tools.bench import run as bench
 
     parser = argparse.ArgumentParser()
@@ -212,10 +236,10 @@ def test_bench_parser_registers_subcommand():
     assert args.func is bench.cmd_bench and args.quick and args.overrides == ["max_seq_len=256"]
     sweep = bench._sweep_from_args(args)
     assert sweep.decode_batches == (1, 2) and sweep.prefill_lengths == bench.QUICK.prefill_lengths
-    assert bench.headline([3.0, 1.0, 2.0, 10.0], "median") == 2.5
-    assert bench.headline([3.0, 1.0, 2.0, 10.0], "min") == 1.0
+    assert common.headline([3.0, 1.0, 2.0, 10.0], "median") == 2.5
+    assert common.headline([3.0, 1.0, 2.0, 10.0], "min") == 1.0
     with pytest.raises(ValueError):
-        bench.headline([1.0], "mean")
+        common.headline([1.0], "mean")
     assert bench._sweep_from_args(parser.parse_args(
         ["bench", "--config", "c", "--stat", "min"])).stat == "min"
     assert bench._model_stem("/a/b/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
@@ -224,13 +248,28 @@ def test_bench_parser_registers_subcommand():
 def test_missing_or_unusable_peer_is_skipped_with_reason(monkeypatch, tmp_path):
     import sys
 
-    from jaxinfer.tools.bench import run as bench
+    from jaxinfer.tools.bench import peers
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
-    peer, status = bench.load_peer("llamacpp", tmp_path / "m.gguf", 1, 16)
+    peer, status = peers.load_peer("llamacpp", tmp_path / "m.gguf", 1, 16)
     assert peer is None and status["status"] == "skipped: not installed"
     assert "llama-cpp-python" in status["detail"]
     monkeypatch.delitem(sys.modules, "llama_cpp")
     pytest.importorskip("llama_cpp")
-    peer, status = bench.load_peer("llamacpp", tmp_path, 1, 16)  # a folder, not a .gguf
+    peer, status = peers.load_peer("llamacpp", tmp_path, 1, 16)  # a folder, not a .gguf
     assert peer is None and status["status"].startswith("skipped: failed to load")
+
+
+def test_target_measures_and_cpu_facts():
+    from jaxinfer.tools.bench import machine, targets
+
+    results = {"decode": [{"batch": 1, "x": 2.0, "peers": {"hf": {"y": 8.0}}}, {"batch": 32, "x": 4.0}]}
+    assert targets.measure_value(results, "decode[batch=32].x") == 4.0
+    assert targets.measure_value(results, "decode[batch=32].x / decode[batch=1].peers.hf.y") == 0.5
+    assert targets.measure_value(results, "decode[batch=2].x") is None
+    assert targets.measure_value(results, "prefill[batch=1].x") is None
+    with pytest.raises(ValueError, match="bad measure path step 'x-y'"):
+        targets.measure_value(results, "decode[batch=1].x-y")
+    info = machine.cpu_info()
+    assert isinstance(info["model"], str) and info["model"]
+    assert set(info["features"]) <= set(machine.FEATURES)

@@ -22,20 +22,18 @@
 // [first visible, last visible] of positions.
 //
 // --- Packed matmul ---
-//   x      f32 [M, K]
-//   packed f32 [P, K, 48]  W [K, N] cut into P = ceil(N / 48) column panels, the last one
+//   x      f32 [M, I]      M rows (tokens) of I input features
+//   packed f32 [P, I, 48]  W [I, O] cut into P = ceil(O / 48) column panels, the last one
 //                          zero-padded (jaxinfer.cpu_kernels.pack_weight)
-//   out    f32 [M, N]
-// Each panel is K*48 contiguous floats, so W streams sequentially; an 8 x 48 block of out
+//   out    f32 [M, O]
+// (I and O rather than K and N, which name kv heads and query heads in jaxinfer.)
+// Each panel is I*48 contiguous floats, so W streams sequentially; an 8 x 48 block of out
 // (24 vector accumulators) is computed per pass over a panel, and all row blocks of a panel
 // run back to back so the panel is read from memory once and then from cache. This is the
 // register-blocked GEMM of Goto and van de Geijn, "Anatomy of high-performance matrix
 // multiplication" (ACM TOMS 2008), with the weight panels packed once at load time.
-// In stand-alone tests on a 2-core Zen 4 VM, XLA:CPU ran the SmolLM2 decode shapes at
-// 14-47 GB/s at M = 1 and 87-159 GFLOP/s at M = 16-64; a stand-alone version of this
-// kernel (weights on huge pages, its own pinned threads, next-panel prefetch, none of which
-// this file has) at 60-65 GB/s and 198-230 GFLOP/s (benchmarks/README.md). Work units are
-// (panel, block of up to 64 rows).
+// benchmarks/README.md compares it with XLA:CPU's dots at the model's shapes. Work units
+// are (panel, block of up to 64 rows).
 
 #include <algorithm>
 #include <atomic>
@@ -44,22 +42,50 @@
 #include <memory>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 float lanes in GCC/Clang vector extensions (AVX-512 when the build targets it, two
-// AVX2 halves otherwise); unaligned loads and stores go through the aligned(4) variant.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+// Register blocking, chosen by the instruction set the build targets (-march=native, so
+// the CPU's own features): with AVX-512 (32 registers of 16 floats) one vector is 16
+// lanes and a matmul register block is 8 rows x 3 vectors (24 accumulators); with AVX2
+// (16 registers of 8 floats) 8 lanes and 4 rows x 3 vectors (12 accumulators). Either way
+// the block plus the 3 weight vectors and a broadcast fit the register file, so nothing
+// spills. kPanel (weight panel width) = 3 vectors; Python reads it (jaxinfer_panel_width).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kRowBlock = 8;
+#else
+constexpr int kLanes = 8;
+constexpr int kRowBlock = 4;
+#endif
+constexpr int kPanelVectors = 3;
+constexpr int kPanel = kLanes * kPanelVectors;
+
+// kLanes floats in GCC/Clang vector extensions; unaligned loads and stores go through
+// the aligned(4) variants.
+typedef float v16 __attribute__((vector_size(4 * kLanes)));
+typedef float v16u __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu16 __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu16u __attribute__((vector_size(4 * kLanes), aligned(4)));
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline vu16 load_u32(const uint32_t* p) { return *reinterpret_cast<const vu16u*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return v16{} + x; }
+template <typename To, typename From>
+inline To bit_cast(From x) {
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
 
 // exp(x) for x <= 0 (positive inputs are clamped to 0, below -87 to -87): x = n ln2 + r
 // with a two-part ln2 (Cody and Waite), exp(r) by the degree-6 polynomial of Cephes' expf,
@@ -116,7 +142,7 @@ void scores(const float* q, int64_t H, const float* k, int64_t S, float* sc, int
       for (int g = 0; g < GN; ++g) sc[g * ld + s] += q[g * H + h] * k[h * S + s];
 }
 
-// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n), 64 columns of v at a time.
+// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n), 4 vectors of columns of v at a time.
 template <int GN>
 void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int64_t H, float* out) {
   int64_t c = 0;
@@ -124,7 +150,8 @@ void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int6
     v16 acc[GN][4] = {};
     for (int64_t s = 0; s < n; ++s) {
       const float* row = v + s * H + c;
-      const v16 v0 = load(row), v1 = load(row + 16), v2 = load(row + 32), v3 = load(row + 48);
+      const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
+                v3 = load(row + 3 * kLanes);
       for (int g = 0; g < GN; ++g) {
         const float ws = w[g * ld + s];
         acc[g][0] += ws * v0;
@@ -174,7 +201,7 @@ struct WeightedValues {
   }
 };
 
-// Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to 16.
+// Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to kLanes.
 void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
                  const bool* mask, float* out, std::vector<float>& scratch) {
   const int64_t G = d.G, H = d.H, S = d.S;
@@ -271,71 +298,281 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v
 
 // --- Packed matmul ---
 
-constexpr int kPanel = 48;        // columns per panel: 3 vectors
-constexpr int kRowBlock = 8;      // rows per register block: 8 x 3 = 24 accumulators
 constexpr int64_t kRowsPerUnit = 64;
 
-// out[0:R, 0:cols] = x[0:R, :] @ panel, x rows K apart, out rows N apart.
-template <int R>
-void panel_block(const float* __restrict x, int64_t K, const float* __restrict panel,
-                 float* __restrict out, int64_t N, int64_t cols) {
-  constexpr int NV = kPanel / kLanes;
-  v16 acc[R][NV] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * kPanel;
-    v16 b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = load(w + j * kLanes);
+// The weight operand of one panel for 2 input rows (i, i + 1), per panel vector j.
+// float32 panels hold one input row per kPanel floats; bfloat16 panels hold two input rows
+// interleaved per kPanel uint32 (a pair (W[2i, c], W[2i+1, c]) in each uint32, low half
+// first), widened here to float32 by moving each bfloat16 into the high half of a float.
+struct F32Panel {
+  using T = float;
+  static constexpr int kRowsPerStep = 1;
+  static inline void weights(const float* w, v16 (&b)[kRowsPerStep][kPanelVectors]) {
+    for (int j = 0; j < kPanelVectors; ++j) b[0][j] = load(w + j * kLanes);
+  }
+};
+
+struct Bf16WidenPanel {
+  using T = uint32_t;
+  static constexpr int kRowsPerStep = 2;
+  static inline void weights(const uint32_t* w, v16 (&b)[kRowsPerStep][kPanelVectors]) {
+    for (int j = 0; j < kPanelVectors; ++j) {
+      const vu16 pair = load_u32(w + j * kLanes);
+      b[0][j] = bit_cast<v16>(pair << 16);
+      b[1][j] = bit_cast<v16>(pair & 0xffff0000u);
+    }
+  }
+};
+
+// out[0:R, 0:cols] = x[0:R, :] @ panel over I inputs; x rows I apart, out rows O apart.
+// The panel's rows are read once per block, front to back, kPanel columns at a time.
+// `prefetch` (the unit's first block, which reads the panel from memory) issues software
+// prefetches a few rows ahead: the hardware prefetcher alone left the weight stream
+// latency-bound (benchmarks/README.md).
+constexpr int kPrefetchSteps = 8;
+template <typename Panel, int R>
+void panel_block(const float* __restrict x, int64_t I, const typename Panel::T* __restrict panel,
+                 float* __restrict out, int64_t O, int64_t cols, bool prefetch) {
+  constexpr int S = Panel::kRowsPerStep;
+  constexpr int kPanelBytes = kPanel * sizeof(typename Panel::T);
+  v16 acc[R][kPanelVectors] = {};
+  const int64_t steps = I / S;
+  for (int64_t i = 0; i < steps; ++i) {
+    if (prefetch)  // the panel comes from memory: ask for the rows kPrefetchSteps ahead
+      for (int line = 0; line < kPanelBytes; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(panel + (i + kPrefetchSteps) * kPanel) + line);
+    v16 b[S][kPanelVectors];
+    Panel::weights(panel + i * kPanel, b);
+    for (int e = 0; e < S; ++e)
+      for (int r = 0; r < R; ++r) {
+        const float xr = x[r * I + i * S + e];
+        for (int j = 0; j < kPanelVectors; ++j) acc[r][j] += xr * b[e][j];
+      }
+  }
+  if (I % S) {  // bfloat16 panels with an odd I: the last pair's second row is zero padding
+    v16 b[S][kPanelVectors];
+    Panel::weights(panel + steps * kPanel, b);
     for (int r = 0; r < R; ++r) {
-      const float xr = x[r * K + k];
-      for (int j = 0; j < NV; ++j) acc[r][j] += xr * b[j];
+      const float xr = x[r * I + I - 1];
+      for (int j = 0; j < kPanelVectors; ++j) acc[r][j] += xr * b[0][j];
     }
   }
   if (cols == kPanel) {
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NV; ++j) store(out + r * N + j * kLanes, acc[r][j]);
+      for (int j = 0; j < kPanelVectors; ++j) store(out + r * O + j * kLanes, acc[r][j]);
   } else {  // the zero-padded last panel
     for (int r = 0; r < R; ++r) {
       float row[kPanel];
-      for (int j = 0; j < NV; ++j) store(row + j * kLanes, acc[r][j]);
-      std::memcpy(out + r * N, row, cols * sizeof(float));
+      for (int j = 0; j < kPanelVectors; ++j) store(row + j * kLanes, acc[r][j]);
+      std::memcpy(out + r * O, row, cols * sizeof(float));
     }
   }
 }
 
-template <int R>
-void panel_rows(int64_t rows, const float* x, int64_t K, const float* panel, float* out,
-                int64_t N, int64_t cols) {
+template <typename Panel, int R>
+void panel_rows(int64_t rows, const float* x, int64_t I, const typename Panel::T* panel, float* out,
+                int64_t O, int64_t cols, bool prefetch) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_rows<R - 1>(rows, x, K, panel, out, N, cols);
+    if (rows < R) return panel_rows<Panel, R - 1>(rows, x, I, panel, out, O, cols, prefetch);
   }
-  panel_block<R>(x, K, panel, out, N, cols);
+  panel_block<Panel, R>(x, I, panel, out, O, cols, prefetch);
 }
+
+// Work units are (panel, block of up to kRowsPerUnit rows), panel-major: the row blocks of
+// one panel run next to each other, so the panel is read from memory once, then from cache.
+template <typename Unit>
+void parallel_panels(ffi::ThreadPool& pool, int64_t M, int64_t P, Unit unit) {
+  const int64_t row_units = (M + kRowsPerUnit - 1) / kRowsPerUnit;
+  parallel_units(pool, P * row_units, [=](int64_t u) {
+    const int64_t m0 = (u % row_units) * kRowsPerUnit;
+    unit(u / row_units, m0, std::min(M, m0 + kRowsPerUnit));
+  });
+}
+
+template <typename Panel>
+void packed_matmul(ffi::ThreadPool& pool, const float* x, const typename Panel::T* w, float* out,
+                   int64_t M, int64_t I, int64_t O, int64_t P, int64_t panel_rows_stored) {
+  parallel_panels(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
+    const int64_t cols = std::min<int64_t>(kPanel, O - p * kPanel);
+    const typename Panel::T* panel = w + p * panel_rows_stored * kPanel;
+    for (int64_t m = m0; m < m1; m += kRowBlock)
+      panel_rows<Panel, kRowBlock>(std::min<int64_t>(kRowBlock, m1 - m), x + m * I, I, panel,
+                                   out + m * O + p * kPanel, O, cols, m == m0);
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bfloat16 dot products (AVX512-BF16 VDPBF16PS): x is rounded to bfloat16 pairs, and each
+// instruction adds x[2i] W[2i, c] + x[2i+1] W[2i+1, c] to 16 float32 accumulators.
+constexpr bool kHasBf16Dot = true;
+
+template <int R>
+void dot_block(const uint32_t* __restrict xp, int64_t I2, const uint32_t* __restrict panel,
+               float* __restrict out, int64_t O, int64_t cols) {
+  __m512 acc[R][kPanelVectors];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kPanelVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < I2; ++i) {
+    __m512bh b[kPanelVectors];
+    for (int j = 0; j < kPanelVectors; ++j)
+      b[j] = (__m512bh)_mm512_loadu_si512(panel + i * kPanel + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * I2 + i]));
+      for (int j = 0; j < kPanelVectors; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kPanel];
+    for (int j = 0; j < kPanelVectors; ++j) _mm512_storeu_ps(row + j * kLanes, acc[r][j]);
+    std::memcpy(out + r * O, row, cols * sizeof(float));
+  }
+}
+
+template <int R>
+void dot_rows(int64_t rows, const uint32_t* xp, int64_t I2, const uint32_t* panel, float* out,
+              int64_t O, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return dot_rows<R - 1>(rows, xp, I2, panel, out, O, cols);
+  }
+  dot_block<R>(xp, I2, panel, out, O, cols);
+}
+
+// Round float32 to bfloat16 (to nearest even; NaN stays NaN).
+inline uint32_t to_bf16(float f) {
+  const uint32_t u = bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const uint32_t* w, float* out,
+                     int64_t M, int64_t I, int64_t O, int64_t P) {
+  const int64_t I2 = (I + 1) / 2;
+  std::vector<uint32_t> xp(M * I2);  // x as bfloat16 pairs, zero past I
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I2; ++i) {
+      const uint32_t lo = to_bf16(x[m * I + 2 * i]);
+      const uint32_t hi = 2 * i + 1 < I ? to_bf16(x[m * I + 2 * i + 1]) : 0u;
+      xp[m * I2 + i] = lo | (hi << 16);
+    }
+  const uint32_t* xs = xp.data();
+  parallel_panels(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
+    const int64_t cols = std::min<int64_t>(kPanel, O - p * kPanel);
+    for (int64_t m = m0; m < m1; m += kRowBlock)
+      dot_rows<kRowBlock>(std::min<int64_t>(kRowBlock, m1 - m), xs + m * I2, I2,
+                          w + p * I2 * kPanel, out + m * O + p * kPanel, O, cols);
+  });
+}
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
 
 using Matrix2 = ffi::Buffer<ffi::F32, 2>;
 using Panels3 = ffi::Buffer<ffi::F32, 3>;
+using Bf16Panels3 = ffi::Buffer<ffi::BF16, 3>;
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, ffi::Result<Matrix2> out) {
   const auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
-  const int64_t M = xd[0], K = xd[1], P = pd[0], N = od[1];
-  if (pd[1] != K || pd[2] != kPanel || od[0] != M || N > P * kPanel || N <= (P - 1) * kPanel)
+  const int64_t M = xd[0], I = xd[1], P = pd[0], O = od[1];
+  if (pd[1] != I || pd[2] != kPanel || od[0] != M || O > P * kPanel || O <= (P - 1) * kPanel)
     return ffi::Error::InvalidArgument(
-        "packed_matmul: expected x [M,K], packed [ceil(N/48),K,48], out [M,N]");
-  const float *xp = x.typed_data(), *wp = packed.typed_data();
-  float* op = out->typed_data();
-  const int64_t row_units = (M + kRowsPerUnit - 1) / kRowsPerUnit;
-  // Units panel-major: the row blocks of one panel run next to each other (panel in cache).
-  parallel_units(pool, P * row_units, [=](int64_t unit) {
-    const int64_t p = unit / row_units, m0 = (unit % row_units) * kRowsPerUnit;
-    const int64_t m1 = std::min(M, m0 + kRowsPerUnit), cols = std::min<int64_t>(kPanel, N - p * kPanel);
-    const float* panel = wp + p * K * kPanel;
-    for (int64_t m = m0; m < m1; m += kRowBlock)
-      panel_rows<kRowBlock>(std::min<int64_t>(kRowBlock, m1 - m), xp + m * K, K, panel,
-                            op + m * N + p * kPanel, N, cols);
+        "packed_matmul: expected x [M,I], packed [ceil(O/panel),I,panel], out [M,O]");
+  packed_matmul<F32Panel>(pool, x.typed_data(), packed.typed_data(), out->typed_data(), M, I, O, P, I);
+  return ffi::Error::Success();
+}
+
+// bfloat16 panels [P, ceil(I/2), 2 * kPanel]: element (p, i, 2c + e) = W[2i + e, p*kPanel + c].
+// dot = 1 uses VDPBF16PS (x rounded to bfloat16), dot = 0 widens W to float32 (x as is).
+ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, Matrix2 x, Bf16Panels3 packed, int32_t dot,
+                            ffi::Result<Matrix2> out) {
+  const auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
+  const int64_t M = xd[0], I = xd[1], P = pd[0], O = od[1];
+  if (pd[1] != (I + 1) / 2 || pd[2] != 2 * kPanel || od[0] != M || O > P * kPanel ||
+      O <= (P - 1) * kPanel)
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: expected x [M,I], bfloat16 packed [ceil(O/panel),ceil(I/2),2*panel], "
+        "out [M,O]");
+  const auto* w = reinterpret_cast<const uint32_t*>(packed.untyped_data());
+  if (dot) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    bf16_dot_matmul(pool, x.typed_data(), w, out->typed_data(), M, I, O, P);
+    return ffi::Error::Success();
+#else
+    return ffi::Error::InvalidArgument("packed_matmul: this build has no AVX512-BF16 dot product");
+#endif
+  }
+  packed_matmul<Bf16WidenPanel>(pool, x.typed_data(), w, out->typed_data(), M, I, O, P, (I + 1) / 2);
+  return ffi::Error::Success();
+}
+
+// --- Memory read probe ---
+// Sum of every element of x, read once front to back in chunks split over the pool, with
+// 8 vector accumulators per chunk so the adds do not bound the loop: a plain streaming
+// read, the bench's second bandwidth probe beside XLA's reductions.
+using Vector1 = ffi::Buffer<ffi::F32, 1>;
+using Scalar0 = ffi::Buffer<ffi::F32, 0>;
+
+ffi::Error ReadSum(ffi::ThreadPool pool, Vector1 x, ffi::Result<Scalar0> out) {
+  const int64_t n = x.dimensions()[0];
+  constexpr int64_t kChunk = 1 << 18;  // floats (1 MiB) per work unit
+  const int64_t units = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(units);
+  const float* xp = x.typed_data();
+  double* sums = partial.data();
+  parallel_units(pool, units, [=](int64_t u) {
+    const int64_t a = u * kChunk, b = std::min(n, a + kChunk);
+    v16 acc[8] = {};
+    int64_t i = a;
+    for (; i + 8 * kLanes <= b; i += 8 * kLanes)
+      for (int j = 0; j < 8; ++j) acc[j] += load(xp + i + j * kLanes);
+    float total = 0.0f;
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < kLanes; ++l) total += acc[j][l];
+    for (; i < b; ++i) total += xp[i];
+    sums[u] = total;
   });
+  double total = 0.0;
+  for (double s : partial) total += s;
+  *out->typed_data() = static_cast<float>(total);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// --- Plain C entry points (ctypes): the build's blocking, and probes that a fresh process
+// runs before the engine relies on an instruction set (a CPU or VM that reports a feature
+// it does not run dies there with SIGILL, not in the engine). ---
+
+extern "C" int jaxinfer_panel_width() { return kPanel; }
+extern "C" int jaxinfer_row_block() { return kRowBlock; }
+extern "C" int jaxinfer_vector_lanes() { return kLanes; }
+extern "C" int jaxinfer_has_bf16_dot() { return kHasBf16Dot ? 1 : 0; }
+
+// Runs the float32 paths this build was compiled for (the packed matmul's register block
+// and the vector exp) on a small case with a known answer; 1 when all are right.
+extern "C" int jaxinfer_self_test() {
+  float x[kRowBlock * 2], out[kRowBlock * kPanel], w[2 * kPanel];
+  for (int i = 0; i < kRowBlock * 2; ++i) x[i] = static_cast<float>(i + 1);
+  for (int i = 0; i < 2 * kPanel; ++i) w[i] = static_cast<float>(i % 5);
+  panel_block<F32Panel, kRowBlock>(x, 2, w, out, kPanel, kPanel, false);
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int c = 0; c < kPanel; ++c)
+      if (out[r * kPanel + c] != x[2 * r] * w[c] + x[2 * r + 1] * w[kPanel + c]) return 0;
+  const v16 e = exp_nonpositive(splat(-1.0f));
+  return (e[0] > 0.3678794f && e[0] < 0.3678795f) ? 1 : 0;
+}
+
+// Runs one VDPBF16PS; 1 when it gives the right answer, 0 when this build has no such path.
+extern "C" int jaxinfer_probe_bf16_dot() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x40003f80);  // bfloat16 pair (1.0, 2.0)
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x40403f80);  // (1.0, 3.0)
+  float out[16];
+  _mm512_storeu_ps(out, _mm512_dpbf16_ps(_mm512_set1_ps(0.5f), a, b));
+  return out[0] == 7.5f && out[15] == 7.5f ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
@@ -352,3 +589,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmul, PackedMatmul,
                                   .Arg<Matrix2>()
                                   .Arg<Panels3>()
                                   .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix2>()
+                                  .Arg<Bf16Panels3>()
+                                  .Attr<int32_t>("dot")
+                                  .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferReadSum, ReadSum,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Vector1>()
+                                  .Ret<Scalar0>());

@@ -22,16 +22,18 @@ def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
     return x * jnp.asarray(config.embed_scale, dtype=x.dtype)
 
 
-def layer(p: dict, x: jax.Array, rope, attend, config: ModelConfig) -> jax.Array:
-    """One Gemma 3 decoder layer. x: [B, T, D]."""
+def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
+    """One Gemma 3 decoder layer. x: [B, T, D]; returns (x, the layer's K/V
+    buffers after `attend`)."""
     eps = config.rms_norm_eps
     h = rms_norm(x, p["input_layernorm"], eps)
     q, k, v = project_qkv(p, h, rope, config)
-    h = output_projection(attend(q, k, v), p["o_proj"])
+    attn, kv = attend(q, k, v, kv)
+    h = output_projection(attn, p["o_proj"])
     x = x + rms_norm(h, p["post_attention_layernorm"], eps)
     h = rms_norm(x, p["pre_feedforward_layernorm"], eps)
     h = gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
-    return x + rms_norm(h, p["post_feedforward_layernorm"], eps)
+    return x + rms_norm(h, p["post_feedforward_layernorm"], eps), kv
 
 
 def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:

@@ -15,13 +15,15 @@ def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
     return embed_rows(params, tokens)
 
 
-def layer(p: dict, x: jax.Array, rope, attend, config: ModelConfig) -> jax.Array:
-    """One decoder layer: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D]."""
+def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
+    """One decoder layer: x + attn(norm(x)), then + mlp(norm(x)).
+    x: [B, T, D]; returns (x, the layer's K/V buffers after `attend`)."""
     h = rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
     q, k, v = project_qkv(p, h, rope, config)
-    x = x + output_projection(attend(q, k, v), p["o_proj"])
+    attn, kv = attend(q, k, v, kv)
+    x = x + output_projection(attn, p["o_proj"])
     h = rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps)
-    return x + gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
+    return x + gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act), kv
 
 
 def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:

@@ -1,1 +1,2 @@
-"""`jaxinfer bench` (see `jaxinfer.tools.bench.run`)."""
+"""`jaxinfer bench`: the command is `jaxinfer.tools.bench.run`; the sweep,
+machine probes, peers, targets, report and plots are its sibling modules."""

@@ -1,0 +1,76 @@
+"""Shape buckets: the few sizes the compiled programs are built for.
+
+Shapes are fixed before tracing, so every size a program runs at is a
+compile. Prompts are padded to a prompt-length bucket (powers of two), slot
+counts to a batch bucket (powers of two), and the KV cache is sized to a
+cache bucket (two per doubling) that covers the longest running row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
+    """(low, 2*low, 4*low, ..., high): every bucket <= high, high included."""
+    out, b = [], max(1, low)
+    while b < high:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (high,)
+
+
+def cache_buckets(low: int, high: int) -> tuple[int, ...]:
+    """(low, 1.5*low, 2*low, 3*low, 4*low, 6*low, ...): every bucket < high, then high.
+
+    Two buckets per doubling: a decode step attends over a buffer at most
+    1.5x the context once the context passes `low`, for at most twice the
+    decode programs of power-of-two buckets (measurements in benchmarks/README.md).
+    """
+    low = max(1, low)
+    out = sorted({b for i in range(high.bit_length() + 1) for b in (low << i, (3 * low << i) // 2)
+                  if b < high})
+    return tuple(out) + (high,)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n. Raises ValueError when n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def batch_bucket(n: int) -> int:
+    """Batch bucket for n rows: the next power of two."""
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The bucket policy of one model instance.
+
+    Attributes:
+      max_seq_len: tokens per row (prompt + generated), the largest cache bucket.
+      prompt: prompt-length buckets, powers of two from `min_prompt_bucket`.
+      cache: KV-cache buckets (`cache_buckets`) from `min_kv_bucket`.
+    """
+
+    max_seq_len: int
+    prompt: tuple[int, ...]
+    cache: tuple[int, ...]
+
+    @classmethod
+    def create(cls, max_seq_len: int, min_prompt_bucket: int = 16,
+               min_kv_bucket: int = 256) -> "Buckets":
+        return cls(max_seq_len, power_of_two_buckets(min(min_prompt_bucket, max_seq_len), max_seq_len),
+                   cache_buckets(min(min_kv_bucket, max_seq_len), max_seq_len))
+
+    def prompt_bucket(self, tokens: int) -> int:
+        """The padded length for `tokens` new tokens in one call."""
+        return bucket_for(tokens, self.prompt)
+
+    def cache_bucket(self, tokens: int) -> int:
+        """The cache capacity for `tokens` cached positions (capped at max_seq_len)."""
+        return bucket_for(min(tokens, self.max_seq_len), self.cache)

@@ -1,0 +1,57 @@
+"""A compile cache that makes compilation observable.
+
+Every compiled phase is called through a `ProgramCache`: the first call with
+new static arguments or input shapes compiles ahead of time (`fn.lower(...)
+.compile()`), later calls reuse the program. The count and the seconds spent
+compiling are kept, so run statistics can leave compile time out and tests
+can assert how many programs a workload needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+
+
+class ProgramCache:
+    """Ahead-of-time compiled programs keyed by function, static arguments
+    and input shapes/dtypes.
+
+    Attributes:
+      num_compiles: programs compiled so far.
+      compile_s: seconds spent compiling so far.
+    """
+
+    def __init__(self):
+        from jaxinfer.progress import Progress
+
+        self._compiled = {}
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+        self.compile_s = 0.0
+        self.progress = Progress.off()   # reports each compile ("compiling start ... 0.9 s")
+
+    def __call__(self, fn, *args, **static):
+        """Run jitted `fn(*args, **static)`; `static` must be its static arguments."""
+        shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
+        key = (fn.__name__, fn.__module__, tuple(sorted(static.items())),
+               jax.tree_util.tree_structure(args), tuple(jax.tree_util.tree_leaves(shapes)))
+        program = self._compiled.get(key)
+        if program is None:
+            with self._lock:
+                program = self._compiled.get(key)
+                if program is None:
+                    t0 = time.perf_counter()
+                    with self.progress.step(f"compiling {fn.__name__}"):
+                        program = fn.lower(*args, **static).compile()
+                    self.compile_s += time.perf_counter() - t0
+                    self.num_compiles += 1
+                    self._compiled[key] = program
+        return program(*args)
+
+    def clock(self) -> float:
+        """Seconds of `time.perf_counter()` minus the seconds spent compiling:
+        differences of this clock measure run time without compilation."""
+        return time.perf_counter() - self.compile_s

@@ -1,0 +1,245 @@
+"""Continuous batching: requests join and leave a running batch of decode slots.
+
+    add_request(request) -> request_id       validated, queued
+    step() -> [RequestOutput, ...]            one scheduler iteration
+    abort(request_id)                         finished with "abort" at the next step
+
+One iteration (`step`):
+  1. dispatch a decode chunk (`decode_chunk` steps, one compiled `lax.scan`)
+     over every slot holding a running request; free slots are marked done;
+  2. while the device runs it, process the previous chunk's tokens on the
+     host: detokenize, match stop strings, emit events, free the slots of
+     finished requests (JAX dispatch is asynchronous, so this host work
+     overlaps the device work);
+  3. admission and prefill: waiting requests (first come, first served) get
+     free slots; their prompts are prefilled on their own (batch 1) and the
+     prefilled rows inserted into their slots, ready for the next chunk.
+
+Prefill policy (chunked prefill). With requests decoding, each iteration
+prefills at most `prefill_chunk_size` prompt tokens (the per-step token
+budget), in pieces of at most that size: a long prompt is spread over
+several iterations, each attending to the pieces before it through
+`engine.extend`, so running requests wait at most one budget's prefill
+between two decode chunks instead of the whole prompt. With nothing
+decoding, waiting requests are prefilled back to back until the slots are
+full (no one is waiting on a decode). The trade-off: a smaller budget lowers
+running requests' inter-token latency while a long prompt arrives, and
+raises that prompt's time to first token (its prefill is interleaved with
+decode chunks); `prefill_chunk_size=None` prefills every prompt whole.
+
+`policy="static"` admits new requests only when every slot is free (the
+batch waits for its longest row): the behaviour of a fixed batch, kept as
+the benchmark's baseline.
+
+The scheduler is single-threaded: `jaxinfer.serving.EngineThread` runs it on
+the one thread that owns the device and feeds it from other threads. It
+talks to the device through a runner (`jaxinfer.runner.ModelRunner`, or a
+fake in the tests) with `begin / prefill / insert / decode / fetch`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from jaxinfer.request import Request, RequestOutput, RequestState
+from jaxinfer.runner import logprob_bucket
+
+POLICIES = ("continuous", "static")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds `max_waiting_requests` requests."""
+
+
+class Scheduler:
+    """Admission, slots, chunked prefill, abort and events for one runner.
+
+    Args:
+      runner: the device side (`ModelRunner` or a test fake).
+      detokenizer_factory: () -> a fresh `IncrementalDetokenizer`, or None
+        to emit token ids only.
+      stop_token_ids / eos_token_ids: host copies of the runner's stop rule.
+      prefill_chunk_size: per-step prefill token budget and largest prompt
+        piece (None: whole prompts).
+      policy: "continuous" or "static" (see the module docstring).
+      max_waiting_requests: bound of the waiting queue (None: unbounded).
+      clock: the time source of request timings (seconds).
+    Raises:
+      ValueError: an unknown policy or a budget < 1.
+    """
+
+    def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
+                 stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
+                 policy: str = "continuous", max_waiting_requests: Optional[int] = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {prefill_chunk_size}")
+        self.runner = runner
+        self.detokenizer_factory = detokenizer_factory
+        self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
+        self.prefill_chunk_size = prefill_chunk_size
+        self.policy = policy
+        self.max_waiting_requests = max_waiting_requests
+        self.clock = clock
+        self._ids = itertools.count()
+        self.waiting: collections.deque[int] = collections.deque()
+        self.states: dict[int, RequestState] = {}
+        self.slots: list[Optional[int]] = [None] * runner.max_num_seqs
+        self._prefilling = None     # (request_id, slot, PrefillJob) of a prompt in progress
+        self._pending: list = []    # dispatched device work whose outputs are not processed yet
+        self._aborted: list[int] = []
+        self.num_preempted = 0
+
+    # --- requests ------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError when the request can never run here: an empty
+        prompt, or prompt + max_new_tokens beyond max_seq_len."""
+        n, limit = len(request.prompt_ids), self.runner.max_seq_len
+        if n == 0:
+            raise ValueError("empty prompt: a request needs at least one token")
+        if n + request.max_new_tokens > limit:
+            raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} = "
+                             f"{n + request.max_new_tokens} exceeds max_seq_len {limit}; shorten "
+                             "the prompt, lower max_new_tokens or raise max_seq_len")
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request; returns its id.
+
+        Raises:
+          ValueError: see `check` (checked here, not discovered mid-run).
+          QueueFullError: the waiting queue is full.
+        """
+        self.check(request)
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise QueueFullError(f"{len(self.waiting)} requests are already waiting "
+                                 f"(max_waiting_requests {self.max_waiting_requests})")
+        rid = next(self._ids)
+        detok = self.detokenizer_factory() if self.detokenizer_factory else None
+        self.states[rid] = RequestState(rid, request, detok, self.stop_token_ids,
+                                        self.eos_token_ids, self.clock())
+        self.waiting.append(rid)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        """Finish a request with reason "abort" at the next step; its slot is
+        free for the next request. Returns False for an unknown or finished id."""
+        state = self.states.get(request_id)
+        if state is None or state.finished:
+            return False
+        state.abort()
+        self._aborted.append(request_id)
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
+        if self._prefilling is not None and self._prefilling[0] == request_id:
+            self._prefilling = None
+        self.slots = [None if r == request_id else r for r in self.slots]
+        return True
+
+    # --- state ---------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        """Work is left: waiting, prefilling, running, or unprocessed outputs."""
+        return bool(self.waiting or self._prefilling or self._pending or self._aborted
+                    or any(r is not None for r in self.slots))
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + (self._prefilling is not None)
+
+    def _occupied(self) -> np.ndarray:
+        return np.array([r is not None for r in self.slots])
+
+    # --- one iteration -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration (see the module docstring); returns the events it produced."""
+        events = self._take_aborted()
+        fetched = [(self.runner.fetch(out), owners) for out, owners in self._pending]
+        ended = {rid for out, owners in fetched for row, _, rid in owners if out.done[-1, row]}
+        dispatched = self._dispatch_decode(ended)
+        for item in fetched:
+            events += self._process(*item)
+        self._pending = [dispatched] if dispatched else []
+        self._admit_and_prefill()
+        return events
+
+    def _dispatch_decode(self, ended: set):
+        """Dispatch a decode chunk over the slots whose requests may still run
+        (`ended`: requests whose rows the device has finished)."""
+        occupied = np.array([r is not None and r not in ended for r in self.slots])
+        if not occupied.any():
+            return None
+        wanted = [self.states[r].request.logprobs for r, o in zip(self.slots, occupied) if o]
+        counts = [n for n in wanted if n is not None]
+        num_logprobs = logprob_bucket(max(counts)) if counts else -1
+        out = self.runner.decode(occupied, num_logprobs)
+        return out, tuple((slot, slot, r) for slot, r in enumerate(self.slots) if occupied[slot])
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        events = []
+        for rid in self._aborted:
+            state = self.states.pop(rid)
+            events.append(state.take_output(self.clock()))
+        self._aborted = []
+        return events
+
+    def _process(self, out, owners) -> list[RequestOutput]:
+        """Feed a dispatched call's tokens to their requests and emit events.
+
+        `out` holds host outputs with [steps, rows] leaves; `owners` is ((row,
+        slot, request id), ...): the owner of each output row and its slot when
+        the call was dispatched."""
+        events = []
+        for row, slot, rid in owners:
+            state = self.states.get(rid)
+            if state is None or state.finished:
+                continue
+            for step in range(out.token.shape[0]):
+                lp = None if out.logprob is None else (
+                    out.logprob[step, row], out.top_ids[step, row], out.top_logprobs[step, row])
+                state.add(int(out.token[step, row]), lp)
+            if state.finished and self.slots[slot] == rid:
+                self.slots[slot] = None
+            event = state.take_output(self.clock())
+            if event is not None:
+                events.append(event)
+            if state.finished:
+                del self.states[rid]
+        return events
+
+    def _admit_and_prefill(self) -> None:
+        running = self._occupied().any()
+        if self.policy == "static" and running:
+            return
+        budget = self.prefill_chunk_size if running and self.prefill_chunk_size else float("inf")
+        while budget > 0:
+            if self._prefilling is None and not self._admit():
+                return
+            rid, slot, job = self._prefilling
+            budget -= self.runner.prefill(job, int(min(budget, 1 << 30)))
+            if job.remaining == 0:
+                self.runner.insert(job, slot, self._occupied())
+                self.slots[slot] = rid
+                self._pending.append((job.first, ((0, slot, rid),)))
+                self._prefilling = None
+
+    def _admit(self) -> bool:
+        """Start prefilling the next waiting request in a free slot, if any."""
+        free = [s for s, r in enumerate(self.slots) if r is None]
+        if not self.waiting or not free:
+            return False
+        rid = self.waiting.popleft()
+        self._prefilling = (rid, free[0], self.runner.begin(self.states[rid].request))
+        return True

@@ -1,0 +1,231 @@
+"""`extend`: a chunk of tokens at each row's own offset, against the float64
+reference (tests/reference.py, full recompute, no cache).
+
+Tolerance: atol 1e-5 on float32 logits. The tiny models here get their
+embeddings scaled by 0.25 so that logits are O(1) (|logit| <= ~5), where
+float32 summation-order differences between the paths stay near 4e-6;
+with the unscaled tiny models logits reach ~40 and the same relative error
+is ~2e-5 in absolute terms.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from jaxinfer import cache as kv_cache
+from jaxinfer.cache import init_cache, insert, resize, truncate
+from jaxinfer.engine import decode_step, extend, prefill
+from jaxinfer.params import prepare_params
+from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+
+ATOL = 1e-5
+CONFIGS = {"llama_gqa": TINY_LLAMA, "gemma3_window4": TINY_GEMMA3}
+W = TINY_GEMMA3.sliding_window  # 4
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request):
+    config = CONFIGS[request.param]
+    np_params = random_params(config, seed=1)
+    np_params["embed_tokens"] = np_params["embed_tokens"] * 0.25
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config)
+    return config, np_params, params
+
+
+def _ids(n, config, seed=0):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, n).astype(np.int32)
+
+
+def _extend_in_pieces(params, config, ids, sizes, width=None, max_seq_len=32):
+    """All-position logits [T, V] of `ids` fed as consecutive chunks of `sizes`
+    (each padded to `width` columns, default its own size)."""
+    cache, out, start = init_cache(config, 1, max_seq_len), [], 0
+    for n in sizes:
+        tokens = np.zeros((1, width or n), np.int32)
+        tokens[0, :n] = ids[start:start + n]
+        assert int(cache.lengths[0]) == start
+        logits, cache = extend(params, cache, jnp.asarray(tokens), jnp.array([n], jnp.int32),
+                               config=config, all_logits=True)
+        out.append(np.asarray(logits)[0, :n])
+        start += n
+    assert int(cache.lengths[0]) == len(ids)
+    return np.concatenate(out), cache
+
+
+def _splits(total, size):
+    return [min(size, total - s) for s in range(0, total, size)]
+
+
+@pytest.mark.parametrize("sizes", [
+    [1] * 13, _splits(13, 2), _splits(13, 3), _splits(13, 5),
+    [W - 1, 2, 8],         # second chunk starts at W - 1 and crosses the window edge
+    [W, 2, 7],             # starts at W
+    [W + 1, 3, 5],         # starts at W + 1
+    [2, 2 * W + 1, 2],     # a chunk longer than the window (and than the ring)
+    [13],                  # one chunk on an empty cache: the chunk path, not prefill's
+], ids=lambda s: "-".join(map(str, s)))
+def test_chunks_equal_whole_prefill_and_reference(model, sizes):
+    config, np_params, params = model
+    ids = _ids(13, config)
+    ref = reference.forward(np_params, ids, config)
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :13] = ids
+    whole, _ = prefill(params, init_cache(config, 1, 32), jnp.asarray(padded),
+                       jnp.array([13], jnp.int32), config=config, all_logits=True)
+    whole = np.asarray(whole)[0, :13]
+    chunked, _ = _extend_in_pieces(params, config, ids, sizes)
+    np.testing.assert_allclose(whole, ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked, ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked, whole, atol=ATOL, rtol=0)
+
+
+def test_token_by_token_decode_equals_chunks(model):
+    config, np_params, params = model
+    ids = _ids(11, config, seed=4)
+    cache, serial = init_cache(config, 1, 16), []
+    for tok in ids:
+        logits, cache = decode_step(params, cache, jnp.array([tok]), config=config)
+        serial.append(np.asarray(logits)[0])
+    chunked, _ = _extend_in_pieces(params, config, ids, [3, 5, 3])
+    np.testing.assert_allclose(np.stack(serial), chunked, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.stack(serial), reference.forward(np_params, ids, config),
+                               atol=ATOL, rtol=0)
+
+
+def test_padded_chunks_and_last_logits(model):
+    """Chunks padded to a wider bucket: padding is never written or seen, and
+    the default (last-position) logits are the all-position ones at the last
+    real token."""
+    config, np_params, params = model
+    ids = _ids(12, config, seed=2)
+    chunked, _ = _extend_in_pieces(params, config, ids, [5, 3, 4], width=8)
+    np.testing.assert_allclose(chunked, reference.forward(np_params, ids, config), atol=ATOL, rtol=0)
+    cache = init_cache(config, 1, 32)
+    tokens = np.zeros((1, 8), np.int32)
+    tokens[0, :5] = ids[:5]
+    last, cache = extend(params, cache, jnp.asarray(tokens), jnp.array([5], jnp.int32), config=config)
+    np.testing.assert_allclose(np.asarray(last)[0], chunked[4], atol=ATOL, rtol=0)
+
+
+def test_rows_at_different_offsets_in_one_call(model):
+    """Three rows extend by 3, 1 and 0 tokens from offsets 5, 9 and 2: each
+    row's logits are its own sequence's, and a row with 0 new tokens keeps
+    its length and its cache."""
+    config, np_params, params = model
+    seqs = [_ids(8, config, seed=10), _ids(10, config, seed=11), _ids(2, config, seed=12)]
+    prompt_lens, new = [5, 9, 2], [3, 1, 0]
+    tokens = np.zeros((3, 16), np.int32)
+    for row, (seq, n) in enumerate(zip(seqs, prompt_lens)):
+        tokens[row, :n] = seq[:n]
+    _, cache = prefill(params, init_cache(config, 3, 16), jnp.asarray(tokens),
+                       jnp.array(prompt_lens, jnp.int32), config=config)
+    before = jax.tree_util.tree_map(np.array, cache.layers)
+    chunk = np.zeros((3, 4), np.int32)
+    for row, (seq, p, n) in enumerate(zip(seqs, prompt_lens, new)):
+        chunk[row, :n] = seq[p:p + n]
+    logits, cache = extend(params, cache, jnp.asarray(chunk), jnp.array(new, jnp.int32),
+                           config=config, all_logits=True)
+    assert np.asarray(cache.lengths).tolist() == [8, 10, 2]
+    logits = np.asarray(logits)
+    for row in (0, 1):
+        ref = reference.forward(np_params, seqs[row], config)[prompt_lens[row]:]
+        np.testing.assert_allclose(logits[row, :new[row]], ref, atol=ATOL, rtol=0)
+    for old, kv in zip(before, cache.layers):  # row 2 wrote nothing
+        np.testing.assert_array_equal(np.asarray(kv.keys)[2], old.keys[2])
+        np.testing.assert_array_equal(np.asarray(kv.values)[2], old.values[2])
+
+
+def test_ring_after_a_long_chunk_holds_the_last_positions():
+    config = TINY_GEMMA3
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config)), config)
+    _, cache = _extend_in_pieces(params, config, _ids(13, config), [3, 9, 1])
+    # ring of W = 4 slots: positions 9..12 at p % 4
+    assert np.asarray(cache.ring_pos)[0].tolist() == [12, 9, 10, 11]
+
+
+# --- cache operations -----------------------------------------------------------------------
+
+
+def test_truncated_positions_are_never_visible(model):
+    """Roll a row back by three tokens (what speculative decoding does with
+    rejected drafts) and continue with other tokens: logits equal a run that
+    never saw the rolled-back ones, on full and ring layers (window 4 with a
+    ring of W + 3 slots, so the rejected writes overwrite nothing visible)."""
+    config, np_params, params = model
+    ids, wrong = _ids(10, config, seed=5), _ids(3, config, seed=6)
+    cache = init_cache(config, 1, 24, ring_extra=3)
+    tokens = np.zeros((1, 8), np.int32)
+    tokens[0, :7] = ids[:7]
+    _, cache = extend(params, cache, jnp.asarray(tokens), jnp.array([7], jnp.int32), config=config)
+    _, cache = extend(params, cache, jnp.asarray(wrong[None]), jnp.array([3], jnp.int32), config=config)
+    cache = truncate(cache, jnp.array([7], jnp.int32))
+    logits, cache = extend(params, cache, jnp.asarray(ids[None, 7:]), jnp.array([3], jnp.int32),
+                           config=config, all_logits=True)
+    np.testing.assert_allclose(np.asarray(logits)[0], reference.forward(np_params, ids, config)[7:],
+                               atol=ATOL, rtol=0)
+
+
+def test_insert_copies_one_row_into_a_slot_of_another_size(model):
+    """A one-row cache (16 positions) inserted into slot 2 of a 4-row cache of
+    24 positions whose slot held another sequence: decoding the slot
+    continues the inserted sequence exactly, and the other rows are untouched."""
+    config, np_params, params = model
+    ids, other = _ids(9, config, seed=7), _ids(12, config, seed=8)
+    tokens = np.zeros((4, 16), np.int32)
+    tokens[:, :12] = other
+    _, dest = prefill(params, init_cache(config, 4, 24), jnp.asarray(tokens),
+                      jnp.full((4,), 12, jnp.int32), config=config)
+    one = np.zeros((1, 16), np.int32)
+    one[0, :8] = ids[:8]
+    _, src = prefill(params, init_cache(config, 1, 16), jnp.asarray(one), jnp.array([8], jnp.int32),
+                     config=config)
+    before = jax.tree_util.tree_map(np.array, dest)
+    dest = jax.jit(insert)(dest, src, jnp.int32(2))
+    assert np.asarray(dest.lengths).tolist() == [12, 12, 8, 12]
+    for old, kv in zip(before.layers, dest.layers):
+        for row in (0, 1, 3):
+            np.testing.assert_array_equal(np.asarray(kv.keys)[row], old.keys[row])
+    active = jnp.array([False, False, True, False])
+    step = jnp.array([0, 0, int(ids[8]), 0], jnp.int32)
+    logits, _ = decode_step(params, dest, step, active, config=config)
+    np.testing.assert_allclose(np.asarray(logits)[2], reference.forward(np_params, ids, config)[-1],
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("size", [12, 40])
+def test_resize_keeps_what_rows_hold(model, size):
+    """Grow (40) or shrink (12, with every row shorter) a cache, then decode:
+    the logits continue the sequence."""
+    config, np_params, params = model
+    ids = _ids(11, config, seed=9)
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, :10] = ids[:10]
+    _, cache = prefill(params, init_cache(config, 1, 16), jnp.asarray(tokens), jnp.array([10]),
+                       config=config)
+    cache = resize(cache, size)
+    assert cache.max_seq_len == size and all(
+        kv.keys.shape[3] == (size if kind == "full_attention" else min(W, size))
+        for kv, kind in zip(cache.layers, cache.kinds))
+    logits, _ = decode_step(params, cache, jnp.array([int(ids[10])]), config=config)
+    np.testing.assert_allclose(np.asarray(logits)[0], reference.forward(np_params, ids, config)[-1],
+                               atol=ATOL, rtol=0)
+
+
+def test_key_positions_hide_stale_entries():
+    config = TINY_GEMMA3
+    cache = init_cache(config, 1, 8, ring_extra=2)
+    cache = cache.replace(ring_pos=jnp.array([[4, 5, 0, 1, 2, 3]]), lengths=jnp.array([4]))
+    assert np.asarray(kv_cache.key_positions(cache, "sliding_attention")).tolist() == [
+        [-1, -1, 0, 1, 2, 3]]
+    assert np.asarray(kv_cache.key_positions(cache, "full_attention")).tolist() == [
+        [0, 1, 2, 3, -1, -1, -1, -1]]
+
+
+def test_prefill_refuses_a_bucket_wider_than_the_cache():
+    config = TINY_LLAMA
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config)), config)
+    with pytest.raises(ValueError, match="a prompt bucket of 16 tokens does not fit a cache of 8"):
+        prefill(params, init_cache(config, 1, 8), jnp.zeros((1, 16), jnp.int32), jnp.array([3]),
+                config=config)

@@ -1,0 +1,182 @@
+"""Continuous batching on tiny random models (float32, CPU): a request's tokens
+do not depend on when it arrives, which slot it gets, or who runs beside it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference
+from jaxinfer.llm import LLM
+from jaxinfer.request import Request
+from jaxinfer.sampling import SamplingParams
+from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
+CONFIGS = {"llama_gqa": TINY_LLAMA, "gemma3_window4": TINY_GEMMA3}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def llm(request):
+    config = CONFIGS[request.param]
+    params = jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=2))
+    return LLM(config, params, max_seq_len=64, decode_chunk=3, prefill_chunk_size=8,
+               min_kv_bucket=16)
+
+
+def _ids(n, vocab, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def _run(scheduler, arrivals, max_steps=300):
+    """arrivals: {step: [Request, ...]}; returns {request: tokens} in arrival order."""
+    ids, tokens, step = {}, {}, 0
+    while step == 0 or scheduler.has_unfinished() or any(s >= step for s in arrivals):
+        for r in arrivals.get(step, []):
+            ids[scheduler.add_request(r)] = r
+        for event in scheduler.step():
+            tokens.setdefault(event.request_id, []).extend(event.token_ids)
+        step += 1
+        assert step < max_steps
+    return [tokens.get(rid, []) for rid in ids]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_request_is_invariant_to_arrival_slot_and_neighbours(llm, params):
+    v = llm.config.vocab_size
+    target = Request(_ids(11, v, 0), params, max_new_tokens=14)
+    others = [Request(_ids(n, v, 10 + n), SamplingParams(temperature=1.1, seed=n), max_new_tokens=m)
+              for n, m in ((3, 4), (20, 9), (7, 2), (13, 12), (5, 6))]
+    [alone] = llm.generate([list(target.prompt_ids)], params, max_new_tokens=14)
+    # a static batch: everyone at step 0, the target in the middle
+    static = llm.scheduler(4, policy="static")
+    batch = _run(static, {0: [others[0], target, others[1], others[2]]})
+    assert batch[1] == alone.token_ids
+    # inserted mid-run, at different steps (so in different slots) beside requests
+    # that start and finish around it; the long prompt (20) is prefilled in chunks
+    for arrive in (1, 3, 6):
+        sched = llm.scheduler(4)
+        plan = {0: others[:3], arrive: [target], arrive + 1: others[3:]}
+        outs = _run(sched, plan)
+        assert outs[3] == alone.token_ids, f"arrival at step {arrive}"
+    assert len(alone.token_ids) == 14
+
+
+def test_greedy_tokens_follow_the_reference(llm):
+    """The continuous-batching run of a request inserted beside others gives
+    the float64 reference's greedy tokens."""
+    v = llm.config.vocab_size
+    prompt = _ids(9, v, 42)
+    target = Request(prompt, GREEDY, max_new_tokens=10)
+    outs = _run(llm.scheduler(2), {0: [Request(_ids(4, v, 1), SEEDED, max_new_tokens=5)],
+                                   2: [target]})
+    np_params = random_params(llm.config, seed=2)
+    seq = list(prompt)
+    for _ in range(10):
+        seq.append(int(np.argmax(reference.forward(np_params, seq, llm.config)[-1])))
+    assert outs[1] == seq[len(prompt):]
+
+
+def test_aborted_request_leaks_nothing_into_the_next_one(llm):
+    v = llm.config.vocab_size
+    victim = Request(_ids(17, v, 3), SEEDED, max_new_tokens=40)
+    follower = Request(_ids(6, v, 4), SEEDED, max_new_tokens=12)
+    [fresh] = llm.generate([list(follower.prompt_ids)], SEEDED, max_new_tokens=12)
+    sched = llm.scheduler(1)
+    vid = sched.add_request(victim)
+    got = []
+    for _ in range(4):
+        got += [e for e in sched.step()]
+    assert sched.num_running == 1 and sched.abort(vid)
+    fid = sched.add_request(follower)
+    tokens, reasons = [], {}
+    while sched.has_unfinished():
+        for e in sched.step():
+            if e.request_id == fid:
+                tokens += e.token_ids
+            if e.finished:
+                reasons[e.request_id] = e.finish_reason
+    assert reasons == {vid: "abort", fid: "length"}
+    assert tokens == fresh.token_ids and sched.num_running == 0
+
+
+def test_min_tokens_and_ignore_eos(llm):
+    """The stop token is masked until min_tokens; ignore_eos runs to the budget."""
+    v = llm.config.vocab_size
+    prompt = _ids(5, v, 7)
+    [free] = llm.generate([prompt], GREEDY, max_new_tokens=12)
+    stop_at = free.token_ids[3]  # make the 4th greedy token a stop token
+    stopper = LLM(llm.config, llm.params, max_seq_len=64, decode_chunk=3, stop_token_ids=[stop_at],
+                  min_kv_bucket=16)
+    [stopped] = stopper.generate([prompt], GREEDY, max_new_tokens=12)
+    first = free.token_ids.index(stop_at)
+    assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
+    [floor] = stopper.generate([prompt], GREEDY, max_new_tokens=12, min_tokens=first + 2)
+    assert stop_at not in floor.token_ids[:first + 2]
+    assert floor.token_ids[:first] == free.token_ids[:first]
+    # ignore_eos keeps going through EOS ids only; here the stop id is an extra one
+    [extra] = stopper.generate([prompt], GREEDY, max_new_tokens=12, ignore_eos=True)
+    assert extra.token_ids == stopped.token_ids
+
+
+def test_generate_compiles_a_handful_of_programs(llm):
+    """A second batch with other prompt lengths in the same buckets (and
+    other sampling parameters) compiles nothing."""
+    v = llm.config.vocab_size
+    llm.generate([_ids(n, v, n) for n in (3, 12, 26)], GREEDY, max_new_tokens=4)
+    before = llm.programs.num_compiles
+    llm.generate([_ids(n, v, n + 1) for n in (4, 11, 25)], [SEEDED, GREEDY, SEEDED],
+                 max_new_tokens=4)
+    assert llm.programs.num_compiles == before
+
+
+# --- the engine thread --------------------------------------------------------------------------
+
+
+def test_engine_thread_serves_concurrent_submitters(llm):
+    """Four threads submit requests to one engine thread (2 slots): every
+    request's tokens equal a run of the request alone; one aborted request
+    ends with "abort"; a full queue is refused at submit; stop() ends the thread."""
+    import threading
+
+    from jaxinfer.scheduler import QueueFullError
+    from jaxinfer.serving import EngineThread
+
+    v = llm.config.vocab_size
+    requests = [Request(_ids(3 + 4 * i, v, 50 + i), SamplingParams(temperature=0.9, seed=i),
+                        max_new_tokens=5 + i) for i in range(6)]
+    alone = [llm.generate([list(r.prompt_ids)], r.sampling, max_new_tokens=r.max_new_tokens)[0]
+             for r in requests]
+    engine = EngineThread(llm.scheduler(2), max_waiting_requests=6).start()
+    results, errors = {}, []
+
+    def client(i):
+        try:
+            results[i] = [t for e in engine.submit(requests[i]) for t in e.token_ids]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and all(not t.is_alive() for t in threads)
+    assert [results[i] for i in range(6)] == [a.token_ids for a in alone]
+    # abort: a long request ends with "abort" and frees its slot
+    long = engine.submit(Request(_ids(5, v, 99), SEEDED, max_new_tokens=50))
+    first = next(iter(long))
+    long.abort()
+    rest = list(long)
+    assert rest[-1].finish_reason == "abort" and len(first.token_ids) + sum(
+        len(e.token_ids) for e in rest) < 50
+    # a full waiting queue is refused at submit, before any work
+    blocker = EngineThread(llm.scheduler(1), max_waiting_requests=1)   # not started: nothing drains
+    blocker.submit(requests[0])
+    with pytest.raises(QueueFullError, match="1 requests are already waiting"):
+        blocker.submit(requests[1])
+    with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
+        engine.submit(Request(_ids(60, v, 1), GREEDY, max_new_tokens=10))
+    engine.stop()
+    assert not engine.running and engine.error is None
