@@ -338,7 +338,8 @@ def test_hf_folder_matches_gguf_load(llm, hf_folder, prompts):
     from jaxinfer.checkpoint.safetensors import load_hf_folder
     from jaxinfer.tokenizer import Tokenizer
 
-    from jaxinfer.cpu_kernels import PackedWeight, unpack_weight
+    from jaxinfer.cpu_kernels import PackedWeight
+    from packing import unpack_weight
 
     config, params = load_hf_folder(hf_folder)
     assert config == llm.config
