@@ -32,7 +32,8 @@ from jaxinfer.params import prepare_params
 from jaxinfer.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.request import Request, RequestOutput
-from jaxinfer.runner import ModelRunner, SpecConfig
+from jaxinfer.runner import ModelRunner
+from jaxinfer.speculative import SpecConfig
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.stats import RunStats
 
@@ -280,7 +281,8 @@ class LLM:
         compile_before = self.programs.compile_s
         scheduler = self.scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
         index = {scheduler.add_request(r): i for i, r in enumerate(requests)}
-        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None) for _ in requests]
+        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None, spec=None)
+                 for _ in requests]
         steps = 0
         while scheduler.has_unfinished():
             for event in scheduler.step():
@@ -289,13 +291,13 @@ class LLM:
                 acc["tokens"] += event.token_ids
                 acc["text"].append(event.text)
                 acc["logprobs"] += event.logprobs or []
-                acc["reason"], acc["timings"] = event.finish_reason, event.timings
+                acc["reason"], acc["timings"], acc["spec"] = event.finish_reason, event.timings, event.spec
                 yield i, event
         steps = scheduler.runner.decode_steps
         self.last_stats = RunStats.from_requests(
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
             [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
-            decode_steps=steps)
+            decode_steps=steps, spec=[p["spec"] for p in parts])
         return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
                            p["logprobs"] if r.logprobs is not None else None)
                 for r, p in zip(requests, parts)]

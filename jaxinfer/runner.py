@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import engine, sampling, speculative
+from jaxinfer.speculative import SpecConfig
 from jaxinfer.buckets import Buckets, bucket_for
 from jaxinfer.cache import init_cache
 from jaxinfer.config import ModelConfig
@@ -67,37 +68,6 @@ def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> 
     ids = sorted(set(stop_token_ids) | set(eos_token_ids)) or [-1]
     return engine.StopTokens(jnp.asarray(np.array(ids, np.int32)),
                              jnp.asarray(np.isin(ids, list(eos_token_ids))))
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding settings (see `jaxinfer.speculative`).
-
-    Attributes:
-      method: "ngram" (prompt lookup) or "draft" (a draft model).
-      num_speculative_tokens: k, tokens proposed per verification round.
-      ngram_min, ngram_max: n-gram lengths tried, longest first.
-      draft: the `speculative.DraftModel` for method "draft".
-    Raises:
-      ValueError: an unknown method, k < 1, a bad n-gram range, or "draft"
-        without a draft model.
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 3
-    draft: object = None
-
-    def __post_init__(self):
-        if self.method not in ("ngram", "draft"):
-            raise ValueError(f"speculative must be ngram or draft, got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        if self.method == "draft" and self.draft is None:
-            raise ValueError("speculative: draft needs a draft_model")
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ a plain decode step instead (`lax.cond`), so text without repeats costs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -72,6 +73,58 @@ class SpecOutput(NamedTuple):
     logprob: Optional[jax.Array] = None
     top_ids: Optional[jax.Array] = None
     top_logprobs: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings (see `jaxinfer.speculative`).
+
+    Attributes:
+      method: "ngram" (prompt lookup) or "draft" (a draft model).
+      num_speculative_tokens: k, tokens proposed per verification round.
+      ngram_min, ngram_max: n-gram lengths tried, longest first.
+      draft: the `speculative.DraftModel` for method "draft".
+    Raises:
+      ValueError: an unknown method, k < 1, a bad n-gram range, or "draft"
+        without a draft model.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    draft: object = None
+
+    def __post_init__(self):
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative must be ngram or draft, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "draft" and self.draft is None:
+            raise ValueError("speculative: draft needs a draft_model")
+
+    @classmethod
+    def from_settings(cls, method: Optional[str], num_speculative_tokens: int, ngram_min: int,
+                      ngram_max: int, draft_model: Optional[str], target: ModelConfig,
+                      tokenizer=None, dtype=jnp.float32) -> Optional["SpecConfig"]:
+        """The SpecConfig of config keys (None when `method` is None), loading
+        the draft model for method "draft".
+
+        Raises:
+          ValueError: bad settings, or a draft model that cannot draft for the
+            target (`check_draft`).
+        """
+        if method is None:
+            if draft_model is not None:
+                raise ValueError("draft_model is set but speculative is not (use speculative: draft)")
+            return None
+        if method == "draft" and draft_model is None:
+            raise ValueError("speculative: draft needs draft_model (a model name, .gguf or folder)")
+        draft = DraftModel.load(draft_model, target, tokenizer, dtype) if method == "draft" else None
+        return cls(method, num_speculative_tokens, ngram_min, ngram_max, draft)
+
 
 
 # --- proposers ---------------------------------------------------------------------------------
