@@ -45,6 +45,7 @@ from flax import struct
 
 SWITCH = "JAXINFER_CPU_KERNELS"  # "0" keeps every phase on XLA's own kernels
 SOURCE = pathlib.Path(__file__).parent / "kernels" / "cpu_kernels.cc"
+SOURCES = (SOURCE, SOURCE.with_name("quant_kernels.cc"))  # one library (quant_kernels.py)
 PANEL = 48  # columns per packed weight panel (kPanel in the C++ source)
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul"}
@@ -96,7 +97,7 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
 
     from jaxinfer.checkpoint.sources import cache_dir
 
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), jaxlib.__version__,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(_FLAGS), jaxlib.__version__,
                                     _host_cpu()]).encode()).hexdigest()[:16]
     out_dir = pathlib.Path(out_dir) if out_dir else cache_dir() / "kernels"
     path = out_dir / f"cpu_kernels-{key}.so"
@@ -106,7 +107,7 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_path = pathlib.Path(tmp) / path.name
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp_path)]
+        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(tmp_path)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not tmp_path.is_file():
             output = (done.stderr or done.stdout)[-4000:] or "(no output)"
