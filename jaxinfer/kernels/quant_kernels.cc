@@ -189,24 +189,57 @@ struct PanelArgs {
   int64_t N, cols;
 };
 
-// out[0:R, 0:cols] = x[0:R, :] @ W for one panel, register-blocked over R rows x 48 columns.
-template <class Fmt, typename Scale, int R>
-void quant_panel_block(const PanelArgs<Scale>& a, const typename Fmt::Code* codes) {
+// part[r][j] = sum over one block's rows k of x[r, k] * W[k, 16 j : 16 j + 16] (codes, not yet
+// scaled), x rows K apart; returns the codes after the block. One row (decode at batch 1)
+// keeps 2 * kStep independent sums per vector, so its FMAs do not wait on each other.
+template <class Fmt, int R>
+const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
+                                     const typename Fmt::Code* c, v16 part[R][NV]) {
   constexpr int S = Fmt::kStep;
-  v16 acc[R][NV] = {};
-  const typename Fmt::Code* c = codes;
-  for (int64_t b = 0; b < a.nb; ++b) {
-    v16 part[R][NV] = {};
-    const float* xb = a.x + b * a.bs;
-    for (int64_t k = 0; k < a.bs; k += S, c += kPanel) {  // kPanel codes per step
+  if constexpr (R == 1) {
+    v16 p[2][S][NV] = {};
+    int64_t k = 0;
+    for (; k + 2 * S <= bs; k += 2 * S, c += 2 * kPanel)
+      for (int u = 0; u < 2; ++u) {
+        v16 w[S][NV];
+        Fmt::load(c + u * kPanel, w);
+        for (int s = 0; s < S; ++s)
+          for (int j = 0; j < NV; ++j) p[u][s][j] += xb[k + u * S + s] * w[s][j];
+      }
+    for (; k < bs; k += S, c += kPanel) {
+      v16 w[S][NV];
+      Fmt::load(c, w);
+      for (int s = 0; s < S; ++s)
+        for (int j = 0; j < NV; ++j) p[0][s][j] += xb[k + s] * w[s][j];
+    }
+    for (int j = 0; j < NV; ++j) {
+      part[0][j] = p[0][0][j] + p[1][0][j];
+      for (int s = 1; s < S; ++s) part[0][j] += p[0][s][j] + p[1][s][j];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j) part[r][j] = v16{};
+    for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
       v16 w[S][NV];
       Fmt::load(c, w);
       for (int s = 0; s < S; ++s)
         for (int r = 0; r < R; ++r) {
-          const float xr = xb[r * a.K + k + s];
+          const float xr = xb[r * K + k + s];
           for (int j = 0; j < NV; ++j) part[r][j] += xr * w[s][j];
         }
     }
+  }
+  return c;
+}
+
+// out[0:R, 0:cols] = x[0:R, :] @ W for one panel, register-blocked over R rows x 48 columns.
+template <class Fmt, typename Scale, int R>
+void quant_panel_block(const PanelArgs<Scale>& a, const typename Fmt::Code* codes) {
+  v16 acc[R][NV] = {};
+  const typename Fmt::Code* c = codes;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    v16 part[R][NV];
+    c = block_sums<Fmt, R>(a.x + b * a.bs, a.K, a.bs, c, part);
     if (a.scale == nullptr) {
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) acc[r][j] += part[r][j];

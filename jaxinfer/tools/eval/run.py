@@ -3,7 +3,7 @@
     jaxinfer eval --config configs/smollm2-135m-instruct.yaml [--weights int8,q4] [--out eval-out]
 
 Loads the model once per weight format (`params.prepare_params(weights=...)`;
-"q4" keeps a GGUF file's blocks, `load_gguf(keep_quantized=True)`), then
+"q4" and "int8" start from a GGUF file's blocks, `load_gguf(keep_quantized=True)`), then
 reports against the float32 reference (`accuracy` has the formulas):
 
 - perplexity on a fixed public-domain text: Jane Austen, *Pride and
@@ -42,8 +42,9 @@ TEXT_SOURCE = ("Jane Austen, Pride and Prejudice (1813), chapters 1-2: Project G
 
 def load_variants(source: str, weights: Sequence[str]):
     """(config, tokenizer, gguf path or None, {weights: prepared params}),
-    float32 first. GGUF "q4" keeps the file's blocks; everything else is
-    prepared from the float32 load.
+    float32 first. "q4" and "int8" of a GGUF file are prepared from its
+    blocks (`load_gguf(keep_quantized=True)`: kept blocks, a kept Q8_0 LM
+    head); everything else from the float32 load.
 
     Raises:
       ValueError: an unknown weight format (see `params.WEIGHT_FORMATS`).
@@ -59,10 +60,11 @@ def load_variants(source: str, weights: Sequence[str]):
     path = resolve_model(source)
     config, raw, tokenizer = load_model(source)
     prepared = {"float32": prepare_params(raw, config)}
+    blocks = None
     for w in weights:
-        if w == "q4" and path.suffix == ".gguf":
-            _, blocks, _ = load_gguf(path, keep_quantized=True)
-            prepared[w] = prepare_params(blocks, config, weights="q4")
+        if w in ("q4", "int8") and path.suffix == ".gguf":
+            blocks = blocks or load_gguf(path, keep_quantized=True)[1]
+            prepared[w] = prepare_params(blocks, config, weights=w)
         elif w != "float32":
             prepared[w] = prepare_params(raw, config, weights=w)
     return config, tokenizer, (path if path.suffix == ".gguf" else None), prepared
