@@ -9,9 +9,10 @@ formats, a min:
 | format | codes | block | scale, min | made from |
 |---|---|---|---|---|
 | int8 per channel | int8 | K | f32 | any float weight (`quantize_int8`) |
-| 8-bit blocks | int8 | 32 | f16 | GGUF Q8_0 (kept), Q5_0 (exact), float (`quantize_q8`) |
+| 8-bit blocks | int8 | 32 | f16 | GGUF Q8_0 (kept), Q5_0 (exact), float (`quantize_q8`, LM heads) |
 | 8-bit blocks | int8 | 16 | f32 | GGUF Q6_K (exact: scale = d * sc) |
-| 8-bit + min | int8 (>= 0) | 32 | f32, f32 | GGUF Q5_1, Q5_K (exact) |
+| 8-bit + min | int8 (>= 0) | 32 | f16, f16 | GGUF Q5_1 (exact) |
+| 8-bit + min | int8 (>= 0) | 32 | f32, f32 | GGUF Q5_K (exact: scale = d * sc, min = -dmin * m) |
 | 4-bit + min | 0..15 | 32 | f16, f16 | GGUF Q4_1 (kept), Q4_0 (min = -8 d, exact), float (`quantize_q4`) |
 | 4-bit + min | 0..15 | 32 | f32, f32 | GGUF Q4_K (exact: scale = d * sc, min = -dmin * m) |
 | bf16 | bfloat16 | - | - | any float weight |

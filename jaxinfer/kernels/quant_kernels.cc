@@ -17,12 +17,17 @@
 //   scale, min: f16 or f32 [P, K / bs, 48];  b = k / bs
 // so one kernel covers per-output-channel int8 (bs = K), GGUF Q8_0 / Q5_0 (bs = 32, f16
 // scales), Q6_K (bs = 16, f32 scales), Q4_0 / Q4_1 (bs = 32, f16) and Q4_K (bs = 32, f32).
-// The codes are turned into float32 in registers and never stored as float32. Within a
-// block the kernel sums x[m, k] * codes[k, n] in float32, then adds
+// Activations stay float32 throughout. Below 8 rows (decode at small batch) the codes
+// are turned into float32 in registers and never stored: within a block the kernel sums
+// x[m, k] * codes[k, n] in float32, then adds
 //   scale[b, n] * that + min[b, n] * sum_{k in b} x[m, k],
-// which is x @ W up to float32 summation order. Activations stay float32 throughout.
+// which is x @ W up to float32 summation order (register blocks of up to 4 rows x 48
+// columns). From 8 rows on (larger decode batches, prefill) each work unit first writes
+// its panel's weights scale * code + min as a float32 tile of K x 48 (at most a few
+// hundred KB, in L2, reused by up to 64 rows) and runs 8 x 48 register blocks over it:
+// converting codes once per 4 rows made B = 32 and prefill 2-4x slower than float32.
 // Panels stream sequentially and all row blocks of a panel run back to back (as in
-// cpu_kernels.cc); register blocks are up to 4 rows x 48 columns.
+// cpu_kernels.cc).
 //
 // --- int8 decode attention ---
 //   q       f32  [B, K, G, H]  grouped, pre-scaled queries (query head k*G + g reads kv head k)
@@ -167,6 +172,15 @@ struct Bf16Codes {
   }
 };
 
+// A panel already turned into float32 (the staging tile of `dequantize_panel`).
+struct F32Codes {
+  using Code = float;
+  static constexpr int kStep = 1;
+  static void load(const float* p, v16 w[1][NV]) {
+    for (int j = 0; j < NV; ++j) w[0][j] = ::load(p + j * kLanes);
+  }
+};
+
 template <typename Scale>
 inline void load_scales(const Scale* p, v16 s[NV]) {
   for (int j = 0; j < NV; ++j) {
@@ -281,18 +295,43 @@ struct MatmulShape {
   int64_t M, K, N, P, nb;
 };
 
+// tile[k, :] = W[k, panel columns] in float32 for every k: one panel's weights, K x 48.
+template <class Fmt, typename Scale>
+void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Scale* min, int64_t K,
+                      int64_t bs, float* tile) {
+  constexpr int S = Fmt::kStep;
+  for (int64_t k0 = 0; k0 < K; k0 += bs) {
+    v16 sc[NV], mn[NV] = {};
+    if (scale != nullptr) load_scales(scale + k0 / bs * kPanel, sc);
+    if (min != nullptr) load_scales(min + k0 / bs * kPanel, mn);
+    for (int64_t k = k0; k < k0 + bs; k += S, c += kPanel) {
+      v16 w[S][NV];
+      Fmt::load(c, w);
+      for (int s = 0; s < S; ++s)
+        for (int j = 0; j < NV; ++j)
+          store(tile + (k + s) * kPanel + j * kLanes, scale != nullptr ? w[s][j] * sc[j] + mn[j] : w[s][j]);
+    }
+  }
+}
+
+// Row counts from which a unit first turns its panel into a float32 tile (L2-resident,
+// K x 48 floats) and runs 8-row register blocks over it: the codes are converted once
+// per 64 rows instead of once per 4.
+constexpr int64_t kTileRows = 8;
+constexpr int kTileBlockRows = 8;
+
 // x [M, K] @ W [K, N] -> out [M, N] with W's panels as described at the top of the file.
 template <class Fmt, typename Scale>
 void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
                   const typename Fmt::Code* codes, const Scale* scale, const Scale* min, float* out) {
   const int64_t bs = d.K / d.nb;
   std::vector<float> xsum;
-  if (min != nullptr) {  // per-block row sums of x, for the min term
+  if (min != nullptr && d.M < kTileRows) {  // per-block row sums of x, for the min term
     xsum.assign(d.M * d.nb, 0.0f);
     for (int64_t m = 0; m < d.M; ++m)
       for (int64_t k = 0; k < d.K; ++k) xsum[m * d.nb + k / bs] += x[m * d.K + k];
   }
-  const float* xs = min != nullptr ? xsum.data() : nullptr;
+  const float* xs = xsum.empty() ? nullptr : xsum.data();
   const int64_t panel_codes = d.K * kPanel / (Fmt::kStep == 2 ? 2 : 1);
   const int64_t row_units = (d.M + kRowsPerUnit - 1) / kRowsPerUnit;
   parallel_units(pool, d.P * row_units, [=](int64_t unit) {
@@ -301,6 +340,18 @@ void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
     const int64_t cols = std::min<int64_t>(kPanel, d.N - p * kPanel);
     const Scale* ps = scale ? scale + p * d.nb * kPanel : nullptr;
     const Scale* pm = min ? min + p * d.nb * kPanel : nullptr;
+    if (d.M >= kTileRows) {
+      thread_local std::vector<float> tile;
+      tile.resize(d.K * kPanel);
+      dequantize_panel<Fmt, Scale>(codes + p * panel_codes, ps, pm, d.K, bs, tile.data());
+      for (int64_t m = m0; m < m1; m += kTileBlockRows) {
+        const PanelArgs<float> a{x + m * d.K, d.K, d.K, 1, nullptr, nullptr, nullptr,
+                                 out + m * d.N + p * kPanel, d.N, cols};
+        quant_panel_rows<F32Codes, float, kTileBlockRows>(
+            std::min<int64_t>(kTileBlockRows, m1 - m), a, tile.data());
+      }
+      return;
+    }
     for (int64_t m = m0; m < m1; m += kMaxRows) {
       const PanelArgs<Scale> a{x + m * d.K, d.K, bs, d.nb, ps, pm, xs ? xs + m * d.nb : nullptr,
                                out + m * d.N + p * kPanel, d.N, cols};
