@@ -36,6 +36,7 @@ import numpy as np
 from jaxinfer.tools.eval import accuracy
 
 TEXT = pathlib.Path(__file__).with_name("pride-and-prejudice-ch1-2.txt")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")
 TEXT_SOURCE = ("Jane Austen, Pride and Prejudice (1813), chapters 1-2: Project Gutenberg's "
                "text as packaged in the janeaustenr R package (public domain)")
 
@@ -107,7 +108,15 @@ def _loadavg() -> Optional[list]:
 def run_eval(source: str, weights: Sequence[str], kv_cache_dtypes: Sequence[str], chunk: int,
              prompts: int, prompt_len: int, new_tokens: int, llamacpp: bool = True) -> dict:
     """Every measure for every variant (weights x KV cache dtype) of one model; a dict
-    ready for JSON (see `format_report`)."""
+    ready for JSON (see `format_report`).
+
+    Raises:
+      ValueError: an unknown weight format or KV cache dtype (before any loading), or a
+        KV cache dtype this engine's `init_cache` does not offer (when first used).
+    """
+    bad = [kv for kv in kv_cache_dtypes if kv not in KV_CACHE_DTYPES]
+    if bad or not kv_cache_dtypes:
+        raise ValueError(f"KV cache dtypes must be some of {KV_CACHE_DTYPES}, got {list(kv_cache_dtypes)}")
     t0 = time.perf_counter()
     config, tokenizer, gguf_path, prepared = load_variants(source, weights)
     bos = tokenizer.bos_token_id if tokenizer.add_bos else None
