@@ -46,6 +46,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -115,7 +116,7 @@ inline v16 load16_bf16(const uint16_t* p) {
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
 // pool tasks that claim units from a shared counter; returns when every unit is done. A task
 // that starts late finds nothing left, so the caller never waits on one that has not
-// started. (The same scheme as cpu_kernels.cc.)
+// started. (The scheme of cpu_kernels.cc, plus yielding while it waits.)
 template <typename Unit>
 void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
   struct Shared {
@@ -134,10 +135,17 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, units - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->run(); });
   shared->run();
-  while (shared->finished.load(std::memory_order_acquire) < units) {
+  // Wait for units other threads are still computing: spin briefly, then yield the core,
+  // so that a helper the OS preempted mid-unit (a busy machine) gets it back at once
+  // instead of after this thread's time slice.
+  for (int spins = 0; shared->finished.load(std::memory_order_acquire) < units; ++spins) {
+    if (spins < 256) {
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
+    } else {
+      std::this_thread::yield();
+    }
   }
 }
 
