@@ -4,6 +4,7 @@
     jaxinfer train-toy --config configs/toy-two-layer.yaml
     jaxinfer trace --config configs/toy-two-layer.yaml --prompt 你好 [--plot DIR]
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml [--quick] [--peers hf,llamacpp]
+    jaxinfer eval --config configs/smollm2-135m-instruct.yaml [--weights int8,q4]
 
 Every usage error (a bad flag, config key or value, prompts file, model name,
 or a prompt too long for max_seq_len) prints one line,
@@ -168,12 +169,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     from jaxinfer.tools.bench.run import add_bench_parser
+    from jaxinfer.tools.eval.run import add_eval_parser
     from jaxinfer.tools.toy import add_train_toy_parser
     from jaxinfer.tools.trace.run import add_trace_parser
 
     add_train_toy_parser(sub)
     add_trace_parser(sub)
     add_bench_parser(sub)
+    add_eval_parser(sub)
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:   # reported by the command's own parser: "jaxinfer <command>: error: ..."

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer import quant
 from jaxinfer.cpu_kernels import PackedWeight, packed_matmul, take_columns
+from jaxinfer.quant import QuantizedWeight
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -282,16 +284,20 @@ def blocked_attention(qg: jax.Array, k: jax.Array, v: jax.Array, q_positions: ja
 # --- Matmul ---------------------------------------------------------------------
 
 
-def matmul(x: jax.Array, w: jax.Array | PackedWeight, preferred_element_type=None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
+           preferred_element_type=None) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O] (I input features, O output features:
     D, N*H, F or V depending on the projection), in `preferred_element_type`
     if given, else x's dtype.
 
     A `PackedWeight` (float32 or bfloat16 panels on CPU, see
-    `params.prepare_params`) goes through `cpu_kernels.packed_matmul`, which
-    accumulates in float32."""
+    `params.prepare_params`) goes through `cpu_kernels.packed_matmul`, a
+    `QuantizedWeight` (int8, 4-bit or bfloat16 codes) through `quant.matmul`;
+    both accumulate in float32."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w).astype(preferred_element_type or x.dtype)
+    if isinstance(w, QuantizedWeight):
+        return quant.matmul(x, w).astype(preferred_element_type or x.dtype)
     return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
 
 
@@ -351,9 +357,9 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
 
 def output_projection(attn: jax.Array, o_proj: jax.Array | PackedWeight) -> jax.Array:
     """[B, T, N, H] x [N, H, D] -> [B, T, D] as one 2-D matmul over N*H (a
-    packed o_proj is already [N*H, D])."""
+    packed or quantized o_proj is already [N*H, D])."""
     b, t, n, hd = attn.shape
-    if not isinstance(o_proj, PackedWeight):
+    if not isinstance(o_proj, (PackedWeight, QuantizedWeight)):
         o_proj = o_proj.reshape(n * hd, -1)
     return matmul(attn.reshape(b, t, n * hd), o_proj)
 
@@ -366,6 +372,8 @@ def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
         return jnp.take(params["embed_tokens"], tokens, axis=0)
     if isinstance(params["lm_head"], PackedWeight):
         return take_columns(params["lm_head"], tokens)
+    if isinstance(params["lm_head"], QuantizedWeight):
+        return quant.take_columns(params["lm_head"], tokens)
     return jnp.moveaxis(jnp.take(params["lm_head"], tokens, axis=1), 0, -1)
 
 

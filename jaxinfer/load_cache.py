@@ -69,7 +69,7 @@ SWITCH = "JAXINFER_LOAD_CACHE"     # "0" turns the load cache off
 # added to that path (e.g. a quantizer prepare_params calls) belongs here.
 PRODUCER_MODULES = ("jaxinfer.params", "jaxinfer.cpu_kernels", "jaxinfer.config",
                     "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
-                    "jaxinfer.checkpoint.safetensors")
+                    "jaxinfer.checkpoint.safetensors", "jaxinfer.quant")
 _META = "jaxinfer"                 # safetensors header metadata key of our JSON
 # Older entries kept per (source, dtype, packing) besides the newest, e.g. for
 # two checkouts of different code sharing one cache; the rest are deleted.

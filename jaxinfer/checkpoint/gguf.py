@@ -27,7 +27,10 @@ from typing import Any, Mapping, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.checkpoint.convert import CheckpointError, counted, params_from_hf_tensors, resolve_tied
+from jaxinfer import quant
+from jaxinfer.checkpoint.convert import (EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD, CheckpointError,
+                                         _fetch, _hf_shape, _layer_table, _stack_layer_param, counted,
+                                         has_separate_lm_head, params_from_hf_tensors, resolve_tied)
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.progress import Progress
 
@@ -324,6 +327,151 @@ def _tensor_getter(by_hf: Mapping[str, Any], config: ModelConfig, arch: str):
     return get
 
 
+# ---------------------------------------------------------------------------
+# Quantized blocks kept as codes and scales
+
+# GGML block layouts (ggml-common.h), as `gguf.quants` reads them: byte
+# offsets of the fields set to "scale 1, min 0" so that `gguf.quants.dequantize`
+# returns the codes themselves, in the tensor's element order.
+_F16_ONE = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+_UNIT_FIELDS = {  # type name -> [(start, bytes)] per block
+    "Q4_0": [(0, _F16_ONE)], "Q5_0": [(0, _F16_ONE)], "Q8_0": [(0, _F16_ONE)],
+    "Q4_1": [(0, _F16_ONE), (2, np.zeros(2, np.uint8))],
+    "Q5_1": [(0, _F16_ONE), (2, np.zeros(2, np.uint8))],
+    # d = 1, dmin = 0, the 12 packed 6-bit (scale, min) pairs all (1, 0)
+    "Q4_K": [(0, _F16_ONE), (2, np.zeros(2, np.uint8)),
+             (4, np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8))],
+    "Q6_K": [(192, np.ones(16, np.uint8)), (208, _F16_ONE)],  # 16 int8 scales = 1, d = 1
+}
+_UNIT_FIELDS["Q5_K"] = _UNIT_FIELDS["Q4_K"]
+BLOCK_TYPES = tuple(_UNIT_FIELDS)  # kept as `quant.BlockCodes` by keep_quantized loads
+_ROWS_PER_CHUNK = 8192
+
+
+def _codes(blocks: np.ndarray, type_name: str, qtype, shape) -> np.ndarray:
+    """The tensor's codes as float32 [rows, in]: `gguf.quants.dequantize` of
+    its blocks with every scale set to 1 and every min to 0 (in row chunks)."""
+    from gguf.quants import dequantize
+
+    unit = blocks.copy()
+    for start, value in _UNIT_FIELDS[type_name]:
+        unit[:, start:start + len(value)] = value
+    rows, cols = shape
+    per_row = unit.shape[0] // rows
+    out = np.empty((rows, cols), np.float32)
+    for r in range(0, rows, _ROWS_PER_CHUNK):
+        chunk = unit[r * per_row:(r + _ROWS_PER_CHUNK) * per_row]
+        out[r:r + _ROWS_PER_CHUNK] = dequantize(chunk.reshape(-1), qtype).reshape(-1, cols)
+    return out
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[:, start:start + 2]).view(np.float16)[:, 0]
+
+
+def _scales(blocks: np.ndarray, type_name: str):
+    """(scale, min or None) per block of codes, [n_blocks, sub-blocks]."""
+    from gguf.quants import Q4_K
+
+    if type_name in ("Q4_0", "Q5_0", "Q8_0"):
+        d = _f16(blocks, 0)[:, None]
+        return d, (d * np.float16(-8) if type_name == "Q4_0" else None)
+    if type_name in ("Q4_1", "Q5_1"):
+        return _f16(blocks, 0)[:, None], _f16(blocks, 2)[:, None]
+    if type_name in ("Q4_K", "Q5_K"):  # scale = d * sc, min = -(dmin * m), 8 sub-blocks of 32
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        d, dmin = (_f16(blocks, i).astype(np.float32)[:, None] for i in (0, 2))
+        return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    # Q6_K: scale = d * sc, 16 sub-blocks of 16
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    return _f16(blocks, 208).astype(np.float32)[:, None] * sc, None
+
+
+def gguf_block_codes(tensor) -> quant.BlockCodes:
+    """A block-quantized 2-D GGUF tensor [out, in] (numpy order) as
+    `quant.BlockCodes` of its transpose [in, out], the values unchanged.
+
+    Q4_0 / Q4_1 (4-bit, float16 scale and min; Q4_0's min is -8 d) and Q8_0
+    / Q5_0 (8-bit, float16 scale) keep their blocks of 32; Q5_1 becomes
+    8-bit codes with float16 scale and min; Q4_K / Q5_K become blocks of 32
+    with float32 scale d * sc and min -dmin * m; Q6_K blocks of 16 with
+    float32 scale d * sc. `BlockCodes.dequantize` then computes the same
+    float32 values as `gguf.quants.dequantize` (same products, same order).
+    The codes come from `gguf.quants.dequantize` itself (see `_codes`), the
+    scales from the block fields it reads.
+
+    Raises:
+      CheckpointError: a type not in BLOCK_TYPES, or a tensor that is not 2-D.
+    """
+    from gguf.constants import GGML_QUANT_SIZES
+
+    name = tensor.tensor_type.name
+    shape = _numpy_shape(tensor)
+    if name not in _UNIT_FIELDS or len(shape) != 2:
+        raise CheckpointError(f"tensor {tensor.name!r}: cannot keep {name}{list(shape)} as blocks")
+    _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    blocks = np.asarray(tensor.data).reshape(-1, type_size)
+    codes = _codes(blocks, name, tensor.tensor_type, shape)
+    scale, low = _scales(blocks, name)
+    rows = shape[0]
+    per_row = lambda a: np.ascontiguousarray(a.reshape(rows, -1).T)  # [in / bs, out]
+    bits = 4 if name in ("Q4_0", "Q4_1", "Q4_K") else 8
+    if name == "Q4_0":
+        codes = codes + 8  # d * (q - 8) = d * q + (-8 d), both exact
+    codes = codes.astype(np.uint8 if bits == 4 else np.int8)
+    return quant.BlockCodes(np.ascontiguousarray(codes.T), per_row(scale),
+                            None if low is None else per_row(low), bits)
+
+
+_LINEAR_KINDS = ("q_in", "kv_in", "o_out", "mlp_in", "mlp_out")
+
+
+def _matmul_weight(by_hf: Mapping[str, Any], config: ModelConfig, arch: str, name: str, shape):
+    """One linear weight [out, in] as [in, out]: `quant.BlockCodes` for a
+    block type, else float32 (Q/K rows unpermuted for llama either way)."""
+    if name not in by_hf:
+        raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
+    tensor = by_hf[name]
+    if _numpy_shape(tensor) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {_numpy_shape(tensor)}, but the config "
+                              f"implies {tuple(shape)}")
+    heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+    perm = next((unpermute_qk(np.arange(shape[0]), n) for suffix, n in heads.items()
+                 if arch == "llama" and name.endswith(suffix)), None)
+    if tensor.tensor_type.name not in BLOCK_TYPES:
+        w = dequantize_tensor(tensor)
+        return np.ascontiguousarray((w if perm is None else w[perm]).T)
+    w = gguf_block_codes(tensor)
+    return w if perm is None else w.take_columns(perm)
+
+
+def _params_keeping_blocks(by_hf: Mapping[str, Any], config: ModelConfig, arch: str, dtype) -> dict:
+    """The params pytree (see `checkpoint.convert`) with every linear weight
+    as a tuple of L per-layer [in, out] weights (`_matmul_weight`) in the
+    prepared layout's 2-D form (q_proj [D, N*H], o_proj [N*H, D], ...), and
+    the LM head [D, V] likewise; a tied model keeps only "lm_head"."""
+    get = _tensor_getter(by_hf, config, arch)
+    table = _layer_table(config)
+    layers = {}
+    for key, (suffix, kind) in table.items():
+        if kind in _LINEAR_KINDS:
+            names = [LAYER_PREFIX.format(i=i) + suffix for i in range(config.num_layers)]
+            layers[key] = tuple(_matmul_weight(by_hf, config, arch, n, _hf_shape(kind, config))
+                                for n in names)
+        else:
+            layers[key] = _stack_layer_param(get, by_hf, config, suffix, kind, 0.0, dtype)
+    params = {"norm": jnp.asarray(_fetch(get, by_hf, FINAL_NORM, (config.hidden_size,)), dtype),
+              "layers": layers}
+    shape = (config.vocab_size, config.hidden_size)
+    if has_separate_lm_head(config, by_hf):
+        params["embed_tokens"] = jnp.asarray(_fetch(get, by_hf, EMBED, shape), dtype)
+        params["lm_head"] = _matmul_weight(by_hf, config, arch, LM_HEAD, shape)
+    else:
+        params["lm_head"] = _matmul_weight(by_hf, config, arch, EMBED if EMBED in by_hf else LM_HEAD,
+                                           shape)
+    return params
+
+
 def open_reader(path: str | os.PathLike):
     """A `gguf.GGUFReader` of `path` (memory-maps the file; parses every
     metadata field and tensor header, which takes seconds for a large vocabulary).
@@ -344,7 +492,8 @@ def open_reader(path: str | os.PathLike):
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None,
-              progress: Optional[Progress] = None) -> tuple[ModelConfig, dict, GGUFMetadata]:
+              progress: Optional[Progress] = None,
+              keep_quantized: bool = False) -> tuple[ModelConfig, dict, GGUFMetadata]:
     """Read a GGUF file into (config, params, metadata).
 
     Tensors are dequantized one at a time to float32 on the host, converted
@@ -358,6 +507,11 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None,
       dtype: jnp dtype of every params leaf.
       reader: an open `gguf.GGUFReader` of `path` to reuse (`open_reader`).
       progress: shows a "loading tensors" bar when enabled.
+      keep_quantized: keep every linear weight of a type in BLOCK_TYPES as
+        `quant.BlockCodes` (no float32 round trip; see `_params_keeping_blocks`
+        for the layout), for `params.prepare_params(..., weights="q4")`;
+        other tensors load as above. Peak host memory is then about the file
+        plus one tensor's float32 codes (in chunks of 8192 rows).
 
     Returns:
       config: ModelConfig (tie_word_embeddings says whether "lm_head" exists).
@@ -375,8 +529,11 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None,
     arch = _require(reader.fields, "general.architecture")
     by_hf = _hf_name_map(reader.tensors, arch)
     config = resolve_tied(config, by_hf)
-    with (progress or Progress.off()).bar(len(by_hf), "loading tensors", unit="tensor") as bar:
-        params = params_from_hf_tensors(counted(_tensor_getter(by_hf, config, arch), bar), by_hf,
-                                        config, dtype)
+    if keep_quantized:
+        params = _params_keeping_blocks(by_hf, config, arch, dtype)
+    else:
+        with (progress or Progress.off()).bar(len(by_hf), "loading tensors", unit="tensor") as bar:
+            params = params_from_hf_tensors(counted(_tensor_getter(by_hf, config, arch), bar), by_hf,
+                                            config, dtype)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     return config, params, metadata_from_gguf(reader.fields, types)

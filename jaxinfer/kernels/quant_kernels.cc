@@ -1,0 +1,697 @@
+// Quantized CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.quant_kernels):
+//   JaxinferInt8Matmul           x @ W, W int8 codes with a scale per block of rows
+//   JaxinferInt8MinMatmul        the same with a min per block too
+//   JaxinferQ4Matmul             x @ W, W 4-bit codes with a scale and a min per block of rows
+//   JaxinferBf16Matmul           x @ W, W bfloat16
+//   JaxinferDecodeAttentionInt8  decode attention over an int8 K/V cache buffer
+// FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
+//
+// --- Quantized matmuls ---
+// W [K, N] is packed, like jaxinfer.cpu_kernels.PackedWeight, into P = ceil(N / 48) column
+// panels (the last one zero-padded), and cut along K into blocks of `bs` rows; every
+// (block, column) has its own scale (and min). jaxinfer/quant.py makes these layouts:
+//   int8:  codes s8 [P, K, 48];     w[k, n] = scale[b, n] * codes[k, n] (+ min[b, n])
+//   q4:    codes u8 [P, K/2, 48];   byte (i, j) holds rows 2i (low nibble) and 2i+1 (high)
+//                                   w[k, n] = scale[b, n] * codes[k, n] + min[b, n]
+//   bf16:  codes bf16 [P, K, 48];   w[k, n] = codes[k, n]
+//   scale, min: f16 or f32 [P, K / bs, 48];  b = k / bs
+// so one kernel covers per-output-channel int8 (bs = K), GGUF Q8_0 / Q5_0 (bs = 32, f16
+// scales), Q6_K (bs = 16, f32 scales), Q4_0 / Q4_1 (bs = 32, f16) and Q4_K (bs = 32, f32).
+// Activations stay float32 throughout. Below 8 rows (decode at small batch) the codes
+// are turned into float32 in registers and never stored: within a block the kernel sums
+// x[m, k] * codes[k, n] in float32, then adds
+//   scale[b, n] * that + min[b, n] * sum_{k in b} x[m, k],
+// which is x @ W up to float32 summation order (register blocks of up to 4 rows x 48
+// columns). From 8 rows on (larger decode batches, prefill) each work unit first writes
+// its panel's weights scale * code + min as a float32 tile of K x 48 (at most a few
+// hundred KB, in L2, reused by up to 64 rows) and runs 8 x 48 register blocks over it:
+// converting codes once per 4 rows made B = 32 and prefill 2-4x slower than float32.
+// Panels stream sequentially and all row blocks of a panel run back to back (as in
+// cpu_kernels.cc).
+//
+// --- int8 decode attention ---
+//   q       f32  [B, K, G, H]  grouped, pre-scaled queries (query head k*G + g reads kv head k)
+//   k       s8   [B, K, H, S]  key codes, positions minor;   key = k_scale[b, k, s] * k[b, k, :, s]
+//   k_scale f32  [B, K, S]     one scale per token per kv head
+//   v       s8   [B, K, S, H]  value codes;                 value = v_scale[b, k, s] * v[b, k, s, :]
+//   v_scale f32  [B, K, S]
+//   mask    pred [B, S]        true = visible
+//   out     f32  [B, K, G, H]  softmax(q.key, masked) . value; all zeros where a row sees nothing
+// The same function as cpu_kernels.cc's JaxinferDecodeAttention on the dequantized K/V: the
+// key scale multiplies each score, and the value scale is folded into each softmax weight.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) { return v16{} + x; }
+// Codes to float32 lanes. GCC 12 lowers __builtin_convertvector from 8- and 16-bit lanes
+// to scalar code, so AVX-512 builds use the conversion instructions directly.
+#if defined(__AVX512F__)
+inline v16 load16(const int8_t* p) {
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline void load16_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+inline v16 load16(const _Float16* p) {
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+inline v16 load16_bf16(const uint16_t* p) {
+  const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
+#else
+inline v16 load16(const int8_t* p) {
+  v16 r;
+  for (int i = 0; i < kLanes; ++i) r[i] = p[i];
+  return r;
+}
+inline void load16_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo[i] = p[i] & 15;
+    hi[i] = p[i] >> 4;
+  }
+}
+inline v16 load16(const _Float16* p) {
+  v16 r;
+  for (int i = 0; i < kLanes; ++i) r[i] = p[i];
+  return r;
+}
+inline v16 load16_bf16(const uint16_t* p) {
+  v16 r;
+  for (int i = 0; i < kLanes; ++i) {
+    const uint32_t bits = uint32_t(p[i]) << 16;
+    std::memcpy(&r[i], &bits, sizeof bits);
+  }
+  return r;
+}
+#endif
+
+// Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
+// pool tasks that claim units from a shared counter; returns when every unit is done. A task
+// that starts late finds nothing left, so the caller never waits on one that has not
+// started. (The scheme of cpu_kernels.cc, plus yielding while it waits.)
+template <typename Unit>
+void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
+  struct Shared {
+    Shared(Unit unit, int64_t units) : unit(unit), units(units) {}
+    Unit unit;
+    int64_t units;
+    std::atomic<int64_t> next{0}, finished{0};
+    void run() {
+      for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+        unit(u);
+        finished.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  auto shared = std::make_shared<Shared>(unit, units);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, units - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->run(); });
+  shared->run();
+  // Wait for units other threads are still computing: spin briefly, then yield the core,
+  // so that a helper the OS preempted mid-unit (a busy machine) gets it back at once
+  // instead of after this thread's time slice.
+  for (int spins = 0; shared->finished.load(std::memory_order_acquire) < units; ++spins) {
+    if (spins < 256) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+// --- Weight formats: one step of `kStep` rows of a 48-column panel as float vectors ---
+
+constexpr int kPanel = 48;
+constexpr int NV = kPanel / kLanes;  // 3 vectors per panel row
+constexpr int kMaxRows = 4;          // rows per register block
+constexpr int64_t kRowsPerUnit = 64;
+
+struct Int8Codes {
+  using Code = int8_t;
+  static constexpr int kStep = 1;
+  static void load(const int8_t* p, v16 w[1][NV]) {
+    for (int j = 0; j < NV; ++j) w[0][j] = load16(p + j * kLanes);
+  }
+};
+
+struct Q4Codes {
+  using Code = uint8_t;
+  static constexpr int kStep = 2;
+  static void load(const uint8_t* p, v16 w[2][NV]) {
+    for (int j = 0; j < NV; ++j) load16_nibbles(p + j * kLanes, w[0][j], w[1][j]);
+  }
+};
+
+struct Bf16Codes {
+  using Code = uint16_t;
+  static constexpr int kStep = 1;
+  static void load(const uint16_t* p, v16 w[1][NV]) {
+    for (int j = 0; j < NV; ++j) w[0][j] = load16_bf16(p + j * kLanes);
+  }
+};
+
+// A panel already turned into float32 (the staging tile of `dequantize_panel`).
+struct F32Codes {
+  using Code = float;
+  static constexpr int kStep = 1;
+  static void load(const float* p, v16 w[1][NV]) {
+    for (int j = 0; j < NV; ++j) w[0][j] = ::load(p + j * kLanes);
+  }
+};
+
+template <typename Scale>
+inline void load_scales(const Scale* p, v16 s[NV]) {
+  for (int j = 0; j < NV; ++j) {
+    if constexpr (std::is_same_v<Scale, float>) s[j] = load(p + j * kLanes);
+    else s[j] = load16(p + j * kLanes);
+  }
+}
+
+// One panel's blocks, with codes `codes` ([K / kStep, kStep * 48] in Fmt's layout), scales
+// and mins ([nb, 48]; min may be null) and x rows K apart; xsum[r * nb + b] = sum of row r's
+// x over block b (read only when min is set).
+template <typename Scale>
+struct PanelArgs {
+  const float* x;
+  int64_t K, bs, nb;
+  const Scale* scale;  // null: no scale (bf16)
+  const Scale* min;    // null: no min
+  const float* xsum;
+  float* out;
+  int64_t N, cols;
+};
+
+// part[r][j] = sum over one block's rows k of x[r, k] * W[k, 16 j : 16 j + 16] (codes, not yet
+// scaled), x rows K apart; returns the codes after the block. One row (decode at batch 1)
+// keeps 2 * kStep independent sums per vector, so its FMAs do not wait on each other.
+template <class Fmt, int R>
+const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
+                                     const typename Fmt::Code* c, v16 part[R][NV]) {
+  constexpr int S = Fmt::kStep;
+  if constexpr (R == 1) {
+    v16 p[2][S][NV] = {};
+    int64_t k = 0;
+    for (; k + 2 * S <= bs; k += 2 * S, c += 2 * kPanel)
+      for (int u = 0; u < 2; ++u) {
+        v16 w[S][NV];
+        Fmt::load(c + u * kPanel, w);
+        for (int s = 0; s < S; ++s)
+          for (int j = 0; j < NV; ++j) p[u][s][j] += xb[k + u * S + s] * w[s][j];
+      }
+    for (; k < bs; k += S, c += kPanel) {
+      v16 w[S][NV];
+      Fmt::load(c, w);
+      for (int s = 0; s < S; ++s)
+        for (int j = 0; j < NV; ++j) p[0][s][j] += xb[k + s] * w[s][j];
+    }
+    for (int j = 0; j < NV; ++j) {
+      part[0][j] = p[0][0][j] + p[1][0][j];
+      for (int s = 1; s < S; ++s) part[0][j] += p[0][s][j] + p[1][s][j];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j) part[r][j] = v16{};
+    for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
+      v16 w[S][NV];
+      Fmt::load(c, w);
+      for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) {
+          const float xr = xb[r * K + k + s];
+          for (int j = 0; j < NV; ++j) part[r][j] += xr * w[s][j];
+        }
+    }
+  }
+  return c;
+}
+
+// out[0:R, 0:cols] = x[0:R, :] @ W for one panel, register-blocked over R rows x 48 columns.
+template <class Fmt, typename Scale, int R>
+void quant_panel_block(const PanelArgs<Scale>& a, const typename Fmt::Code* codes) {
+  v16 acc[R][NV] = {};
+  const typename Fmt::Code* c = codes;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    v16 part[R][NV];
+    c = block_sums<Fmt, R>(a.x + b * a.bs, a.K, a.bs, c, part);
+    if (a.scale == nullptr) {
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) acc[r][j] += part[r][j];
+      continue;
+    }
+    v16 sc[NV];
+    load_scales(a.scale + b * kPanel, sc);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j) acc[r][j] += part[r][j] * sc[j];
+    if (a.min != nullptr) {
+      v16 mn[NV];
+      load_scales(a.min + b * kPanel, mn);
+      for (int r = 0; r < R; ++r) {
+        const float xs = a.xsum[r * a.nb + b];
+        for (int j = 0; j < NV; ++j) acc[r][j] += xs * mn[j];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (a.cols == kPanel) {
+      for (int j = 0; j < NV; ++j) store(a.out + r * a.N + j * kLanes, acc[r][j]);
+    } else {  // the zero-padded last panel
+      float row[kPanel];
+      for (int j = 0; j < NV; ++j) store(row + j * kLanes, acc[r][j]);
+      std::memcpy(a.out + r * a.N, row, a.cols * sizeof(float));
+    }
+  }
+}
+
+template <class Fmt, typename Scale, int R>
+void quant_panel_rows(int64_t rows, const PanelArgs<Scale>& a, const typename Fmt::Code* codes) {
+  if constexpr (R > 1) {
+    if (rows < R) return quant_panel_rows<Fmt, Scale, R - 1>(rows, a, codes);
+  }
+  quant_panel_block<Fmt, Scale, R>(a, codes);
+}
+
+struct MatmulShape {
+  int64_t M, K, N, P, nb;
+};
+
+// tile[k, :] = W[k, panel columns] in float32 for every k: one panel's weights, K x 48.
+template <class Fmt, typename Scale>
+void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Scale* min, int64_t K,
+                      int64_t bs, float* tile) {
+  constexpr int S = Fmt::kStep;
+  for (int64_t k0 = 0; k0 < K; k0 += bs) {
+    v16 sc[NV], mn[NV] = {};
+    if (scale != nullptr) load_scales(scale + k0 / bs * kPanel, sc);
+    if (min != nullptr) load_scales(min + k0 / bs * kPanel, mn);
+    for (int64_t k = k0; k < k0 + bs; k += S, c += kPanel) {
+      v16 w[S][NV];
+      Fmt::load(c, w);
+      for (int s = 0; s < S; ++s)
+        for (int j = 0; j < NV; ++j)
+          store(tile + (k + s) * kPanel + j * kLanes, scale != nullptr ? w[s][j] * sc[j] + mn[j] : w[s][j]);
+    }
+  }
+}
+
+// Row counts from which a unit first turns its panel into a float32 tile (L2-resident,
+// K x 48 floats) and runs 8-row register blocks over it: the codes are converted once
+// per 64 rows instead of once per 4.
+constexpr int64_t kTileRows = 8;
+constexpr int kTileBlockRows = 8;
+
+// x [M, K] @ W [K, N] -> out [M, N] with W's panels as described at the top of the file.
+template <class Fmt, typename Scale>
+void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
+                  const typename Fmt::Code* codes, const Scale* scale, const Scale* min, float* out) {
+  const int64_t bs = d.K / d.nb;
+  std::vector<float> xsum;
+  if (min != nullptr && d.M < kTileRows) {  // per-block row sums of x, for the min term
+    xsum.assign(d.M * d.nb, 0.0f);
+    for (int64_t m = 0; m < d.M; ++m)
+      for (int64_t k = 0; k < d.K; ++k) xsum[m * d.nb + k / bs] += x[m * d.K + k];
+  }
+  const float* xs = xsum.empty() ? nullptr : xsum.data();
+  const int64_t panel_codes = d.K * kPanel / (Fmt::kStep == 2 ? 2 : 1);
+  const int64_t row_units = (d.M + kRowsPerUnit - 1) / kRowsPerUnit;
+  parallel_units(pool, d.P * row_units, [=](int64_t unit) {
+    const int64_t p = unit / row_units, m0 = (unit % row_units) * kRowsPerUnit;
+    const int64_t m1 = std::min(d.M, m0 + kRowsPerUnit);
+    const int64_t cols = std::min<int64_t>(kPanel, d.N - p * kPanel);
+    const Scale* ps = scale ? scale + p * d.nb * kPanel : nullptr;
+    const Scale* pm = min ? min + p * d.nb * kPanel : nullptr;
+    if (d.M >= kTileRows) {
+      thread_local std::vector<float> tile;
+      tile.resize(d.K * kPanel);
+      dequantize_panel<Fmt, Scale>(codes + p * panel_codes, ps, pm, d.K, bs, tile.data());
+      for (int64_t m = m0; m < m1; m += kTileBlockRows) {
+        const PanelArgs<float> a{x + m * d.K, d.K, d.K, 1, nullptr, nullptr, nullptr,
+                                 out + m * d.N + p * kPanel, d.N, cols};
+        quant_panel_rows<F32Codes, float, kTileBlockRows>(
+            std::min<int64_t>(kTileBlockRows, m1 - m), a, tile.data());
+      }
+      return;
+    }
+    for (int64_t m = m0; m < m1; m += kMaxRows) {
+      const PanelArgs<Scale> a{x + m * d.K, d.K, bs, d.nb, ps, pm, xs ? xs + m * d.nb : nullptr,
+                               out + m * d.N + p * kPanel, d.N, cols};
+      quant_panel_rows<Fmt, Scale, kMaxRows>(std::min<int64_t>(kMaxRows, m1 - m), a,
+                                              codes + p * panel_codes);
+    }
+  });
+}
+
+using Matrix2 = ffi::Buffer<ffi::F32, 2>;
+using Int8Panels = ffi::Buffer<ffi::S8, 3>;
+using Q4Panels = ffi::Buffer<ffi::U8, 3>;
+using Bf16Panels = ffi::Buffer<ffi::BF16, 3>;
+
+// Checks x [M, K], codes [P, K / step, 48], scale/min [P, nb, 48] (nb dividing K into blocks
+// of an even number of rows when step is 2) and out [M, N] with (P - 1) * 48 < N <= P * 48.
+ffi::Error check_matmul(const char* name, Matrix2& x, ffi::Span<const int64_t> cd, int step,
+                        const ffi::AnyBuffer* scale, const ffi::AnyBuffer* min,
+                        ffi::Result<Matrix2>& out, MatmulShape& d) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  d = MatmulShape{xd[0], xd[1], od[1], cd[0], 1};
+  bool ok = cd.size() == 3 && cd[1] * step == d.K && cd[2] == kPanel && od[0] == d.M &&
+            d.N <= d.P * kPanel && d.N > (d.P - 1) * kPanel;
+  if (ok && scale != nullptr) {
+    const auto sd = scale->dimensions();
+    const auto t = scale->element_type();
+    ok = sd.size() == 3 && sd[0] == d.P && sd[2] == kPanel && sd[1] > 0 && d.K % sd[1] == 0 &&
+         (d.K / sd[1]) % step == 0 && (t == ffi::DataType::F16 || t == ffi::DataType::F32);
+    if (ok) d.nb = sd[1];
+    if (ok && min != nullptr) {
+      const auto md = min->dimensions();
+      ok = min->element_type() == t && md.size() == 3 && md[0] == sd[0] && md[1] == sd[1] &&
+           md[2] == sd[2];
+    }
+  }
+  if (!ok)
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": expected x [M,K], codes [P,K/step,48], scales "
+                                       "f16|f32 [P,K/bs,48], out [M,N], N in ((P-1)*48, P*48]");
+  return ffi::Error::Success();
+}
+
+template <class Fmt>
+void dispatch_scale(ffi::ThreadPool& pool, const MatmulShape& d, const float* x, const void* codes,
+                    const ffi::AnyBuffer& scale, const ffi::AnyBuffer* min, float* out) {
+  const auto* c = static_cast<const typename Fmt::Code*>(codes);
+  if (scale.element_type() == ffi::DataType::F32)
+    quant_matmul<Fmt, float>(pool, d, x, c, static_cast<const float*>(scale.untyped_data()),
+                             min ? static_cast<const float*>(min->untyped_data()) : nullptr, out);
+  else
+    quant_matmul<Fmt, _Float16>(pool, d, x, c, static_cast<const _Float16*>(scale.untyped_data()),
+                                min ? static_cast<const _Float16*>(min->untyped_data()) : nullptr,
+                                out);
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes,
+                      ffi::AnyBuffer scale, ffi::Result<Matrix2> out) {
+  MatmulShape d;
+  if (auto err = check_matmul("int8_matmul", x, codes.dimensions(), 1, &scale, nullptr, out, d);
+      !err.success())
+    return err;
+  dispatch_scale<Int8Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, nullptr,
+                            out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8MinMatmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes, ffi::AnyBuffer scale,
+                         ffi::AnyBuffer min, ffi::Result<Matrix2> out) {
+  MatmulShape d;
+  if (auto err = check_matmul("int8_min_matmul", x, codes.dimensions(), 1, &scale, &min, out, d);
+      !err.success())
+    return err;
+  dispatch_scale<Int8Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
+                            out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes,
+                    ffi::AnyBuffer scale, ffi::AnyBuffer min, ffi::Result<Matrix2> out) {
+  MatmulShape d;
+  if (auto err = check_matmul("q4_matmul", x, codes.dimensions(), 2, &scale, &min, out, d);
+      !err.success())
+    return err;
+  dispatch_scale<Q4Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
+                          out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes,
+                      ffi::Result<Matrix2> out) {
+  MatmulShape d;
+  if (auto err = check_matmul("bf16_matmul", x, codes.dimensions(), 1, nullptr, nullptr, out, d);
+      !err.success())
+    return err;
+  quant_matmul<Bf16Codes, float>(pool, d, x.typed_data(),
+                                 reinterpret_cast<const uint16_t*>(codes.typed_data()), nullptr,
+                                 nullptr, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// --- int8 decode attention ---
+
+// exp(x) for x <= 0 (clamped to [-87, 0]): Cody-Waite reduction, Cephes' expf polynomial,
+// 2^n in the exponent bits; relative error about 1e-7 (as in cpu_kernels.cc).
+inline v16 exp_nonpositive(v16 x) {
+  x = x > splat(0.0f) ? splat(0.0f) : x;
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct AttnDims {
+  int64_t B, K, G, H, S;
+};
+
+// sc[g, s] = sum_h q[g, h] k[h, s] for s in [0, n) (k codes rows S apart), GN heads at once;
+// the caller multiplies by the key scales.
+template <int GN>
+void int8_scores(const float* q, int64_t H, const int8_t* k, int64_t S, float* sc, int64_t ld,
+                 int64_t n) {
+  const int64_t nv = n / kLanes * kLanes;
+  for (int64_t s = 0; s < nv; s += kLanes) {
+    v16 acc[GN] = {};
+    for (int64_t h = 0; h < H; ++h) {
+      const v16 kv = load16(k + h * S + s);
+      for (int g = 0; g < GN; ++g) acc[g] += q[g * H + h] * kv;
+    }
+    for (int g = 0; g < GN; ++g) store(sc + g * ld + s, acc[g]);
+  }
+  for (int64_t s = nv; s < n; ++s)
+    for (int g = 0; g < GN; ++g) {
+      float acc = 0.0f;
+      for (int64_t h = 0; h < H; ++h) acc += q[g * H + h] * k[h * S + s];
+      sc[g * ld + s] = acc;
+    }
+}
+
+// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n) (v codes rows H apart, scales already
+// folded into w), 64 columns at a time.
+template <int GN>
+void int8_weighted_values(const float* w, int64_t ld, int64_t n, const int8_t* v, int64_t H,
+                          float* out) {
+  int64_t c = 0;
+  for (; c + 4 * kLanes <= H; c += 4 * kLanes) {
+    v16 acc[GN][4] = {};
+    for (int64_t s = 0; s < n; ++s) {
+      v16 vs[4];
+      for (int j = 0; j < 4; ++j) vs[j] = load16(v + s * H + c + j * kLanes);
+      for (int g = 0; g < GN; ++g) {
+        const float ws = w[g * ld + s];
+        for (int j = 0; j < 4; ++j) acc[g][j] += ws * vs[j];
+      }
+    }
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < 4; ++j) store(out + g * H + c + j * kLanes, acc[g][j]);
+  }
+  for (; c < H; ++c)
+    for (int g = 0; g < GN; ++g) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < n; ++s) acc += w[g * ld + s] * v[s * H + c];
+      out[g * H + c] = acc;
+    }
+}
+
+template <template <int> class F, typename... Args>
+void by_head_group(int64_t G, int64_t stride_first, int64_t stride_last, const float* first,
+                   float* last, Args... args) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* a = first + g0 * stride_first;
+    float* b = last + g0 * stride_last;
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: F<1>::run(a, b, args...); break;
+      case 2: F<2>::run(a, b, args...); break;
+      case 3: F<3>::run(a, b, args...); break;
+      default: F<4>::run(a, b, args...); break;
+    }
+  }
+}
+
+template <int GN>
+struct Int8Scores {
+  static void run(const float* q, float* sc, int64_t H, const int8_t* k, int64_t S, int64_t ld,
+                  int64_t n) {
+    int8_scores<GN>(q, H, k, S, sc, ld, n);
+  }
+};
+
+template <int GN>
+struct Int8WeightedValues {
+  static void run(const float* w, float* out, int64_t ld, int64_t n, const int8_t* v, int64_t H) {
+    int8_weighted_values<GN>(w, ld, n, v, H, out);
+  }
+};
+
+struct AttnArgs {
+  const float* q;
+  const int8_t* k;
+  const float* k_scale;
+  const int8_t* v;
+  const float* v_scale;
+  const bool* mask;
+  float* out;
+};
+
+// One (row, kv head) unit over the span [first visible, last visible] of positions; scratch
+// holds G + 2 rows of n rounded up to 16.
+void attend_unit_int8(const AttnDims& d, int64_t unit, const AttnArgs& a, std::vector<float>& scratch) {
+  const int64_t G = d.G, H = d.H, S = d.S;
+  const bool* visible = a.mask + (unit / d.K) * S;
+  float* o = a.out + unit * G * H;
+  int64_t lo = 0, hi = S;
+  while (lo < S && !visible[lo]) ++lo;
+  while (hi > lo && !visible[hi - 1]) --hi;
+  if (lo == hi) {
+    std::fill(o, o + G * H, 0.0f);
+    return;
+  }
+  const int64_t n = hi - lo, ld = (n + kLanes - 1) / kLanes * kLanes;
+  scratch.assign((G + 2) * ld, 0.0f);
+  float* sc = scratch.data();
+  float* keep = sc + G * ld;       // 1 where visible, 0 elsewhere and in the padding
+  float* ks = keep + ld;           // key scales, 0 in the padding
+  const float* kscale = a.k_scale + unit * S + lo;
+  const float* vscale = a.v_scale + unit * S + lo;
+  for (int64_t s = 0; s < n; ++s) {
+    keep[s] = visible[lo + s] ? 1.0f : 0.0f;
+    ks[s] = kscale[s];
+  }
+  by_head_group<Int8Scores>(G, H, ld, a.q + unit * G * H, sc, H, a.k + unit * H * S + lo, S, ld, n);
+  for (int64_t g = 0; g < G; ++g) {  // scale, masked softmax, value scale; over [0, ld)
+    float* row = sc + g * ld;
+    v16 mx = splat(-3.0e38f);
+    for (int64_t s = 0; s < ld; s += kLanes) {
+      const v16 x = load(row + s) * load(ks + s);
+      store(row + s, x);
+      const v16 y = load(keep + s) > splat(0.0f) ? x : mx;
+      mx = y > mx ? y : mx;
+    }
+    float row_max = mx[0];
+    for (int j = 1; j < kLanes; ++j) row_max = std::max(row_max, mx[j]);
+    v16 sum = {};
+    for (int64_t s = 0; s < ld; s += kLanes) {
+      const v16 e = exp_nonpositive(load(row + s) - row_max) * load(keep + s);
+      store(row + s, e);
+      sum += e;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < kLanes; ++j) total += sum[j];
+    const float inv = 1.0f / total;  // total >= 1: the max itself contributes exp(0)
+    for (int64_t s = 0; s < n; ++s) row[s] *= inv * vscale[s];
+  }
+  by_head_group<Int8WeightedValues>(G, ld, H, sc, o, ld, n, a.v + (unit * S + lo) * H, H);
+}
+
+using Tensor4 = ffi::Buffer<ffi::F32, 4>;
+using Codes4 = ffi::Buffer<ffi::S8, 4>;
+using Scales3 = ffi::Buffer<ffi::F32, 3>;
+using Mask2 = ffi::Buffer<ffi::PRED, 2>;
+
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, Tensor4 q, Codes4 k, Scales3 k_scale, Codes4 v,
+                               Scales3 v_scale, Mask2 mask,
+                               ffi::Result<Tensor4> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  const auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  const AttnDims d{qd[0], qd[1], qd[2], qd[3], kd[3]};
+  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
+      vd[2] != d.S || vd[3] != d.H || md[0] != d.B || md[1] != d.S || ksd[0] != d.B ||
+      ksd[1] != d.K || ksd[2] != d.S || vsd[0] != d.B || vsd[1] != d.K || vsd[2] != d.S)
+    return ffi::Error::InvalidArgument(
+        "decode_attention_int8: expected q [B,K,G,H], k [B,K,H,S], k_scale [B,K,S], "
+        "v [B,K,S,H], v_scale [B,K,S], mask [B,S]");
+  const AttnArgs a{q.typed_data(), k.typed_data(), k_scale.typed_data(), v.typed_data(),
+                   v_scale.typed_data(), mask.typed_data(), out->typed_data()};
+  parallel_units(pool, d.B * d.K, [=](int64_t unit) {
+    thread_local std::vector<float> scratch;
+    attend_unit_int8(d, unit, a, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix2>()
+                                  .Arg<Int8Panels>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MinMatmul, Int8MinMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix2>()
+                                  .Arg<Int8Panels>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix2>()
+                                  .Arg<Q4Panels>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix2>()
+                                  .Arg<Bf16Panels>()
+                                  .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttentionInt8, DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Codes4>()
+                                  .Arg<Scales3>()
+                                  .Arg<Codes4>()
+                                  .Arg<Scales3>()
+                                  .Arg<Mask2>()
+                                  .Ret<Tensor4>());

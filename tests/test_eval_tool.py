@@ -1,0 +1,86 @@
+"""`jaxinfer eval`'s pieces on hand-made inputs and a tiny random model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.params import prepare_params
+from jaxinfer.tools.eval import accuracy
+from jaxinfer.tools.eval.run import TEXT, format_report
+from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+
+
+def test_text_chunks_with_and_without_bos():
+    ids = list(range(10, 21))  # 11 tokens
+    plain = accuracy.text_chunks(ids, 4, None)
+    assert [c.tolist() for c in plain] == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20]]
+    with_bos = accuracy.text_chunks([1] + ids, 4, 1)  # the text's own BOS is not repeated
+    assert [c.tolist() for c in with_bos] == [[1, 10, 11, 12], [1, 13, 14, 15], [1, 16, 17, 18],
+                                              [1, 19, 20]]
+    assert [c.tolist() for c in accuracy.text_chunks(ids[:5], 4, None)] == [[10, 11, 12, 13]]  # [14]: nothing to score
+    with pytest.raises(ValueError, match="chunk must be >= 2 tokens, got 1"):
+        accuracy.text_chunks(ids, 1, None)
+
+
+def test_matching_prefix_counts_tokens_before_the_first_difference():
+    ref = np.array([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    other = np.array([[1, 2, 3, 4], [1, 9, 3, 4], [0, 2, 3, 4]])
+    np.testing.assert_array_equal(accuracy.matching_prefix(ref, other), [4, 1, 0])
+
+
+def test_text_prompts_are_even_windows():
+    ids = list(range(100))
+    p = accuracy.text_prompts(ids, 3, 10, None)
+    assert p.tolist() == [list(range(0, 10)), list(range(45, 55)), list(range(90, 100))]
+    q = accuracy.text_prompts([7] + ids, 2, 10, 7)
+    assert q[:, 0].tolist() == [7, 7] and q[1, 1:].tolist() == list(range(91, 100))
+    with pytest.raises(ValueError, match="the text has 5 tokens, fewer than one prompt of 10"):
+        accuracy.text_prompts(ids[:5], 2, 10, None)
+
+
+def test_the_shipped_text_is_long_enough():
+    words = TEXT.read_text().split()
+    assert words[:5] == ["Chapter", "1", "It", "is", "a"] and len(words) > 1500
+
+
+def test_score_of_identical_models_is_zero_kl():
+    logp = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(0).standard_normal((5, 7))), -1)
+    tokens = jnp.array([0, 3, 1, 6, 2, 5])
+    nll_ref, nll, kl = accuracy.score(logp, logp, tokens)
+    np.testing.assert_array_equal(np.asarray(nll_ref), np.asarray(nll))
+    np.testing.assert_allclose(np.asarray(nll), -np.asarray(logp)[np.arange(5), [3, 1, 6, 2, 5]])
+    assert np.all(np.abs(np.asarray(kl)) < 1e-6)
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, TINY_GEMMA3], ids=["llama", "gemma3"])
+def test_teacher_forced_decode_equals_prefill(config):
+    """The KV-cache path of the perplexity (one decode step per token) gives
+    the prefill's distributions: the cached attention is the same function."""
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=2)), config)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, 12), jnp.int32)
+    full = accuracy.prefill_logprobs(params, tokens, config=config)
+    stepped = accuracy.decode_logprobs(params, tokens, config=config)
+    assert full.shape == stepped.shape == (11, config.vocab_size)
+    np.testing.assert_allclose(np.asarray(stepped), np.asarray(full), atol=1e-4, rtol=0)
+
+
+def test_greedy_agreement_of_a_model_with_itself_is_complete():
+    config = TINY_LLAMA
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config)), config)
+    prompts = np.random.default_rng(3).integers(0, config.vocab_size, (4, 6)).astype(np.int32)
+    out = accuracy.greedy_agreement(config, params, {"same": (params, "float32")}, prompts, 8)
+    assert out["same"]["per_prompt"] == [8, 8, 8, 8] and out["same"]["all_match"] == 4
+
+
+def test_format_report_lists_every_variant():
+    result = {"model": "m", "text": "t", "text_tokens": 100, "chunks": 1, "chunk": 512,
+              "prompts": 2, "prompt_len": 4, "new_tokens": 8, "timestamp": "now", "seconds": 1.0,
+              "loadavg_end": [0.5], "llamacpp": {"skipped": "not installed"},
+              "perplexity": {"reference": {"ppl": 10.0, "tokens": 99},
+                             "q4": {"ppl": 10.1, "ppl_rel_change": 0.01, "kl_mean": 1e-3,
+                                    "kl_max": 0.2, "tokens": 99}},
+              "greedy": {"q4": {"mean": 6.5, "min": 5, "all_match": 1, "prompts": 2}}}
+    report = format_report(result)
+    assert "| q4 | 10.1000 | +1.00% | 1.00e-03 | 2.00e-01 | 6.5 / 5 | 1 / 2 |" in report
+    assert "llama.cpp perplexity: skipped (not installed)" in report
