@@ -33,7 +33,7 @@ and V only, never attention weights.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +44,22 @@ from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 
 class LayerKV(NamedTuple):
-    """One layer's buffers: keys [B, K, H, S or R] (keys-minor), values [B, K, S or R, H]."""
+    """One layer's buffers: keys [B, K, H, S or R] (keys-minor), values
+    [B, K, S or R, H]; for an int8 cache also key_scale and value_scale
+    float32 [B, K, S or R], one per token per kv head (`kv_quant.quantize_kv`),
+    else None."""
 
     keys: jax.Array
     values: jax.Array
+    key_scale: Optional[jax.Array] = None
+    value_scale: Optional[jax.Array] = None
+
+    def dequantized(self) -> tuple[jax.Array, jax.Array]:
+        """(keys, values) in float32 (the buffers themselves when not int8)."""
+        if self.key_scale is None:
+            return self.keys, self.values
+        return (self.keys.astype(jnp.float32) * self.key_scale[:, :, None, :],
+                self.values.astype(jnp.float32) * self.value_scale[..., None])
 
 
 @struct.dataclass
@@ -100,25 +112,42 @@ def ring_size(config: ModelConfig, max_seq_len: int, ring_extra: int = 0) -> int
     return min(int(config.sliding_window) + ring_extra, max_seq_len)
 
 
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp.float32,
-               ring_extra: int = 0) -> KVCache:
+               ring_extra: int = 0, kv_cache_dtype: Optional[str] = None) -> KVCache:
     """An empty cache for `batch_size` rows of up to `max_seq_len` tokens.
 
     Args:
+      dtype: the K/V dtype (the activations' dtype).
       ring_extra: extra ring slots of sliding layers beyond the window (the
         number of speculative tokens a verification step may write and roll back).
+      kv_cache_dtype: None (use `dtype`) or one of KV_CACHE_DTYPES; "int8"
+        stores int8 codes with a float32 scale per token per kv head,
+        quantized when written (`kv_quant.quantize_kv`).
     Raises:
-      ValueError: if batch_size < 1, max_seq_len < 1 or ring_extra < 0.
+      ValueError: if batch_size < 1, max_seq_len < 1, ring_extra < 0 or an
+        unknown kv_cache_dtype.
     """
     if batch_size < 1 or max_seq_len < 1 or ring_extra < 0:
         raise ValueError(f"batch_size and max_seq_len must be >= 1 and ring_extra >= 0, got "
                          f"{batch_size}, {max_seq_len}, {ring_extra}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    quantized = kv_cache_dtype == "int8"
+    if kv_cache_dtype is not None and not quantized:
+        dtype = jnp.dtype(kv_cache_dtype)
     kv, hd = config.num_kv_heads, config.head_dim
     r = ring_size(config, max_seq_len, ring_extra)
 
     def layer(kind):
         n = max_seq_len if kind == FULL_ATTENTION else r
-        return LayerKV(jnp.zeros((batch_size, kv, hd, n), dtype), jnp.zeros((batch_size, kv, n, hd), dtype))
+        store = jnp.int8 if quantized else dtype
+        scales = (tuple(jnp.zeros((batch_size, kv, n), jnp.float32) for _ in range(2)) if quantized
+                  else (None, None))   # two arrays: each buffer is donated on its own
+        return LayerKV(jnp.zeros((batch_size, kv, hd, n), store),
+                       jnp.zeros((batch_size, kv, n, hd), store), *scales)
 
     return KVCache(layers=tuple(layer(kind) for kind in config.attention_types),
                    ring_pos=jnp.full((batch_size, r), -1, jnp.int32),
@@ -131,10 +160,14 @@ def cache_nbytes(config: ModelConfig, batch_size: int, max_seq_len: int,
                  dtype=jnp.float32, windowed: bool = True) -> int:
     """Bytes of K/V buffers for a cache shape, without allocating it.
 
-    With windowed=False, every layer is counted at full length (the layout
-    engines use when sliding layers get no ring buffer), for comparison.
+    `dtype` may be "int8" (codes plus a float32 scale per token per kv head
+    for K and for V). With windowed=False, every layer is counted at full
+    length (the layout engines use when sliding layers get no ring buffer).
     """
-    per_pos = 2 * batch_size * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
+    if str(dtype) == "int8":
+        per_pos = 2 * batch_size * config.num_kv_heads * (config.head_dim + 4)
+    else:
+        per_pos = 2 * batch_size * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
     w = ring_size(config, max_seq_len) if windowed else max_seq_len
     n_ring = len(config.sliding_layers)
     return per_pos * (len(config.full_layers) * max_seq_len + n_ring * w)
@@ -187,13 +220,20 @@ def _write_index(cache: KVCache, kind: str, positions: jax.Array, valid: jax.Arr
 def write(cache: KVCache, kind: str, kv: LayerKV, k: jax.Array, v: jax.Array,
           positions: jax.Array, valid: jax.Array) -> LayerKV:
     """One layer's buffers with new keys/values k, v [B, C, K, H] stored at
-    `positions` [B, C] (where `valid`)."""
+    `positions` [B, C] (where `valid`); an int8 cache quantizes each new
+    token on its own (old entries and their scales are untouched)."""
     rows = jnp.arange(positions.shape[0])[:, None]
     index = _write_index(cache, kind, positions, valid)
     # advanced indices (rows, index) broadcast to [B, C] and go first; values [B, C, K, H]
-    keys = kv.keys.at[rows, :, :, index].set(k.astype(kv.keys.dtype), mode="drop")
-    values = kv.values.at[rows, :, index].set(v.astype(kv.values.dtype), mode="drop")
-    return LayerKV(keys, values)
+    put = lambda buf, new: buf.at[rows, :, index].set(new.astype(buf.dtype), mode="drop")
+    put_keys = lambda buf, new: buf.at[rows, :, :, index].set(new.astype(buf.dtype), mode="drop")
+    if kv.key_scale is None:
+        return LayerKV(put_keys(kv.keys, k), put(kv.values, v))
+    from jaxinfer.kv_quant import quantize_kv
+
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k), quantize_kv(v)  # scales [B, C, K]
+    return LayerKV(put_keys(kv.keys, k_codes), put(kv.values, v_codes),
+                   put(kv.key_scale, k_scale), put(kv.value_scale, v_scale))
 
 
 def advance(cache: KVCache, layers: tuple[LayerKV, ...], positions: jax.Array,
@@ -235,7 +275,9 @@ def _resize_axis(x: jax.Array, axis: int, n: int, fill=0) -> jax.Array:
 
 
 def _resize_layers(cache: KVCache, n_full: int, n_ring: int) -> tuple[LayerKV, ...]:
-    return tuple(LayerKV(_resize_axis(kv.keys, 3, n), _resize_axis(kv.values, 2, n))
+    scale = lambda x, n: None if x is None else _resize_axis(x, 2, n)
+    return tuple(LayerKV(_resize_axis(kv.keys, 3, n), _resize_axis(kv.values, 2, n),
+                         scale(kv.key_scale, n), scale(kv.value_scale, n))
                  for kv, n in ((kv, n_full if kind == FULL_ATTENTION else n_ring)
                                for kv, kind in zip(cache.layers, cache.kinds)))
 
@@ -304,9 +346,9 @@ def read_layer(cache: KVCache, layer: int) -> tuple[np.ndarray, np.ndarray, np.n
       [B, slots]): the position each slot holds, -1 when it holds nothing
       valid (see `key_positions`).
     """
-    kv = cache.layers[layer]
-    keys = np.asarray(kv.keys).transpose(0, 3, 1, 2)
-    values = np.asarray(kv.values).transpose(0, 2, 1, 3)
+    keys, values = cache.layers[layer].dequantized()
+    keys = np.asarray(keys).transpose(0, 3, 1, 2)
+    values = np.asarray(values).transpose(0, 2, 1, 3)
     return keys, values, np.asarray(key_positions(cache, cache.kinds[layer]))
 
 

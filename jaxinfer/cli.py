@@ -138,13 +138,13 @@ def cmd_generate(args) -> int:
     enable_compilation_cache()
     t0 = time.perf_counter()
     config, params, tokenizer = load_model(
-        cfg.model, cfg.dtype, prepared=True, progress=progress,
+        cfg.model, cfg.dtype, prepared=True, progress=progress, weights=cfg.weights,
         before_weights=lambda tok: check_prompt_lengths(tok, zip(labels, prompts), cfg))
     spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
                                     cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype)
     llm = LLM(config, params, tokenizer, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk,
               max_num_seqs=cfg.max_num_seqs, prefill_chunk_size=cfg.prefill_chunk_size,
-              speculative=spec)
+              speculative=spec, kv_cache_dtype=cfg.kv_cache_dtype)
     llm.programs.progress = progress
     load_s = time.perf_counter() - t0
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, chat=cfg.chat, stop=cfg.stop,

@@ -147,6 +147,12 @@ class GenerationConfig:
       model: a named model ("smollm2-135m-instruct", "gemma3-270m"), a .gguf
         path or a Hugging Face checkpoint folder.
       dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
+      kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
+        "bfloat16" or "int8" (codes plus a float32 scale per token per kv
+        head, a quarter of float32's bytes; see jaxinfer/kv_quant.py).
+      weights: how matmul weights are kept: "float32", "bfloat16", "int8"
+        (per output channel) or "q4" (4-bit blocks; a GGUF file's own blocks
+        where it has them); see jaxinfer/quant.py and docs/quantization.md.
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       max_new_tokens: generated tokens per prompt, at most.
       chat: render the prompt as a user turn with the model's chat template.
@@ -178,6 +184,8 @@ class GenerationConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "float32"
+    weights: str = "float32"
+    kv_cache_dtype: Optional[str] = None
     max_seq_len: int = 2048
     max_new_tokens: int = 128
     chat: bool = True
@@ -199,6 +207,11 @@ class GenerationConfig:
         self._check_types()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be null, float32, bfloat16, float16 or int8, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.weights not in ("float32", "bfloat16", "int8", "q4"):
+            raise ValueError(f"weights must be float32, bfloat16, int8 or q4, got {self.weights!r}")
         for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -212,7 +225,7 @@ class GenerationConfig:
 
     def _check_types(self) -> None:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
-        kinds = {"model": str, "dtype": str, "chat": bool, "max_seq_len": int,
+        kinds = {"model": str, "dtype": str, "weights": str, "chat": bool, "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
                  "ngram_min": int, "ngram_max": int}

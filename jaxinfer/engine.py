@@ -138,12 +138,13 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     def attend(kind, q, k, v, kv):
         qg = group_heads(q, k.shape[2])
-        s_cached = attention_scores(qg, kv.keys, config.attn_logit_softcapping)
+        cached_k, cached_v = kv.dequantized()
+        s_cached = attention_scores(qg, cached_k.astype(q.dtype), config.attn_logit_softcapping)
         s_new = attention_scores(qg, _keys_minor(k), config.attn_logit_softcapping)
         mask = jnp.concatenate(masks[kind], axis=-1)[:, None, :, None, :]
         weights = masked_softmax(jnp.concatenate([s_cached, s_new], axis=-1), mask)
         s = kv.keys.shape[-1]
-        out = (attention_output(weights[..., :s], kv.values) +
+        out = (attention_output(weights[..., :s], cached_v.astype(v.dtype)) +
                attention_output(weights[..., s:], _heads_major(v)))
         return ungroup_heads(out), kv_cache.write(cache, kind, kv, k, v, positions, valid)
 
@@ -164,12 +165,20 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     def attend(kind, q, k, v, kv):
         kv = kv_cache.write(cache, kind, kv, k, v, positions, valid)
+        if kv.key_scale is not None and not config.attn_logit_softcapping:   # int8 K/V, dequantized inside
+            from jaxinfer.kv_quant import decode_attention_int8
+
+            qg = group_heads(q, kv.keys.shape[1])[:, :, 0].astype(jnp.float32)
+            out = decode_attention_int8(qg, kv.keys, kv.key_scale, kv.values, kv.value_scale,
+                                        masks[kind][:, 0])
+            return ungroup_heads(out[:, :, None].astype(q.dtype)), kv
         if use_kernel and q.dtype == kv.keys.dtype == kv.values.dtype == jnp.float32:
             qg = group_heads(q, kv.keys.shape[1])[:, :, 0]
             out = cpu_kernels.decode_attention(qg, kv.keys, kv.values, masks[kind][:, 0])
             return ungroup_heads(out[:, :, None]), kv
-        out = _grouped_attention(group_heads(q, kv.keys.shape[1]), kv.keys, kv.values,
-                                 masks[kind], config)
+        keys, values = kv.dequantized()
+        out = _grouped_attention(group_heads(q, keys.shape[1]), keys.astype(q.dtype),
+                                 values.astype(q.dtype), masks[kind], config)
         return ungroup_heads(out), kv
 
     return attend
@@ -267,10 +276,10 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
             outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
                                            masks[kind][:, a:b, lo:b], config))
         out = ungroup_heads(jnp.concatenate(outs, axis=2))
-        if kind == FULL_ATTENTION:
+        if kind == FULL_ATTENTION and kv.key_scale is None:
             put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, 0, 0))
             return out, LayerKV(put(kv.keys, keys), put(kv.values, values))
-        return out, kv_cache.write(cache, kind, kv, k, v, positions, valid)
+        return out, kv_cache.write(cache, kind, kv, k, v, positions, valid)   # rings, int8 caches
 
     return attend
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer import engine, sampling
 from jaxinfer.buckets import Buckets, batch_bucket
-from jaxinfer.cache import init_cache
+from jaxinfer.cache import KV_CACHE_DTYPES, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading import load_model
 from jaxinfer.params import prepare_params
@@ -81,7 +81,9 @@ class LLM:
       min_kv_bucket: smallest KV-cache bucket, tokens.
       stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
-      speculative: a `runner.SpecConfig` for speculative decoding, or None.
+      speculative: a `speculative.SpecConfig` for speculative decoding, or None.
+      kv_cache_dtype: None (the params' dtype) or one of `cache.KV_CACHE_DTYPES`
+        ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], or a
         size below 1.
@@ -91,7 +93,7 @@ class LLM:
                  decode_chunk: int = 16, max_num_seqs: int = 256,
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
                  min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
-                 speculative: Optional[SpecConfig] = None):
+                 speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
@@ -111,17 +113,21 @@ class LLM:
         self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
         self.cache_dtype = _params_dtype(params)
         self.speculative = speculative
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.programs = ProgramCache()
         self.last_stats = RunStats()
 
     @classmethod
-    def load(cls, source: str, *, dtype: str = "float32", progress=None,
+    def load(cls, source: str, *, dtype: str = "float32", weights: str = "float32", progress=None,
              load_cache: Optional[bool] = None, **kwargs) -> "LLM":
         """Load a named model, a `.gguf` file or a Hugging Face folder.
 
         Args:
           source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder".
           dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
+          weights: matmul weight format, one of `params.WEIGHT_FORMATS`.
           progress: a `jaxinfer.progress.Progress`, or True / False; None shows
             download/load bars and compile lines when stderr is a terminal.
           load_cache: keep prepared params in the load cache
@@ -133,7 +139,7 @@ class LLM:
         """
         progress = Progress.resolve(progress)
         config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
-                                               cache=load_cache, progress=progress)
+                                               cache=load_cache, progress=progress, weights=weights)
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
         llm = cls(config, params, tokenizer, **kwargs)
         llm.programs.progress = progress
@@ -177,7 +183,7 @@ class LLM:
                            decode_chunk=self.decode_chunk, prefill_chunk_size=self.prefill_chunk_size,
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                            cache_dtype=self.cache_dtype, programs=self.programs,
-                           speculative=self.speculative)
+                           speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype)
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
@@ -351,9 +357,9 @@ class LLM:
 
 
 def _params_dtype(params: dict):
-    import jax
-
-    return jax.tree_util.tree_leaves(params)[0].dtype
+    """The activation / KV-cache dtype of a params pytree: its final norm's
+    (matmul weights may be quantized codes)."""
+    return params["norm"].dtype
 
 
 def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):

@@ -125,7 +125,7 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key(path: pathlib.Path, dtype, pack: bool) -> dict:
+def cache_key(path: pathlib.Path, dtype, pack: bool, weights: str = "float32") -> dict:
     """The JSON-able key of the prepared params of `path` (module docstring)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -140,7 +140,7 @@ def cache_key(path: pathlib.Path, dtype, pack: bool) -> dict:
         "format": FORMAT_VERSION,
         "sources": [[p.name, p.stat().st_size, file_sha256(p)] for p in source_files(path)],
         "dtype": jnp.dtype(dtype).name,
-        "pack": bool(pack), "pack_version": cpu_kernels.PACK_VERSION,
+        "pack": bool(pack), "weights": weights, "pack_version": cpu_kernels.PACK_VERSION,
         "panel": cpu_kernels.panel_width() if pack and cpu_kernels.enabled() else 0,
         "code": code_digest(),
         "versions": {"jax": jax.__version__, "numpy": np.__version__, "gguf": gguf_version},
@@ -397,13 +397,14 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
                   load: Callable[[], tuple[ModelConfig, Any]],
                   prepare: Callable[[Any, ModelConfig], Any], *,
                   root: Optional[pathlib.Path] = None, cache: Optional[bool] = None,
-                  progress: Optional[Progress] = None):
+                  progress: Optional[Progress] = None, weights: str = "float32"):
     """(config, prepared params) for the checkpoint at `path`, from the cache
     when a valid entry exists, else `prepare(*load())` (then cached).
 
     Args:
       path: the .gguf file or Hugging Face folder (its files form the key).
-      dtype: the params dtype; pack: whether `prepare` packs for the kernels.
+      dtype: the params dtype; pack: whether `prepare` packs for the kernels;
+      weights: the weight format `prepare` makes (part of the key).
       load: reads the checkpoint: () -> (config, raw params).
       prepare: (raw params, config) -> prepared params.
       root: cache root; default `checkpoint.sources.cache_dir()`.
@@ -419,7 +420,7 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
         return config, prepare(raw, config)
     from jaxinfer.checkpoint.sources import cache_dir
 
-    key = cache_key(path, dtype, pack)
+    key = cache_key(path, dtype, pack, weights)
     entry = entry_path(root or cache_dir(), path, key)
     if entry.exists():
         try:

@@ -80,7 +80,7 @@ def load_tokenizer(path: pathlib.Path, reader: Optional[Callable[[], object]] = 
 
 def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False,
                 cache: Optional[bool] = None, progress: Optional[Progress] = None,
-                reader: Optional[Callable[[], object]] = None):
+                reader: Optional[Callable[[], object]] = None, weights: str = "float32"):
     """(ModelConfig, params) of a .gguf file or HF folder (from `resolve_model`).
 
     Args:
@@ -93,6 +93,9 @@ def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False
         `JAXINFER_LOAD_CACHE=0`).
       progress: a `Progress`, or True / False; None reports when stderr is a terminal.
       reader: for a .gguf, a function returning its `gguf.GGUFReader`.
+      weights: prepared weight format, one of `params.WEIGHT_FORMATS`
+        ("int8" and "q4" keep a GGUF file's blocks without a float32 round
+        trip where they can; see `params.prepare_params`).
     Raises:
       CheckpointError: a tensor is missing or has the wrong shape.
       FileNotFoundError / ValueError: an unreadable checkpoint.
@@ -111,7 +114,9 @@ def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False
             return load_hf_folder(path, dtype=dtype, progress=progress)
         from jaxinfer.checkpoint.gguf import load_gguf
 
-        config, params, _metadata = load_gguf(path, dtype=dtype, reader=reader(), progress=progress)
+        keep = prepared and weights in ("int8", "q4")
+        config, params, _metadata = load_gguf(path, dtype=dtype, reader=reader(), progress=progress,
+                                              keep_quantized=keep)
         return config, params
 
     if not prepared:
@@ -121,15 +126,16 @@ def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False
 
     def prepare(raw, config):
         with progress.step("preparing params", after_s=0.5):
-            return jax.block_until_ready(prepare_params(raw, config, pack=pack))
+            return jax.block_until_ready(prepare_params(raw, config, pack=pack, weights=weights))
 
     return load_cache.load_prepared(path, dtype, pack, read, prepare, cache=cache,
-                                    progress=progress)
+                                    progress=progress, weights=weights)
 
 
 def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
                cache: Optional[bool] = None, progress: Optional[Progress] = None,
-               before_weights: Optional[Callable[[object], None]] = None):
+               before_weights: Optional[Callable[[object], None]] = None,
+               weights: str = "float32"):
     """(ModelConfig, params, Tokenizer) for a named model, .gguf file or HF folder.
 
     Args: as `load_params`; `source` as `checkpoint.sources.resolve_model`
@@ -150,5 +156,5 @@ def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
     if before_weights is not None:
         before_weights(tokenizer)
     config, params = load_params(path, dtype, prepared=prepared, cache=cache, progress=progress,
-                                 reader=reader)
+                                 reader=reader, weights=weights)
     return config, params, tokenizer

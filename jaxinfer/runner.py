@@ -109,13 +109,15 @@ class ModelRunner:
         request has ignore_eos).
       cache_dtype: KV-cache dtype; programs: the `ProgramCache` to compile through.
       speculative: a `SpecConfig`, or None for plain decoding.
+      kv_cache_dtype: None (cache_dtype) or a `cache.KV_CACHE_DTYPES` name
+        ("int8": codes plus a scale per token per kv head).
     """
 
     def __init__(self, config: ModelConfig, params: dict, *, max_num_seqs: int, buckets: Buckets,
                  decode_chunk: int, prefill_chunk_size: Optional[int],
                  stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
                  cache_dtype=jnp.float32, programs: Optional[ProgramCache] = None,
-                 speculative: Optional[SpecConfig] = None):
+                 speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None):
         self.config, self.params = config, params
         self.max_num_seqs = int(max_num_seqs)
         self.buckets = buckets
@@ -126,6 +128,7 @@ class ModelRunner:
         self.stop = stop_tokens(stop_token_ids, eos_token_ids)
         self.state: Optional[engine.DecodeState] = None
         self.speculative = speculative
+        self.kv_cache_dtype = kv_cache_dtype
         self.ring_extra = speculative.num_speculative_tokens if speculative else 0
         self.min_capacity = 0  # the decode state's cache never gets smaller than this (benchmarks)
         # each slot's cache length after the chunks fetched so far, and the most
@@ -147,10 +150,9 @@ class ModelRunner:
         whole = self.prefill_chunk_size is None or p <= self.prefill_chunk_size
         fresh_bucket = self.buckets.prompt_bucket(p) if whole else 0
         size = self.buckets.cache_bucket(max(fresh_bucket, p + self.decode_chunk))
-        cache = init_cache(self.config, 1, size, self.cache_dtype, ring_extra=self.ring_extra)
+        cache = self._cache(self.config, 1, size)
         draft = self._draft
-        draft_cache = None if draft is None else init_cache(
-            draft.config, 1, size, self.cache_dtype, ring_extra=self.ring_extra)
+        draft_cache = None if draft is None else self._cache(draft.config, 1, size)
         return PrefillJob(request, cache, row_inputs([request], self.config.vocab_size,
                                                      self.max_seq_len), draft_cache=draft_cache)
 
@@ -207,11 +209,14 @@ class ModelRunner:
             history_len=jnp.zeros((b,), jnp.int32),
             keys=sampling.row_keys([0] * b),
             sampling=sampling.stack_params([sampling.SamplingParams(temperature=0.0)] * b))
-        cache = init_cache(self.config, b, size, self.cache_dtype, ring_extra=self.ring_extra)
+        cache = self._cache(self.config, b, size)
         draft = self._draft
-        draft_cache = None if draft is None else init_cache(
-            draft.config, b, size, self.cache_dtype, ring_extra=self.ring_extra)
+        draft_cache = None if draft is None else self._cache(draft.config, b, size)
         return engine.DecodeState(cache, rows, draft_cache)
+
+    def _cache(self, config: ModelConfig, batch: int, size: int):
+        return init_cache(config, batch, size, self.cache_dtype, ring_extra=self.ring_extra,
+                          kv_cache_dtype=self.kv_cache_dtype)
 
     def _fit(self, needed: int) -> None:
         """Size the decode state's cache to the bucket of `needed` positions:

@@ -229,3 +229,88 @@ def test_prefill_refuses_a_bucket_wider_than_the_cache():
     with pytest.raises(ValueError, match="a prompt bucket of 16 tokens does not fit a cache of 8"):
         prefill(params, init_cache(config, 1, 8), jnp.zeros((1, 16), jnp.int32), jnp.array([3]),
                 config=config)
+
+
+# --- int8 KV cache -------------------------------------------------------------------------------
+
+
+def _quantized_prefill(config, params, ids, size=16, extra=0):
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, :len(ids)] = ids
+    cache = init_cache(config, 1, size, ring_extra=extra, kv_cache_dtype="int8")
+    return prefill(params, cache, jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32), config=config)
+
+
+def test_int8_writes_never_rescale_old_entries(model):
+    """Each token's codes and scale are computed from its own K/V when it is
+    written: four more decode steps leave every earlier entry bit-identical."""
+    config, _, params = model
+    _, cache = _quantized_prefill(config, params, _ids(6, config), size=16)
+    before = jax.tree_util.tree_map(np.array, cache.layers)
+    for tok in (3, 1, 4, 1):
+        _, cache = decode_step(params, cache, jnp.array([tok], jnp.int32), config=config)
+    for kind, old, new in zip(cache.kinds, before, cache.layers):
+        assert new.keys.dtype == jnp.int8 and new.key_scale.dtype == jnp.float32
+        if kind == "full_attention":
+            np.testing.assert_array_equal(np.asarray(new.key_scale)[..., :6], old.key_scale[..., :6])
+            np.testing.assert_array_equal(np.asarray(new.value_scale)[..., :6], old.value_scale[..., :6])
+            np.testing.assert_array_equal(np.asarray(new.keys)[..., :6], old.keys[..., :6])
+            assert np.asarray(new.key_scale)[..., 6:10].all()          # the new entries were written
+
+
+def test_int8_ring_keeps_each_positions_scale_through_wraparound():
+    """Ten positions written one at a time into a ring of 4 (window 4): the
+    ring holds positions 6..9 at p % 4, each with the scale max|k| / 127 of
+    its own key and codes within half a step of it."""
+    from jaxinfer import cache as kv_cache
+
+    config = TINY_GEMMA3
+    cache = init_cache(config, 1, 16, kv_cache_dtype="int8")
+    layer = config.sliding_layers[0]
+    rng = np.random.default_rng(0)
+    keys = rng.normal(0, 1, (10, 1, 1, config.num_kv_heads, config.head_dim)).astype(np.float32)
+    for p in range(10):
+        positions, valid = kv_cache.new_positions(cache, jnp.array([1]), 1)
+        kv = kv_cache.write(cache, "sliding_attention", cache.layers[layer], jnp.asarray(keys[p]),
+                            jnp.asarray(keys[p]), positions, valid)
+        layers = cache.layers[:layer] + (kv,) + cache.layers[layer + 1:]
+        cache = kv_cache.advance(cache, layers, positions, valid)
+    assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 6, 7]
+    kv = cache.layers[layer]
+    for slot, p in enumerate([8, 9, 6, 7]):
+        k = keys[p][0, 0]                                               # [K, H]
+        scale = np.abs(k).max(axis=-1) / 127.0
+        np.testing.assert_allclose(np.asarray(kv.key_scale)[0, :, slot], scale, rtol=1e-6)
+        back = np.asarray(kv.dequantized()[0])[0, :, :, slot]         # [K, H]
+        assert np.all(np.abs(back - k) <= scale[:, None] / 2 + 1e-7)
+
+
+def test_int8_attention_equals_float_attention_on_the_dequantized_values(model):
+    """A chunk over an int8 cache gives the logits of the same chunk over a
+    float32 cache holding the dequantized K/V (1e-5: the chunk's own keys are
+    used unquantized in both). A decode step writes its own K/V first and
+    reads it back quantized, so there the float run differs by that one
+    entry's rounding (bounded here by 1e-2 on logits of magnitude ~4)."""
+    config, _, params = model
+    ids = _ids(12, config, seed=4)
+    _, q_cache = _quantized_prefill(config, params, ids[:8], size=24, extra=3)
+    f_cache = jax.tree_util.tree_map(jnp.copy, q_cache.replace(layers=tuple(
+        cache_layer_float(kv) for kv in q_cache.layers)))
+    chunk = jnp.asarray(ids[None, 8:11])
+    a, q_cache = extend(params, q_cache, chunk, jnp.array([3]), config=config, all_logits=True)
+    b, f_cache = extend(params, f_cache, chunk, jnp.array([3]), config=config, all_logits=True)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    # the next step reads the new entries: int8 codes vs their float values again
+    f_cache = jax.tree_util.tree_map(jnp.copy, f_cache.replace(
+        layers=tuple(cache_layer_float(kv) for kv in q_cache.layers)))
+    a, _ = decode_step(params, q_cache, jnp.asarray(ids[11:12]), config=config)
+    b, _ = decode_step(params, f_cache, jnp.asarray(ids[11:12]), config=config)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-2, rtol=0)
+
+
+def cache_layer_float(kv):
+    """An int8 layer's dequantized float32 buffers (scales dropped)."""
+    from jaxinfer.cache import LayerKV
+
+    keys, values = kv.dequantized()
+    return LayerKV(keys, values)

@@ -255,6 +255,28 @@ def test_each_layer_cache_holds_exactly_the_positions_written(traced):
             assert lt.changed_slots == tuple(phase.positions)
 
 
+def test_verification_step_block_acceptance_and_rollback(loaded, traced):
+    """你好, then 世 with the drafts 界 大 verified in one call: a [3, 5] score
+    block whose mask is causal inside the block, 界 accepted (the target's
+    argmax after 世), 大 rejected (<|endoftext|> comes instead), cache.lengths
+    5 -> rolled back to 4; the rows equal the whole prefill's; the tokens equal
+    plain greedy decoding."""
+    config, params, tok = loaded
+    spec = trace.run_trace(config, params, tok.encode("你好"), steps=2,
+                           stop_ids=tuple(tok.eos_token_ids), drafts=tok.encode("界大"))
+    verify = spec.phases[1]
+    assert verify.name == "verification step 1" and verify.positions == [2, 3, 4]
+    assert verify.token_ids == [4, 5, tok.encode("大")[0]]
+    v = verify.verify
+    assert (v.accepted, v.emitted, v.length_written, v.length_kept) == (1, [5, 0], 5, 4)
+    for lt in verify.layers:
+        assert lt.scores.shape == (1, 3, 5) and list(lt.key_pos) == [0, 1, 2, 3, 4]
+        np.testing.assert_array_equal(lt.mask, [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+        np.testing.assert_allclose(lt.weights[0], lt.recompute.weights[0, 2:], atol=1e-6, rtol=0)
+    assert int(np.asarray(spec.phases[1].length_after)) == 4
+    assert spec.generated == traced.generated and spec.stopped and spec.ok
+
+
 # --- CLI ------------------------------------------------------------------------------------------
 
 
@@ -276,7 +298,7 @@ def test_trace_cli_prints_the_walkthrough(yaml_for_folder, traced, capsys):
     assert any(line.startswith("  [OK] row of the scores == the same rows of a full [3, 3] recompute")
                for line in lines)
     assert any(line.startswith("  [OK] traced logits == engine.decode_step logits") for line in lines)
-    assert "  layer 1 cache now (cache.layers[1], positions 0..2 of 4 slots):" in lines
+    assert "  layer 1 cache after the write (cache.layers[1], positions 0..2 of 4 slots):" in lines
     assert "    slot(s) 3: empty (all zeros)" in lines
     assert "continuation: '世界', then '<|endoftext|>' (stop)   (generated ids [4, 5, 0])" in lines
     assert lines[-1].startswith("all ") and lines[-1].endswith(" checks passed")

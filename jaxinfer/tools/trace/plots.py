@@ -51,17 +51,17 @@ def plot_trace(trace: Trace, out_dir: str | os.PathLike,
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    seq = list(trace.prompt_ids) + [p.token_ids[0] for p in trace.phases if p.kind == "decode"]
-    texts = [token_text(i) for i in set(seq)]
+    seqs = [trace.tokens_at(ph) for ph in trace.phases]
+    texts = [token_text(i) for i in set(t for seq in seqs for t in seq)]
     family = _pick_font(texts)
     covered = family is not None or all(s.isascii() for s in texts)
     label = lambda i: repr(token_text(i)) if covered else f"#{i}"  # no font for the text: ids
     style = {"font.family": ["DejaVu Sans"] + ([family] if family else [])}
     paths = []
     with matplotlib.rc_context(style):   # Figure + Agg canvas: no pyplot, no global backend
-        for ph in trace.phases:
+        for ph, seq in zip(trace.phases, seqs):
             paths.append(_plot_phase(trace, ph, seq, label, out))
-        paths.append(_plot_cache(trace, seq, label, out))
+        paths.append(_plot_cache(trace, seqs[-1], label, out))
     return paths
 
 
@@ -184,8 +184,8 @@ def _plot_cache(trace: Trace, seq, label, out: pathlib.Path) -> pathlib.Path:
     fig, axes = _figure(len(phases), 1, (max(4.0, min(0.7 * size, 14.0) + 2.5),
                                          (min(0.35 * n_layers, 6.0) + 1.0) * len(phases) + 0.6))
     annotate = size <= 16 and n_layers <= 8
-    tags = ["prefill" if ph.kind == "prefill" else
-            f"{'chunk' if ph.kind == 'chunk' else 'step'} {ph.index}" for ph in phases]
+    tags = [{"prefill": "prefill", "chunk": f"chunk {ph.index}", "verify": "verify",
+             "decode": f"step {ph.index}"}[ph.kind] for ph in phases]
     for i, (ax, ph) in enumerate(zip(axes[:, 0], phases)):
         for lt in ph.layers:
             for p in ph.positions:

@@ -68,11 +68,17 @@ class _Printer:
                  "RoPE-rotated; scores = q.k; weights = softmax(scores + mask)")
 
     def phase(self, ph: Phase) -> None:
+        self.seq = self.t.tokens_at(ph)
         t_new, d = len(ph.token_ids), self.t.config.hidden_size
         self.out()
         if ph.kind == "prefill":
             self.out(f"=== PREFILL: {t_new} tokens in parallel at positions {_span(ph.positions)} "
                      f"({ph.engine_call}) ===")
+        elif ph.kind == "verify":
+            drafts = " ".join(self.label(d) for d in ph.verify.drafts)
+            self.out(f"=== VERIFY step {ph.index}: feed {self.label(ph.token_ids[0])} and the drafts "
+                     f"{drafts} at positions {_span(ph.positions)} in one call ({ph.engine_call}, "
+                     "causal mask inside the block), then accept and roll back ===")
         elif ph.kind == "chunk":
             self.out(f"=== PREFILL CHUNK {ph.index}: {t_new} token(s) at position(s) "
                      f"{_span(ph.positions)}, after {ph.length_before} cached ({ph.engine_call}) ===")
@@ -103,7 +109,9 @@ class _Printer:
         for h in range(lt.scores.shape[0]):
             head = f" head {h}" if lt.scores.shape[0] > 1 else ""
             what = {"prefill": "causal", "decode": "against the cached keys",
-                    "chunk": "against the cached keys and, causally, the chunk's own"}[ph.kind]
+                    "chunk": "against the cached keys and, causally, the chunk's own",
+                    "verify": "against the cached keys and, causally, the block's own: each draft "
+                              "sees the drafts before it, never after"}[ph.kind]
             self.out(f"  scores = q.k {kind}{head}, {what} (k<pos>: {legend})")
             self.lines += _matrix(lt.scores[h], rows, cols, "    ")
             if h == 0:
@@ -125,22 +133,31 @@ class _Printer:
 
     def _cache_detail(self, ph: Phase, lt: LayerTrace) -> None:
         verb = "write" if ph.kind == "prefill" else "append"
+        written = ph.verify.length_written if ph.verify else ph.length_after
         self.out(f"  cache {verb}: K/V at position(s) {_span(ph.positions)} (cache.lengths "
-                 f"{ph.length_before} -> {ph.length_after}); buffer slots changed: "
+                 f"{ph.length_before} -> {written}); buffer slots changed: "
                  f"{_span(lt.changed_slots)}")
-        n, slots = ph.length_after, len(lt.cache_pos)
-        where = (f"cache.layers[{lt.layer}], positions 0..{n - 1} of {slots} slots"
+        slots = len(lt.cache_pos)
+        where = (f"cache.layers[{lt.layer}], positions 0..{written - 1} of {slots} slots"
                  if lt.kind == FULL_ATTENTION else f"cache.layers[{lt.layer}], a ring of {slots} slots")
-        self.out(f"  layer {lt.layer} cache now ({where}):")
+        after = (f"; after the rollback positions >= {ph.length_after} are never read"
+                 if ph.verify else "")
+        self.out(f"  layer {lt.layer} cache after the write ({where}{after}):")
         empty = [s for s, p in enumerate(lt.cache_pos) if p < 0]
         for s in np.argsort(np.where(lt.cache_pos < 0, 1 << 30, lt.cache_pos), kind="stable"):
             p = int(lt.cache_pos[s])
             if p >= 0:
                 self.out(f"    pos {self.pos_label(p)}: K {_vec(lt.cache_k[s])}  V "
                          f"{_vec(lt.cache_v[s])}")
-        if empty:
-            zeros = not lt.cache_k[empty].any() and not lt.cache_v[empty].any()
-            self.out(f"    slot(s) {_span(empty)}: empty ({'all zeros' if zeros else 'NOT ZERO'})")
+        nonzero = [s for s in empty if lt.cache_k[s].any() or lt.cache_v[s].any()]
+        zeros = [s for s in empty if s not in nonzero]
+        if zeros:
+            self.out(f"    slot(s) {_span(zeros)}: empty (all zeros)")
+        if nonzero:
+            rolled = any(p.verify is not None for p in self.t.phases if p.step_order <= ph.step_order)
+            state = ("past the length: stale K/V of rejected drafts, never read" if rolled
+                     else "NOT ZERO")
+            self.out(f"    slot(s) {_span(nonzero)}: empty ({state})")
 
     def _layer_line(self, ph: Phase, lt: LayerTrace) -> None:
         norm = lambda a: float(np.linalg.norm(a))
@@ -156,16 +173,33 @@ class _Printer:
                  f"{_span(sorted(held))} of {len(lt.cache_pos)} slots")
 
     def _logits(self, ph: Phase) -> None:
-        p = ph.positions[-1]
+        p = ph.positions[ph.verify.accepted if ph.verify else -1]
         order = np.argsort(-ph.logits, kind="stable")
         shown = order if self.detail else order[:5]
         what = "all, by value" if self.detail else "top 5"
-        self.out(f"logits at the last position ({self.pos_label(p)}) [{len(ph.logits)}], {what}:")
+        where = "after the last accepted position" if ph.verify else "at the last position"
+        self.out(f"logits {where} ({self.pos_label(p)}) [{len(ph.logits)}], {what}:")
         self.out("  " + ", ".join(f"{self.label(int(i))} {ph.logits[i]:.3f}" for i in shown))
         if ph.chosen is None:
             self.out("  (a chunk before the prompt's end: its prediction is not used)")
+        elif ph.verify is not None:
+            self._acceptance(ph)
         else:
             self.out(f"  -> greedy next token: {self.label(ph.chosen)} (id {ph.chosen})")
+
+    def _acceptance(self, ph: Phase) -> None:
+        v = ph.verify
+        for i, (d, t) in enumerate(zip(v.drafts, v.targets)):
+            if i > v.accepted:
+                break
+            verdict = "accepted" if i < v.accepted else "rejected"
+            self.out(f"  draft {i + 1} {self.label(d)} vs the target's argmax after position "
+                     f"{ph.positions[i]}: {self.label(t)} -> {verdict}")
+        if v.accepted == len(v.drafts):
+            self.out(f"  all {len(v.drafts)} drafts accepted; bonus token {self.label(v.targets[-1])}")
+        self.out(f"  emitted: {' '.join(self.label(t) for t in v.emitted)}; cache.lengths "
+                 f"{v.length_written} -> rolled back to {v.length_kept} (the last token and the "
+                 f"accepted drafts; the rejected positions stay in the buffers, never read)")
 
     def _checks(self, ph: Phase) -> None:
         grouped: dict[str, list] = {}

@@ -66,14 +66,16 @@ def load_for_trace(config_path: str | os.PathLike, model: Optional[str] = None,
 
 def trace_main(config_path: str, prompt: str = "你好", steps: int = 2,
                plot: Optional[str] = None, model: Optional[str] = None,
-               detail: Optional[bool] = None, chunk: Optional[int] = None) -> int:
+               detail: Optional[bool] = None, chunk: Optional[int] = None,
+               draft: Optional[str] = None) -> int:
     """Load, trace, print (and plot). Returns 0 when every check passed, else 1."""
     config, params, tokenizer, title = load_for_trace(config_path, model)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
+    drafts = tokenizer.encode(draft, add_special_tokens=False) if draft else ()
     trace = run_trace(config, params, ids, steps, stop_ids=tuple(tokenizer.eos_token_ids),
-                      prefill_chunk=chunk)
+                      prefill_chunk=chunk, drafts=drafts)
     token_text = lambda i: tokenizer.decode([i], skip_special_tokens=False)
     label = lambda i: repr(token_text(i))
     print(format_trace(trace, label, title, detail, text=tokenizer.decode))
@@ -93,6 +95,8 @@ def add_trace_parser(subparsers) -> None:
     p.add_argument("--steps", type=int, default=2, help="greedy decode steps (default 2)")
     p.add_argument("--chunk", type=int, metavar="N",
                    help="prefill the prompt in chunks of N tokens (engine.extend) instead of whole")
+    p.add_argument("--draft", metavar="TEXT",
+                   help="after the prefill, verify these drafted tokens in one speculative step")
     p.add_argument("--plot", metavar="DIR", help="also write PNG heatmaps and a cache diagram")
     p.add_argument("--model", help="override the config's model (folder, .gguf or name)")
     detail = p.add_mutually_exclusive_group()
@@ -105,7 +109,7 @@ def add_trace_parser(subparsers) -> None:
 
 def cmd_trace(args) -> int:
     return trace_main(args.config, args.prompt, args.steps, args.plot, args.model, args.detail,
-                      args.chunk)
+                      args.chunk, args.draft)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -36,7 +36,8 @@ from jaxinfer.params import prepare_params
 ATOL = 1e-6                 # traced rows vs full recompute, scores and weights
 LOGITS_ATOL = 1e-4          # logits through every layer (float32)
 DETAIL_MAX_HIDDEN = 16      # models this small print full matrices and vectors
-ENGINE_CALLS = {"prefill": "engine.prefill", "chunk": "engine.extend", "decode": "engine.decode_step"}
+ENGINE_CALLS = {"prefill": "engine.prefill", "chunk": "engine.extend", "decode": "engine.decode_step",
+                "verify": "engine.extend"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +117,12 @@ class LayerTrace:
 
 @dataclasses.dataclass
 class Phase:
-    """One engine call: a whole prefill, a prefill chunk, or a decode step.
+    """One engine call: a whole prefill, a prefill chunk, a decode step, or
+    a speculative verification step.
 
     Attributes:
-      kind: "prefill", "chunk" or "decode"; index: 0 for a prefill, the
-        chunk number (1, 2, ...) or the decode step (1, 2, ...).
+      kind: "prefill", "chunk", "decode" or "verify"; index: 0 for a prefill,
+        the chunk number (1, 2, ...) or the decode / verify step (1, 2, ...).
       token_ids / positions: the tokens fed in this call and their positions.
       embeddings: [T, D] their embedding rows (the input x of layer 0).
       length_before / length_after: cache.lengths[0] around the call.
@@ -129,6 +131,7 @@ class Phase:
         (None for a chunk that is not the prompt's last).
       engine_logits: the compiled phase's logits for the same call.
       phase_checks: checks about the whole call.
+      verify: for a verification step, a `Verification`.
     """
 
     kind: str
@@ -143,19 +146,47 @@ class Phase:
     chosen: Optional[int]
     engine_logits: Optional[np.ndarray] = None
     phase_checks: list[Check] = dataclasses.field(default_factory=list)
+    verify: Optional["Verification"] = None
 
     @property
     def name(self) -> str:
         return {"prefill": "prefill", "chunk": f"prefill chunk {self.index}",
-                "decode": f"decode step {self.index}"}[self.kind]
+                "decode": f"decode step {self.index}",
+                "verify": f"verification step {self.index}"}[self.kind]
 
     @property
     def engine_call(self) -> str:
         return ENGINE_CALLS[self.kind]
 
     @property
+    def step_order(self) -> tuple[int, int]:
+        """Order of the call in a trace: prefill and chunks, verify, then decode steps."""
+        return ({"prefill": 0, "chunk": 0, "verify": 1, "decode": 2}[self.kind], self.index)
+
+    @property
     def checks(self) -> list[Check]:
         return [c for layer in self.layers for c in layer.checks] + self.phase_checks
+
+
+@dataclasses.dataclass
+class Verification:
+    """What a greedy verification step decided.
+
+    Attributes:
+      drafts: the k proposed ids (fed after the last token).
+      targets: the target's argmax after each fed position, [k + 1] ids.
+      accepted: drafts accepted (the longest prefix equal to the targets).
+      emitted: the accepted drafts plus the target's next token.
+      length_written / length_kept: cache.lengths after the block was
+        written and after the rollback (`cache.truncate`).
+    """
+
+    drafts: list[int]
+    targets: list[int]
+    accepted: int
+    emitted: list[int]
+    length_written: int
+    length_kept: int
 
 
 @dataclasses.dataclass
@@ -174,6 +205,21 @@ class Trace:
     def ok(self) -> bool:
         return all(c.ok for p in self.phases for c in p.checks)
 
+    def tokens_at(self, phase: Phase) -> list[int]:
+        """The token at each position as of `phase` (its own fed tokens
+        included; a rejected draft's position shows the draft there and the
+        later token after it was overwritten)."""
+        seq = list(self.prompt_ids)
+        for ph in self.phases:
+            for pos, tok in zip(ph.positions, ph.token_ids):   # positions are consecutive
+                if pos < len(seq):
+                    seq[pos] = tok
+                else:
+                    seq.append(tok)
+            if ph is phase:
+                break
+        return seq
+
 
 # --- the recording attention ----------------------------------------------------------------
 
@@ -191,8 +237,9 @@ class RecordingAttention:
         cache, positions = self.cache, self.positions
         key_pos = jnp.concatenate([kv_cache.key_positions(cache, kind),
                                    jnp.where(self.valid, positions, -1)], axis=1)
-        keys = jnp.concatenate([kv.keys, k.transpose(0, 2, 3, 1)], axis=-1)     # [B, K, H, S + T]
-        values = jnp.concatenate([kv.values, v.transpose(0, 2, 1, 3)], axis=2)  # [B, K, S + T, H]
+        cached_k, cached_v = kv.dequantized()
+        keys = jnp.concatenate([cached_k.astype(k.dtype), k.transpose(0, 2, 3, 1)], axis=-1)  # [B, K, H, S + T]
+        values = jnp.concatenate([cached_v.astype(v.dtype), v.transpose(0, 2, 1, 3)], axis=2)  # [B, K, S + T, H]
         mask = kv_cache.visible(key_pos, positions, kind, cache.window)          # [B, T, S + T]
         qg = group_heads(q, k.shape[2])
         scores = attention_scores(qg, keys, self.config.attn_logit_softcapping)  # [B, K, T, G, S + T]
@@ -218,26 +265,27 @@ class RecordingAttention:
 
 def _traced_call(config: ModelConfig, params: dict, cache, ids: Sequence[int]):
     """Run `ids` after the cache's contents through the tracer's attention.
-    Returns (last-position logits [V] float32, LayerTraces)."""
+    Returns (logits [T, V] float32 at every fed position, LayerTraces)."""
     tokens = jnp.asarray([list(ids)], jnp.int32)
     positions, valid = kv_cache.new_positions(cache, jnp.array([len(ids)], jnp.int32), len(ids))
     attend = RecordingAttention(config, cache, positions, valid)
     x, _ = engine.run_layers(params, cache, tokens, config, positions, attend)
-    logits = models.family(config.arch).unembed(params, x[:, -1], config)
+    logits = models.family(config.arch).unembed(params, x, config)
     return np.asarray(logits[0], np.float32), attend.layers
 
 
 def _engine_call(kind: str, config: ModelConfig, params: dict, cache, ids: Sequence[int]):
-    """The compiled phase for the same call. Returns (logits [V], cache)."""
+    """The compiled phase for the same call. Returns (logits [T, V] at every
+    fed position (the last one only, [1, V], for prefill and decode), cache)."""
     tokens = jnp.asarray([list(ids)], jnp.int32)
     n = jnp.array([len(ids)], jnp.int32)
     if kind == "prefill":
         logits, cache = engine.prefill(params, cache, tokens, n, config=config)
-    elif kind == "chunk":
-        logits, cache = engine.extend(params, cache, tokens, n, config=config)
+    elif kind in ("chunk", "verify"):
+        logits, cache = engine.extend(params, cache, tokens, n, config=config, all_logits=True)
     else:
         logits, cache = engine.decode_step(params, cache, tokens[:, 0], config=config)
-    return np.asarray(logits[0], np.float32), cache
+    return np.asarray(logits, np.float32).reshape(-1, logits.shape[-1]), cache
 
 
 # --- checks -----------------------------------------------------------------------------------
@@ -334,6 +382,7 @@ class _Walk:
         logits, layers = _traced_call(self.config, self.params, before, ids)
         engine_logits, self.cache = _engine_call(kind, self.config, self.params, self.cache, ids)
         _cache_checks(layers, before, self.cache, self.expected, positions, self.tol)
+        logits = logits if len(engine_logits) == len(logits) else logits[-1:]
         checks = [_close(f"traced logits == {ENGINE_CALLS[kind]} logits", logits, engine_logits,
                          Tolerance(LOGITS_ATOL, self.tol.rtol))]
         if kind != "prefill":
@@ -344,14 +393,33 @@ class _Walk:
             self.previous = full
         else:
             self.previous = layers
-        return Phase(kind, index, list(ids), positions, self.embed[ids], start,
-                     int(np.asarray(self.cache.lengths)[0]), layers, logits,
-                     int(np.argmax(logits)), engine_logits, checks)
+        phase = Phase(kind, index, list(ids), positions, self.embed[ids], start,
+                      int(np.asarray(self.cache.lengths)[0]), layers, logits[-1],
+                      int(np.argmax(logits[-1])), engine_logits[-1], checks)
+        if kind == "verify":
+            self._accept(phase, logits)
+        return phase
+
+    def _accept(self, phase: Phase, logits: np.ndarray) -> None:
+        """Greedy acceptance of a verification block and the cache rollback."""
+        drafts = phase.token_ids[1:]
+        targets = [int(t) for t in np.argmax(logits, axis=-1)]
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
+        written = int(np.asarray(self.cache.lengths)[0])
+        self.cache = kv_cache.truncate(self.cache, jnp.array([phase.length_before + 1 + accepted]))
+        kept = int(np.asarray(self.cache.lengths)[0])
+        phase.verify = Verification(drafts, targets, accepted, drafts[:accepted] + [targets[accepted]],
+                                    written, kept)
+        phase.length_after, phase.chosen = kept, targets[accepted]
+        phase.logits = logits[accepted]
+        phase.phase_checks.append(Check(
+            f"cache rolled back to the last token + {accepted} accepted draft(s): cache.lengths "
+            f"{written} -> {kept}", kept == phase.length_before + 1 + accepted))
 
 
 def run_trace(config: ModelConfig, params: dict, prompt_ids: Sequence[int], steps: int,
               stop_ids: Sequence[int] = (), tolerance: Optional[Tolerance] = None,
-              prefill_chunk: Optional[int] = None) -> Trace:
+              prefill_chunk: Optional[int] = None, drafts: Sequence[int] = ()) -> Trace:
     """Prefill `prompt_ids` (whole, or in chunks of `prefill_chunk` tokens
     through `engine.extend`) and run up to `steps` greedy decode steps,
     recording internals, cache contents and checks (see the module docstring).
@@ -364,9 +432,12 @@ def run_trace(config: ModelConfig, params: dict, prompt_ids: Sequence[int], step
       stop_ids: ids that end the generation (EOS).
       tolerance: for the comparisons; default `Tolerance.for_model`.
       prefill_chunk: None for one prefill, else the chunk size (>= 1).
+      drafts: ids to verify after the prefill in one speculative
+        verification step ([first token, drafts] through `engine.extend`,
+        greedy acceptance, rollback), before the decode steps.
     Returns:
-      Trace with one Phase per engine call. The cache holds exactly
-      len(prompt_ids) + steps positions.
+      Trace with one Phase per engine call. The cache holds
+      len(prompt_ids) + 1 + len(drafts) + steps positions.
     Raises:
       ValueError: empty prompt, negative steps, a chunk size < 1, or more
         positions than the model's max_position_embeddings.
@@ -375,7 +446,8 @@ def run_trace(config: ModelConfig, params: dict, prompt_ids: Sequence[int], step
     if not prompt_ids or steps < 0 or (prefill_chunk is not None and prefill_chunk < 1):
         raise ValueError(f"need a non-empty prompt, steps >= 0 and a chunk size >= 1, got "
                          f"{len(prompt_ids)} ids, steps {steps}, chunk {prefill_chunk}")
-    size = len(prompt_ids) + steps
+    drafts = [int(d) for d in drafts]
+    size = len(prompt_ids) + steps + (1 + len(drafts) if drafts else 0)
     if size > config.max_position_embeddings:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + steps ({steps}) exceeds the "
                          f"model's max_position_embeddings {config.max_position_embeddings}")
@@ -390,6 +462,13 @@ def run_trace(config: ModelConfig, params: dict, prompt_ids: Sequence[int], step
                             prompt_ids[:i + prefill_chunk])
                   for i in range(0, len(prompt_ids), prefill_chunk)]
     chosen, seq, generated = phases[-1].chosen, list(prompt_ids), [phases[-1].chosen]
+    if drafts and chosen not in stop_ids:
+        phases.append(walk.call("verify", 1, [chosen] + drafts, seq + [chosen] + drafts))
+        v = phases[-1].verify
+        seq += [chosen] + v.emitted[:-1]
+        chosen = v.emitted[-1]
+        generated += v.emitted
+        walk.previous = None   # the recompute of the next call no longer extends this block
     for step in range(1, steps + 1):
         if chosen in stop_ids:
             break
