@@ -10,11 +10,8 @@ stopped by it, and every request loop is bounded in count and time.
 import asyncio
 import json
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -27,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 from jaxinfer.server import ServerThread, build_server  # noqa: E402
+from serve_process import start_serve, stop  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "toy"
@@ -414,13 +412,6 @@ def test_serve_usage_errors_exit_2(capsys, tmp_path):
     assert "max_waiting_requests must be >= 1" in capsys.readouterr().err
 
 
-def _healthy(url) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=10).status_code == 200
-    except httpx.ConnectError:        # bound, not listening yet
-        return False
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
                          ids=["SIGTERM", "SIGINT"])
 def test_serve_command_shuts_down_gracefully(toy_folder, tmp_path, sig):
@@ -430,21 +421,8 @@ def test_serve_command_shuts_down_gracefully(toy_folder, tmp_path, sig):
     cfg.write_text(f"model: {toy_folder}\nmax_seq_len: 32\ndecode_chunk: 4\nmax_num_seqs: 2\n"
                    "chat: false\nwarmup: false\n", encoding="utf-8")
     env = {**os.environ, "JAXINFER_API_KEY": KEY, "JAXINFER_LOAD_CACHE": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--config", str(cfg),
-                             "--port", "0", "--served-model-name", MODEL], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    proc, url = start_serve(["--config", str(cfg), "--served-model-name", MODEL], 300, env=env)
     try:
-        url, deadline = None, time.monotonic() + 180
-        while url is None:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = found and found.group(1)
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         assert client.completions.create(model=MODEL, prompt="你好", max_tokens=3).choices[0].text == "世界"
         stream = client.completions.create(model=MODEL, prompt="你好", max_tokens=28, stream=True,
@@ -457,6 +435,4 @@ def test_serve_command_shuts_down_gracefully(toy_folder, tmp_path, sig):
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        stop(proc)

@@ -5,18 +5,17 @@ curl and openai examples work as written (on a free port instead of 8000)."""
 import json
 import os
 import pathlib
-import queue
 import re
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+
+from serve_process import start_serve, stop  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -79,25 +78,8 @@ def test_readme_examples_work_as_written(real_model_path, tmp_path):
     [python] = _code_blocks("python")
     command = start.split("&&", 1)[1].strip()          # the install step is done already
     assert command.startswith("jaxinfer serve ")
-    args = command.split()[2:] + ["--port", "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", *args], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    proc, url = start_serve(command.split()[2:], 1800, cwd=ROOT)
     try:
-        url, deadline = None, time.monotonic() + 1500
-        while url is None:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = found and found.group(1)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
         out = subprocess.run(curl.replace("http://127.0.0.1:8000", url), shell=True, capture_output=True,
                              text=True, timeout=300, check=True).stdout
         assert "Paris" in json.loads(out)["choices"][0]["message"]["content"]
@@ -110,6 +92,4 @@ def test_readme_examples_work_as_written(real_model_path, tmp_path):
         proc.terminate()
         assert proc.wait(timeout=120) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        stop(proc)

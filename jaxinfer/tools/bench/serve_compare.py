@@ -14,12 +14,17 @@ stopped (SIGTERM) before the next starts:
 * llama.cpp: `python -m llama_cpp.server` (llama-cpp-python[server]) on the
   same GGUF file, n_ctx = max_seq_len, all cores, `--interrupt_requests
   False` (its default lets a new request cut off the running one);
-* transformers: `transformers serve --continuous-batching` on the same
-  GGUF file, float32 on the CPU.
+* transformers: `transformers serve --continuous-batching`, float32 on the
+  CPU, on a Hugging Face folder of the same GGUF's weights as transformers
+  dequantizes them (it cannot serve a local GGUF file); it rejects vLLM's
+  min_tokens / ignore_eos, so its requests may end early at EOS (the
+  output tokens counted are the ones it sent).
 
 A server that is not installed or does not start is reported as skipped,
 with the reason. Before the timed rates, each server gets the same
-warm-up requests (a trace of another seed, all at once). Rates run in
+warm-up requests (a trace of another seed, at the highest rate: jaxinfer
+compiles a program for each new shape a request mix produces, and the
+programs compiled during each timed run are recorded). Rates run in
 increasing order; once a server completes less than half the offered rate
 with a p99 TTFT over 5x the SLO, its higher rates are skipped (it is
 saturated). The load average is recorded with every run. Outputs:
@@ -61,7 +66,7 @@ class LoadSweep:
     prompt_len: tuple[int, int] = (32, 512)
     output_len: tuple[int, int] = (16, 128)
     max_concurrency: Optional[int] = None
-    warmup_requests: int = 16
+    warmup_requests: int = 32
     seed: int = 0
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.25
@@ -153,10 +158,40 @@ def server_command(name: str, port: int, *, config: str, overrides: Sequence[str
         exe = shutil.which("transformers")
         if exe is None:
             return None
-        path = pathlib.Path(gguf)
-        return [exe, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-                "--log-level", "warning", *host, f"{path.parent}:{path.name}"]
+        # a bounded paged KV cache: 256 blocks of 32 tokens (its default sizing took 13 GiB here)
+        return [exe, "serve", "--continuous-batching", "--cb-block-size", "32", "--cb-num-blocks", "256",
+                "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *host,
+                str(hf_folder_from_gguf(gguf))]
     raise ValueError(f"unknown server {name!r}")
+
+
+def hf_folder_from_gguf(gguf: str) -> pathlib.Path:
+    """A Hugging Face folder (float32 safetensors, config, tokenizer) of the
+    GGUF's weights as transformers dequantizes them, kept in
+    `<jaxinfer cache>/hf-from-gguf/<file stem>` (`transformers serve` cannot
+    read a local GGUF file)."""
+    import transformers
+
+    from jaxinfer.checkpoint.sources import cache_dir
+
+    path = pathlib.Path(gguf)
+    folder = cache_dir() / "hf-from-gguf" / path.stem
+    if not (folder / "config.json").is_file():
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = loaded.config   # a GGUF-loaded model refuses save_pretrained: copy it into a plain one
+        for name in ("quantization_config", "gguf_file"):
+            if hasattr(config, name):
+                delattr(config, name)
+        config.architectures = [type(loaded).__name__]
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(loaded.state_dict())
+        tmp = folder.with_name(folder.name + ".tmp")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return folder
 
 
 def _saturated(summary: dict, rate: float, slo_ttft_s: float) -> bool:
@@ -172,18 +207,23 @@ def run_server(name: str, cmd: list[str], trace, warmup, sweep: LoadSweep, count
     model = cmd[-1] if name == "hf" else MODEL_NAME
     out = {"command": cmd, "rates": {}, "loadavg_start": loadavg()}
     kwargs = dict(count_tokens=count_tokens, max_concurrency=sweep.max_concurrency,
-                  request_timeout_s=sweep.request_timeout_s, run_timeout_s=sweep.run_timeout_s)
+                  request_timeout_s=sweep.request_timeout_s, run_timeout_s=sweep.run_timeout_s,
+                  fixed_length=name != "hf")    # transformers serve rejects min_tokens / ignore_eos
     try:
         with ServerProcess(cmd, url, pathlib.Path(out_dir) / f"server-{name}.log", sweep.start_timeout_s):
-            log(f"{name}: up; warm-up ({len(warmup)} requests)")
-            results, _ = asyncio.run(run_load(url, model, warmup, math.inf, **kwargs))
+            log(f"{name}: up; warm-up ({len(warmup)} requests at {max(sweep.rates):g}/s)")
+            results, _ = asyncio.run(run_load(url, model, warmup, max(sweep.rates), **kwargs))
             out["warmup_failed"] = sum(not r.ok for r in results)
             for rate in sweep.rates:
                 key = f"{rate:g}"
                 load = loadavg()
+                compiled = _compiled(url) if name == "jaxinfer" else None
                 results, wall = asyncio.run(run_load(url, model, trace, rate, **kwargs))
                 summary = summarize_load(results, wall, sweep.slo_ttft_s, sweep.slo_tpot_s)
                 summary.update(rate=rate, loadavg_before=load, loadavg_after=loadavg())
+                if compiled is not None:
+                    after = _compiled(url)
+                    summary["compiled_during_run"] = [after[0] - compiled[0], after[1] - compiled[1]]
                 out["rates"][key] = summary
                 log(f"{name}: rate {key}/s: {summary['request_throughput']:.2f} req/s, "
                     f"TTFT p99 {_p(summary, 'ttft_s', 'p99')} s, {summary['failed']} failed, "
@@ -197,6 +237,24 @@ def run_server(name: str, cmd: list[str], trace, warmup, sweep: LoadSweep, count
         log(f"{name}: {out['status']}")
     out["loadavg_end"] = loadavg()
     return out
+
+
+def _compiled(url: str) -> tuple[float, float]:
+    """(programs compiled, seconds compiling) so far, from jaxinfer's /metrics."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        for name in ("jaxinfer_programs_compiled", "jaxinfer_compile_seconds"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("jaxinfer_programs_compiled", 0.0), values.get("jaxinfer_compile_seconds", 0.0)
+
+
+def _compiled_cell(summary: dict) -> str:
+    """Programs compiled during a timed run and their seconds ("-" for peers)."""
+    c = summary.get("compiled_during_run")
+    return "-" if c is None else f"{c[0]:.0f} ({c[1]:.1f} s)"
 
 
 def _p(summary: dict, key: str, q: str):
@@ -230,10 +288,10 @@ def load_targets(servers: dict, slo_ttft_s: float) -> list[dict]:
 def format_load(results: dict) -> str:
     """A Markdown table (one row per server and rate) and the targets."""
     lines = ["| server | rate /s | req/s | goodput /s | output tok/s | TTFT p50/p99 s | TPOT p50/p99 ms "
-             "| ITL p99 ms | E2E p50/p99 s | done/failed | load 1m |", "|" + "---|" * 11]
+             "| ITL p99 ms | E2E p50/p99 s | done/failed | compiled | load 1m |", "|" + "---|" * 12]
     for name, server in results["servers"].items():
         if server.get("status") != "ok":
-            lines.append(f"| {name} | {server.get('status', '?')[:120]} |" + " |" * 9)
+            lines.append(f"| {name} | {server.get('status', '?')[:120]} |" + " |" * 10)
             continue
         for key, r in server["rates"].items():
             def ms(k, q):
@@ -245,15 +303,13 @@ def format_load(results: dict) -> str:
                 f"{r['output_tokens_per_s']:.1f} | {_p(r, 'ttft_s', 'p50')}/{_p(r, 'ttft_s', 'p99')} | "
                 f"{ms('tpot_s', 'p50')}/{ms('tpot_s', 'p99')} | {ms('itl_s', 'p99')} | "
                 f"{_p(r, 'e2e_s', 'p50')}/{_p(r, 'e2e_s', 'p99')} | {r['completed']}/{r['failed']} | "
-                f"{load[0] if load else '-'} |")
+                f"{_compiled_cell(r)} | {load[0] if load else '-'} |")
         if "saturated_at" in server:
             lines.append(f"| {name} | higher rates skipped: saturated at {server['saturated_at']:g}/s |"
-                         + " |" * 9)
-    lines += ["", "| target | measured | goal | result |", "|---|---|---|---|"]
-    for t in results["targets"]:
-        v = "-" if t["value"] is None else f"{t['value']:.3g}"
-        lines.append(f"| {t['name']} | {v} | {t['op']} {t['goal']:g} | {t['result']} |")
-    return "\n".join(lines)
+                         + " |" * 10)
+    from jaxinfer.tools.bench.report import targets_table
+
+    return "\n".join(lines + targets_table(results["targets"]))
 
 
 def plot_load(results: dict, path: str) -> str:
@@ -321,8 +377,13 @@ def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
                "servers": {}}
     threads = os.cpu_count() or 1
     for name in names:
-        cmd = server_command(name, _free_port(), config=args.config, overrides=args.overrides,
-                             gguf=gguf, max_seq_len=served.max_seq_len, threads=threads)
+        try:
+            cmd = server_command(name, _free_port(), config=args.config, overrides=args.overrides,
+                                 gguf=gguf, max_seq_len=served.max_seq_len, threads=threads)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported, not fatal
+            results["servers"][name] = {"status": f"skipped: {type(e).__name__}: {str(e)[-400:]}"}
+            log(f"{name}: {results['servers'][name]['status']}")
+            continue
         if cmd is None:
             results["servers"][name] = {"status": "skipped: not installed"}
             log(f"{name}: skipped (not installed)")

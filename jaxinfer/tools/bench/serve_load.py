@@ -133,16 +133,21 @@ class RequestResult:
 
 
 async def send_request(http, url: str, model: str, prompt: str, max_tokens: int, count_tokens,
-                       timeout_s: float, api_key: Optional[str] = None) -> RequestResult:
+                       timeout_s: float, api_key: Optional[str] = None,
+                       fixed_length: bool = True) -> RequestResult:
     """POST one streamed /v1/completions request and time its chunks.
 
     Args:
       http: an `httpx.AsyncClient`.
       count_tokens: text -> number of tokens (the model's tokenizer).
+      fixed_length: send min_tokens = max_tokens and ignore_eos (vLLM's
+        fields; a server that rejects unknown fields gets plain OpenAI
+        fields and may stop early at EOS).
     """
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if fixed_length:
+        body.update(min_tokens=max_tokens, ignore_eos=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result, usage, text, last = RequestResult(), None, [], None
     t0 = time.perf_counter()
@@ -195,7 +200,8 @@ async def send_request(http, url: str, model: str, prompt: str, max_tokens: int,
 async def run_load(url: str, model: str, trace: LoadTrace, rate: float, *, count_tokens,
                    max_concurrency: Optional[int] = None, request_timeout_s: float = 600.0,
                    run_timeout_s: float = 3600.0, api_key: Optional[str] = None,
-                   limit: Optional[int] = None) -> tuple[list[RequestResult], float]:
+                   limit: Optional[int] = None, fixed_length: bool = True
+                   ) -> tuple[list[RequestResult], float]:
     """Send the trace at `rate` requests/s (Poisson; inf: all at once),
     at most `max_concurrency` in flight; returns (results, wall seconds from
     the first send to the last completion). `limit`: only the first requests."""
@@ -216,7 +222,7 @@ async def run_load(url: str, model: str, trace: LoadTrace, rate: float, *, count
             try:
                 sent = time.perf_counter() - start
                 res = await send_request(http, url, model, trace.prompts[i], trace.output_tokens[i],
-                                         count_tokens, request_timeout_s, api_key)
+                                         count_tokens, request_timeout_s, api_key, fixed_length)
                 res.sent = sent
                 return res
             finally:
