@@ -1,6 +1,7 @@
 """`jaxinfer` command line.
 
     jaxinfer generate --config configs/smollm2-135m-instruct.yaml --prompt "..." [key=value ...]
+    jaxinfer serve --config configs/smollm2-135m-instruct.yaml [--port 8000] [key=value ...]
     jaxinfer train-toy --config configs/toy-two-layer.yaml
     jaxinfer trace --config configs/toy-two-layer.yaml --prompt 你好 [--plot DIR]
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml [--quick] [--peers hf,llamacpp]
@@ -168,11 +169,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from jaxinfer.server.run import add_serve_parser
     from jaxinfer.tools.bench.run import add_bench_parser
     from jaxinfer.tools.eval.run import add_eval_parser
     from jaxinfer.tools.toy import add_train_toy_parser
     from jaxinfer.tools.trace.run import add_trace_parser
 
+    add_serve_parser(sub)
     add_train_toy_parser(sub)
     add_trace_parser(sub)
     add_bench_parser(sub)

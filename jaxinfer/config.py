@@ -174,6 +174,12 @@ class GenerationConfig:
       ngram_min, ngram_max: n-gram lengths the ngram proposer matches.
       draft_model: the draft for speculative: draft, a model sharing the
         target's tokenizer (a name, .gguf path or folder).
+      max_waiting_requests: `jaxinfer serve` only: requests accepted but
+        not yet decoding, at most; past it the server answers HTTP 503
+        (null: unbounded).
+      warmup: `jaxinfer serve` only: before serving, compile the programs
+        of every prompt-length and KV-cache bucket by running one short
+        request per prompt-length bucket.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 
@@ -201,6 +207,8 @@ class GenerationConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     draft_model: Optional[str] = None
+    max_waiting_requests: Optional[int] = 256
+    warmup: bool = True
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
@@ -217,6 +225,8 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1 or null, got {self.prefill_chunk_size}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 or null, got {self.max_waiting_requests}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
@@ -228,7 +238,7 @@ class GenerationConfig:
         kinds = {"model": str, "dtype": str, "weights": str, "chat": bool, "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
-                 "ngram_min": int, "ngram_max": int}
+                 "ngram_min": int, "ngram_max": int, "warmup": bool}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -237,9 +247,10 @@ class GenerationConfig:
             raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
-        chunk = self.prefill_chunk_size
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)):
-            raise ValueError(f"prefill_chunk_size must be int or null, got {chunk!r}")
+        for name in ("prefill_chunk_size", "max_waiting_requests"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be int or null, got {value!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

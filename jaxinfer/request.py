@@ -88,6 +88,19 @@ class Timings:
     def e2e(self) -> Optional[float]:
         return None if self.finished is None else self.finished - self.arrival
 
+    def record(self, now: float, num_tokens: int) -> None:
+        """Note a delivery of `num_tokens` new tokens at `now`: the first one
+        sets `first_token` (tokens beyond the first in that delivery count as
+        a delivery at the same time), later ones go to `deliveries`."""
+        if not num_tokens:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            if num_tokens > 1:
+                self.deliveries.append((now, num_tokens - 1))
+        else:
+            self.deliveries.append((now, num_tokens))
+
     def inter_token_latencies(self) -> list[float]:
         """Seconds per token of each delivery after the first token: the gap
         since the previous delivery divided by the tokens it carried (decode
@@ -272,13 +285,7 @@ class RequestState:
         """The event for what is new since the last call (None when nothing is)."""
         if not (self._new_tokens or self._new_text or self.finished):
             return None
-        if self._new_tokens:
-            if self.timings.first_token is None:
-                self.timings.first_token = now
-                if len(self._new_tokens) > 1:
-                    self.timings.deliveries.append((now, len(self._new_tokens) - 1))
-            else:
-                self.timings.deliveries.append((now, len(self._new_tokens)))
+        self.timings.record(now, len(self._new_tokens))
         if self.finished and self.timings.finished is None:
             self.timings.finished = now
         elif self.finished:

@@ -157,6 +157,16 @@ def format_report(results: dict) -> str:
     return "\n".join(out)
 
 
+def targets_table(targets: Sequence[dict]) -> list[str]:
+    """Markdown lines of a table of targets ({"name", "value", "op", "goal",
+    "result"}; value None shows as "-"), after a blank line."""
+    lines = ["", "| target | measured | goal | result |", "|---|---|---|---|"]
+    for t in targets:
+        v = "-" if t["value"] is None else f"{t['value']:.3g}"
+        lines.append(f"| {t['name']} | {v} | {t['op']} {t['goal']:g} | {t['result']} |")
+    return lines
+
+
 def _json_default(x):
     if hasattr(x, "tolist"):
         return x.tolist()

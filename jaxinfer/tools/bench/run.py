@@ -138,7 +138,26 @@ def run_bench(args) -> dict:
     return results
 
 
+def _load_sweep_from_args(args):
+    from jaxinfer.tools.bench.serve_compare import QUICK_LOAD, LoadSweep
+
+    sweep = QUICK_LOAD if args.quick else LoadSweep()
+    changes = {}
+    if args.rates:
+        changes["rates"] = tuple(float(v) for v in args.rates.split(","))
+    for name in ("num_requests", "max_concurrency"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    return dataclasses.replace(sweep, **changes)
+
+
 def cmd_bench(args) -> int:
+    if args.serve_load:
+        from jaxinfer.config import GenerationConfig
+        from jaxinfer.tools.bench.serve_compare import cmd_serve_load
+
+        cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+        return cmd_serve_load(args, cfg, _load_sweep_from_args(args))
     if args.serving:
         from jaxinfer.config import GenerationConfig
         from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
@@ -164,6 +183,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the serving benchmark instead: request traces through the scheduler "
                         "(continuous vs static batching, chunked prefill on/off, transformers' "
                         "continuous batching); see jaxinfer/tools/bench/serving.py")
+    p.add_argument("--serve-load", action="store_true",
+                   help="the HTTP load test instead: one request trace at several Poisson rates "
+                        "against `jaxinfer serve`, llama.cpp's server and transformers' server "
+                        "(subprocesses; --peers picks the peers); see "
+                        "jaxinfer/tools/bench/serve_compare.py")
+    p.add_argument("--rates", help="--serve-load: comma-separated request rates (requests/s)")
+    p.add_argument("--num-requests", type=int, help="--serve-load: requests per rate")
+    p.add_argument("--max-concurrency", type=int,
+                   help="--serve-load: requests in flight at most (default: unbounded)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     p.add_argument("--peers", choices=("all", "hf", "llamacpp", "none"), default="all",
                    help="peers to compare with when installed (default all)")

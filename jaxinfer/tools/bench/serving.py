@@ -338,11 +338,9 @@ def format_serving(results: dict) -> str:
                 f"{ms(d, 'ttft_s', 'p99')} | {ms(d, 'tpot_s', 'p50')}/{ms(d, 'tpot_s', 'p99')} | "
                 f"{ms(d, 'itl_s', 'p50')}/{ms(d, 'itl_s', 'p99')} | {e2e['p50']:.2f}/{e2e['p99']:.2f} | "
                 f"{r['complete']} |")
-    lines += ["", "| target | measured | goal | result |", "|---|---|---|---|"]
-    for t in results["targets"]:
-        v = "-" if t["value"] is None else f"{t['value']:.3g}"
-        lines.append(f"| {t['name']} | {v} | {t['op']} {t['goal']:g} | {t['result']} |")
-    return "\n".join(lines)
+    from jaxinfer.tools.bench.report import targets_table
+
+    return "\n".join(lines + targets_table(results["targets"]))
 
 
 def plot_serving(results: dict, path: str) -> str:

@@ -1,0 +1,18 @@
+"""`jaxinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on
+the continuous-batching engine. Needs the `serve` extra
+(`pip install -e ".[serve]"`: fastapi, uvicorn, prometheus_client).
+
+    from jaxinfer.server import build_server, ServerThread
+    server = build_server(llm, model_name="m", max_num_seqs=8, max_waiting_requests=64)
+    with ServerThread(server.app) as url:     # http://127.0.0.1:<port>; /v1/... routes
+        ...
+
+Modules: `app` (routes, errors, auth, body limit), `protocol` (request
+models), `responses` (OpenAI response shapes), `async_engine` (the engine
+thread seen from asyncio), `metrics` (Prometheus), `run` (the command,
+warm-up, uvicorn).
+"""
+
+from jaxinfer.server.run import ServerThread, build_server, warm_up
+
+__all__ = ["ServerThread", "build_server", "warm_up"]

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over the serving engine.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream: Server-Sent Events)
+    GET  /v1/models             GET  /health           GET  /metrics (Prometheus)
+    POST /tokenize              POST /detokenize
+
+Each HTTP request becomes one engine `Request` per choice (n choices per
+prompt; with a seed, choice j samples with seed + j, so the choices differ
+and are reproducible). Handlers validate everything on the event loop,
+submit to the engine thread (`AsyncEngine`) and await its events; no
+device work runs on the loop. A streamed request whose client disconnects
+is aborted (its slot frees at the next scheduler step); a non-streamed
+one is checked for a disconnected client every `poll_s` seconds.
+
+Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}:
+400 bad input (malformed JSON, wrong types, values out of range, prompt +
+max_tokens beyond max_seq_len, token ids outside the vocabulary, an
+unsupported feature), 401 missing or wrong API key on a /v1/ route, 404
+unknown model or route, 413 body over `max_request_bytes`, 503 waiting
+queue full or engine stopped, 500 engine failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+from typing import Optional
+
+import numpy as np
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxinfer import metrics as model_metrics
+from jaxinfer.request import Request, Timings
+from jaxinfer.sampling import MAX_SEED, SamplingParams
+from jaxinfer.scheduler import QueueFullError
+from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, TokenizeRequest, error_body)
+from jaxinfer.server.responses import Choice, Formatter, TokenText
+from jaxinfer.serving import EngineError
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+          "/tokenize", "/detokenize")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """HTTP-side settings.
+
+    Attributes:
+      model_name: the name clients pass as `model` (and /v1/models lists).
+      api_key: when set, every /v1/ route needs `Authorization: Bearer <key>`.
+      max_request_bytes: largest accepted request body, bytes (413 beyond).
+      defaults: sampling values for fields a request omits (the config's).
+      poll_s: how often a non-streamed request checks for a gone client, seconds.
+    """
+
+    model_name: str
+    api_key: Optional[str] = None
+    max_request_bytes: int = 1 << 20
+    defaults: SamplingParams = SamplingParams()
+    poll_s: float = 0.5
+
+
+def _json_error(status: int, message: str, type: str = "invalid_request_error",
+                param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Guard:
+    """ASGI middleware: counts responses by route and status, checks the API
+    key on /v1/ routes (constant-time compare) and bounds the body size."""
+
+    def __init__(self, app, server: "OpenAIServer"):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        metrics = self.server.metrics
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                metrics.count_http(route, message["status"])
+            await send(message)
+
+        settings = self.server.settings
+        if settings.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            return await _json_error(401, "invalid or missing API key: send 'Authorization: Bearer "
+                                     "<key>'", code="invalid_api_key")(scope, receive, counted_send)
+        replay = await self._read_limited(scope, receive, settings.max_request_bytes)
+        if replay is None:
+            return await _json_error(413, f"request body exceeds {settings.max_request_bytes} bytes",
+                                     code="request_too_large")(scope, receive, counted_send)
+        await self.app(scope, replay, counted_send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        expected = self.server.settings.api_key.encode()
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+
+    @staticmethod
+    async def _read_limited(scope, receive, limit: int):
+        """A receive() that replays the body read here, or None when the body
+        exceeds `limit` bytes (by Content-Length or by what arrived)."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return None
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > limit:
+                return None
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+        return replay
+
+
+class OpenAIServer:
+    """The app and what it serves.
+
+    Args:
+      llm: the loaded `LLM` (tokenizer, max_seq_len, programs).
+      engine: the `AsyncEngine` over an EngineThread of `llm`'s scheduler;
+        started by the app's startup and stopped by its shutdown.
+      settings: `ServerSettings`.
+    Attributes:
+      app: the FastAPI app (an ASGI application for uvicorn).
+      metrics: the `ServerMetrics`.
+    """
+
+    def __init__(self, llm, engine: AsyncEngine, settings: ServerSettings):
+        self.llm, self.engine, self.settings = llm, engine, settings
+        self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
+        dtype_bytes = np.dtype(llm.cache_dtype).itemsize
+        self.metrics = ServerMetrics(settings.model_name,
+                                     model_metrics.kv_bytes_per_position(llm.config, dtype_bytes))
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    # --- the app -------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.engine.start()
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.engine.stop)
+
+        app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
+        app.add_middleware(_Guard, server=self)
+        app.add_exception_handler(APIError, self._on_api_error)
+        app.add_exception_handler(RequestValidationError, self._on_validation_error)
+        app.add_exception_handler(HTTPException, self._on_http_error)
+        app.add_exception_handler(Exception, self._on_exception)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/completions")(self.completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics_text)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        return app
+
+    @staticmethod
+    async def _on_api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @staticmethod
+    async def _on_validation_error(request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return _json_error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
+        if not loc:
+            return _json_error(400, "the request body must be a JSON object (Content-Type: "
+                               f"application/json): {err['msg']}")
+        where = ".".join(loc) if loc else "body"
+        return _json_error(400, f"{where}: {err['msg']}", param=loc[0] if loc else None)
+
+    @staticmethod
+    async def _on_http_error(request, exc: HTTPException):
+        return _json_error(exc.status_code, str(exc.detail),
+                           code="not_found" if exc.status_code == 404 else None)
+
+    @staticmethod
+    async def _on_exception(request, exc: Exception):
+        return _json_error(500, f"internal error: {exc!r}", type="server_error")
+
+    # --- plain routes --------------------------------------------------------------------
+
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": self.created,
+            "owned_by": "jaxinfer", "max_model_len": self.llm.max_seq_len}]}
+
+    async def health(self):
+        if not self.engine.running:
+            return _json_error(503, "the engine is not running", type="server_error")
+        return {"status": "ok"}
+
+    async def metrics_text(self):
+        programs = self.llm.programs
+        body = self.metrics.render(self.engine.stats, self.engine.num_waiting(),
+                                   programs.num_compiles, programs.compile_s)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def tokenize(self, body: TokenizeRequest):
+        self._check_model(body.model)
+        tok = self._tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages")
+        try:
+            if body.prompt is not None:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                ids = tok.apply_chat_template([m.as_template_input() for m in body.messages])
+        except Exception as e:  # noqa: BLE001 - template and tokenizer errors are the caller's input
+            raise APIError(400, str(e), param="messages" if body.messages else "prompt") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_seq_len}
+
+    async def detokenize(self, body: DetokenizeRequest):
+        self._check_model(body.model)
+        try:
+            text = self._tokenizer().decode(body.tokens, skip_special_tokens=False)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="tokens") from None
+        return {"prompt": text}
+
+    # --- completions ---------------------------------------------------------------------
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest):
+        self._check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            ids = self.llm.encode_prompt(messages, chat=True)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the messages
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return await self._generate(body, [ids], top, True, request, limit_param, "messages")
+
+    async def completions(self, body: CompletionRequest, request: HTTPRequest):
+        self._check_common(body)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        try:
+            ids = [self.llm.encode_prompt(p) for p in prompts]
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
+        return await self._generate(body, ids, body.logprobs, False, request, "max_tokens", "prompt")
+
+    def _check_common(self, body) -> None:
+        self._check_model(body.model)
+        unsupported = body.unsupported_field()
+        if unsupported:
+            raise APIError(400, f"{unsupported} is not supported by this server", param=unsupported)
+        if any(not s for s in body.stop_strings()):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:
+            raise APIError(400, f"seed + n - 1 must be <= {MAX_SEED} (choice j samples with seed + j)",
+                           param="seed")
+        if self.llm.tokenizer is None:
+            raise APIError(400, "this server's model has no tokenizer")
+
+    def _check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.settings.model_name!r}", param="model", code="model_not_found")
+
+    def _tokenizer(self):
+        if self.llm.tokenizer is None:
+            raise APIError(400, "this server's model has no tokenizer")
+        return self.llm.tokenizer
+
+    def _requests(self, body, prompts: list[list[int]], top: Optional[int], limit_param: str,
+                  prompt_param: str) -> list[Request]:
+        """One engine Request per choice: n per prompt, choice j with seed + j."""
+        limit, max_len = body.new_token_limit(), self.llm.max_seq_len
+        overrides = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
+        base_seed = body.seed if body.seed is not None else self.settings.defaults.seed
+        out = []
+        for ids in prompts:
+            room = max_len - len(ids)
+            if limit is None and room < 1:
+                raise APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room to "
+                               f"generate within max_seq_len {max_len}", param=prompt_param,
+                               code="context_length_exceeded")
+            if limit is not None and limit > room:
+                raise APIError(400, f"prompt length {len(ids)} + {limit_param} {limit} = "
+                               f"{len(ids) + limit} exceeds max_seq_len {max_len}", param=limit_param,
+                               code="context_length_exceeded")
+            for j in range(body.n):
+                seed = None if base_seed is None else base_seed + j
+                try:
+                    sampling = dataclasses.replace(self.settings.defaults, seed=seed, **overrides)
+                    out.append(Request(tuple(ids), sampling, limit if limit is not None else room,
+                                       body.min_tokens, body.ignore_eos, body.stop_strings(), top))
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e)) from None
+        return out
+
+    async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
+                        request: HTTPRequest, limit_param: str, prompt_param: str):
+        requests = self._requests(body, prompts, top, limit_param, prompt_param)
+        try:
+            group = self.engine.submit(requests)
+        except QueueFullError as e:
+            raise APIError(503, f"the server is busy: {e}; retry later", type="server_error",
+                           code="queue_full") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=limit_param, code="context_length_exceeded") from None
+        except EngineError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
+        t0 = time.perf_counter()
+        for r in requests:
+            self.metrics.request_started(len(r.prompt_ids))
+        choices = [Choice(prompt=i // body.n, timings=Timings(arrival=t0)) for i in range(len(requests))]
+        lengths = [len(p) for p in prompts]
+        fmt = Formatter(chat, self.settings.model_name, top, self.token_text)
+        if body.stream:
+            return StreamingResponse(self._stream(group, choices, lengths, fmt, body.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for index, event in group.events(self.settings.poll_s, request.is_disconnected):
+                self._record(choices[index], event)
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from None
+        finally:
+            self._close(group, choices)
+        if any(c.finish_reason == "abort" for c in choices):
+            return Response(status_code=499)      # the client went away: nobody reads this
+        return fmt.response(choices, lengths)
+
+    def _record(self, choice: Choice, event) -> None:
+        choice.add(event, time.perf_counter())
+        self.metrics.tokens_generated(len(event.token_ids))
+        if event.finished:
+            self.metrics.request_finished(event.finish_reason, choice.timings)
+
+    def _close(self, group, choices: list[Choice]) -> None:
+        """Abort the group's unfinished requests and count them as aborted."""
+        group.abort()
+        for choice in choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                self.metrics.request_finished("abort", None)
+
+    async def _stream(self, group, choices: list[Choice], lengths: list[int], fmt: Formatter,
+                      include_usage: bool):
+        """SSE lines: (chat: a role chunk per choice,) a chunk per text piece, a
+        finish chunk per choice, (the usage chunk,) then `data: [DONE]`."""
+        try:
+            if fmt.chat:
+                for index, choice in enumerate(choices):
+                    yield _sse(fmt.chunk(index, choice, None, None, role=True,
+                                         include_usage=include_usage))
+            async for index, event in group.events():
+                choice = choices[index]
+                self._record(choice, event)
+                if event.text or (fmt.top is not None and event.logprobs):
+                    yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,
+                                         include_usage=include_usage))
+                if event.finished:
+                    yield _sse(fmt.chunk(index, choice, None, None, event.finish_reason,
+                                         include_usage=include_usage))
+            if include_usage:
+                yield _sse(fmt.usage_chunk(choices, lengths))
+        except EngineError as e:
+            yield _sse(error_body(str(e), "server_error"))
+        finally:
+            self._close(group, choices)    # a client that went away: free the slots
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,179 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic models) and
+the OpenAI error shape.
+
+Field names and ranges follow the OpenAI API reference
+(platform.openai.com/docs/api-reference, "Chat" and "Completions"), with
+vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos). Models are strict: a value of the wrong JSON type (a string
+temperature, a boolean max_tokens) is an error, not coerced. Fields the
+API defines but jaxinfer does not implement are rejected when set
+(`UNSUPPORTED`); fields it does not know are ignored, as OpenAI does.
+
+An omitted (or null) sampling field takes the server's default, the
+value in its YAML config (`jaxinfer serve --config`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxinfer.request import MAX_LOGPROBS
+from jaxinfer.sampling import MAX_SEED
+
+# Choices per request at most (each one is a request in the engine).
+MAX_N = 64
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error JSON with an HTTP status.
+
+    Attributes:
+      status: HTTP status code; message: human-readable text; type: OpenAI
+      error type ("invalid_request_error", "server_error", ...); param: the
+      offending request field or None; code: a short machine code or None.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}}."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    """One part of a message's content list; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def as_template_input(self) -> dict:
+        """{"role", "content"} with the content parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+# Request fields of the OpenAI API that jaxinfer does not implement: an error when set
+# to anything but these "off" values.
+UNSUPPORTED = {"logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"),
+               "response_format": (None, {"type": "text"}), "echo": (None, False),
+               "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,)}
+
+
+class _Sampling(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: Optional[str] = None
+    # Unsupported (see UNSUPPORTED): typed loosely so that the check below names them.
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    parallel_tool_calls: Any = None
+
+    def unsupported_field(self) -> Optional[str]:
+        """The first unsupported field set to a value that asks for the feature, or None."""
+        for name, off in UNSUPPORTED.items():
+            if getattr(self, name) not in off:
+                return name
+        return None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a
+    list of either (several prompts: n choices each, in order)."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def new_token_limit(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions. `max_completion_tokens` wins over
+    `max_tokens` when both are given."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def new_token_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: `prompt` text, or chat `messages` rendered with the
+    chat template (with the assistant-turn header)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids back to text (special tokens kept)."""
+
+    model: Optional[str] = None
+    tokens: list[int]
