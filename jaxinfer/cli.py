@@ -122,9 +122,8 @@ def check_prompt_lengths(tokenizer, prompts: Iterable[tuple[str, object]], cfg) 
 def cmd_generate(args) -> int:
     from jaxinfer.config import GenerationConfig
     from jaxinfer.llm import LLM
-    from jaxinfer.loading import enable_compilation_cache, load_model
+    from jaxinfer.loading import enable_compilation_cache
     from jaxinfer.progress import Progress
-    from jaxinfer.speculative import SpecConfig
 
     if (args.prompt is None) == (args.prompts_file is None):
         args.parser.error("give exactly one of --prompt or --prompts-file")   # exits 2
@@ -138,15 +137,8 @@ def cmd_generate(args) -> int:
     progress = Progress(enabled=False if args.quiet else None)
     enable_compilation_cache()
     t0 = time.perf_counter()
-    config, params, tokenizer = load_model(
-        cfg.model, cfg.dtype, prepared=True, progress=progress, weights=cfg.weights,
-        before_weights=lambda tok: check_prompt_lengths(tok, zip(labels, prompts), cfg))
-    spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
-                                    cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype)
-    llm = LLM(config, params, tokenizer, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk,
-              max_num_seqs=cfg.max_num_seqs, prefill_chunk_size=cfg.prefill_chunk_size,
-              speculative=spec, kv_cache_dtype=cfg.kv_cache_dtype)
-    llm.programs.progress = progress
+    llm = LLM.from_config(cfg, progress=progress, before_weights=lambda tok: check_prompt_lengths(
+        tok, zip(labels, prompts), cfg))
     load_s = time.perf_counter() - t0
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, chat=cfg.chat, stop=cfg.stop,
                   min_tokens=cfg.min_tokens, ignore_eos=cfg.ignore_eos)

@@ -177,9 +177,9 @@ class GenerationConfig:
       max_waiting_requests: `jaxinfer serve` only: requests accepted but
         not yet decoding, at most; past it the server answers HTTP 503
         (null: unbounded).
-      warmup: `jaxinfer serve` only: before serving, compile the programs
-        of every prompt-length and KV-cache bucket by running one short
-        request per prompt-length bucket.
+      warmup: `jaxinfer serve` only: before serving, compile ahead of time
+        every program requests can need (every prompt-length and KV-cache
+        bucket; see ModelRunner.warmup), so that no request waits for a compile.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 

@@ -145,6 +145,34 @@ class LLM:
         llm.programs.progress = progress
         return llm
 
+    @classmethod
+    def from_config(cls, cfg, *, progress=None, before_weights=None) -> "LLM":
+        """The LLM a `GenerationConfig` describes: the model (dtype, weights),
+        the KV cache, the serving engine's sizes and speculative decoding
+        (loading the draft model). `jaxinfer generate`, `serve` and `bench`
+        build theirs here.
+
+        Args:
+          cfg: a `config.GenerationConfig`.
+          progress: as `LLM.load`.
+          before_weights: called with the tokenizer before any weight is read
+            (e.g. to check prompt lengths; see `loading.load_model`).
+        Raises:
+          as `LLM.load`, and ValueError from `SpecConfig.from_settings`.
+        """
+        progress = Progress.resolve(progress)
+        config, params, tokenizer = load_model(cfg.model, jnp.dtype(cfg.dtype), prepared=True,
+                                               progress=progress, weights=cfg.weights,
+                                               before_weights=before_weights)
+        spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
+                                        cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype)
+        llm = cls(config, params, tokenizer, max_seq_len=cfg.max_seq_len,
+                  decode_chunk=cfg.decode_chunk, max_num_seqs=cfg.max_num_seqs,
+                  prefill_chunk_size=cfg.prefill_chunk_size, speculative=spec,
+                  kv_cache_dtype=cfg.kv_cache_dtype)
+        llm.programs.progress = progress
+        return llm
+
     # --- prompts -----------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -176,11 +204,12 @@ class LLM:
 
     # --- the serving engine ----------------------------------------------------------------
 
-    def runner(self, max_num_seqs: int) -> ModelRunner:
+    def runner(self, max_num_seqs: int, prefill_chunk_size="default") -> ModelRunner:
         """A `ModelRunner` over `max_num_seqs` decode slots, compiling through
-        this LLM's `programs`."""
+        this LLM's `programs` (prefill_chunk_size: this LLM's unless given)."""
+        chunk = self.prefill_chunk_size if prefill_chunk_size == "default" else prefill_chunk_size
         return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs, buckets=self.buckets,
-                           decode_chunk=self.decode_chunk, prefill_chunk_size=self.prefill_chunk_size,
+                           decode_chunk=self.decode_chunk, prefill_chunk_size=chunk,
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                            cache_dtype=self.cache_dtype, programs=self.programs,
                            speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype)
@@ -194,7 +223,8 @@ class LLM:
 
         tok = self.tokenizer
         kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)
-        return Scheduler(self.runner(max_num_seqs or self.max_num_seqs),
+        runner = self.runner(max_num_seqs or self.max_num_seqs, kwargs["prefill_chunk_size"])
+        return Scheduler(runner,
                          detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
                          stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                          clock=self.programs.clock, **kwargs)

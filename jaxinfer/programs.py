@@ -35,6 +35,12 @@ class ProgramCache:
 
     def __call__(self, fn, *args, **static):
         """Run jitted `fn(*args, **static)`; `static` must be its static arguments."""
+        return self.compiled(fn, *args, **static)(*args)
+
+    def compiled(self, fn, *args, **static):
+        """The compiled program of `fn` for these arguments' shapes and dtypes
+        (arrays or `jax.ShapeDtypeStruct`s: abstract arguments compile
+        without running anything), compiling it on the first request."""
         shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
         key = (fn.__name__, fn.__module__, tuple(sorted(static.items())),
                jax.tree_util.tree_structure(args), tuple(jax.tree_util.tree_leaves(shapes)))
@@ -49,7 +55,7 @@ class ProgramCache:
                     self.compile_s += time.perf_counter() - t0
                     self.num_compiles += 1
                     self._compiled[key] = program
-        return program(*args)
+        return program
 
     def clock(self) -> float:
         """Seconds of `time.perf_counter()` minus the seconds spent compiling:

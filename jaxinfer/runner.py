@@ -161,31 +161,40 @@ class ModelRunner:
         spec = self.speculative
         return spec.draft if spec is not None and spec.method == "draft" else None
 
-    def prefill(self, job: PrefillJob, budget: int) -> int:
-        """Run the next piece of `job`'s prompt: at most `budget` tokens (at
-        least one), at most `prefill_chunk_size`. Returns the tokens run. The
+    def piece(self, job: PrefillJob) -> int:
+        """Prompt tokens the next `prefill(job)` call runs: the whole prompt
+        when it fits `prefill_chunk_size` (or chunking is off), else the next
+        piece of at most `prefill_chunk_size`."""
+        ids = job.request.prompt_ids
+        limit = self.prefill_chunk_size
+        if limit is None or len(ids) <= limit:
+            return len(ids)
+        return min(job.remaining, limit)
+
+    def prefill(self, job: PrefillJob) -> int:
+        """Run the next piece of `job`'s prompt (`piece`). Returns its tokens.
+        A whole prompt is padded to its prompt bucket and prefilled on an
+        empty cache; the pieces of a longer one are always padded to
+        `prefill_chunk_size` (one program width) and extend the cache. The
         last piece also samples the first token (`job.prefix`, `job.first`)."""
         ids = job.request.prompt_ids
-        limit = self.prefill_chunk_size or len(ids)
-        n = min(job.remaining, max(budget, 1), limit)
-        if job.done == 0 and n == len(ids):           # the whole prompt: prefill on an empty cache
-            width = self.buckets.prompt_bucket(n)
-        else:
-            width = min(self.buckets.prompt_bucket(n), limit)
+        n = self.piece(job)
+        whole = n == len(ids)
+        width = self.buckets.prompt_bucket(n) if whole else self.prefill_chunk_size
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = ids[job.done:job.done + n]
         tokens, lengths = jnp.asarray(tokens), jnp.array([n], jnp.int32)
         last = job.done + n == len(ids)
         draft = self._draft
         if draft is not None:   # the draft model reads the prompt too
-            phase = engine.prefill if job.done == 0 and n == len(ids) else engine.extend
+            phase = engine.prefill if whole else engine.extend
             _, job.draft_cache = self.programs(phase, draft.params, job.draft_cache, tokens, lengths,
                                                config=draft.config)
         if last:
             job.prefix, out = self.programs(
                 engine.start, self.params, job.cache, tokens, lengths, job.inputs, self.stop,
                 config=self.config, num_logprobs=logprob_bucket(job.request.logprobs),
-                fresh=job.done == 0)
+                fresh=whole)
             job.first = out._replace(**{f: x[None] for f, x in out._asdict().items() if x is not None})
             job.prefix = job.prefix.replace(draft=job.draft_cache)
             job.cache = job.draft_cache = None
@@ -219,14 +228,13 @@ class ModelRunner:
                           kv_cache_dtype=self.kv_cache_dtype)
 
     def _fit(self, needed: int) -> None:
-        """Size the decode state's cache to the bucket of `needed` positions:
-        grow when it is too small, shrink when it is over twice too large."""
+        """Grow the decode state's cache to the bucket of `needed` positions
+        when it is smaller (it never shrinks: every size change would be one
+        more program, and the CPU decode kernel reads only the visible span)."""
         size = max(self.buckets.cache_bucket(needed), self.min_capacity)
         if self.state is None:
             self.state = self._empty_state(size)
-            return
-        current = self.state.cache.max_seq_len
-        if size > current or 2 * size <= current:
+        elif size > self.state.cache.max_seq_len:
             self.state = self.programs(engine.resize_state, self.state, max_seq_len=size)
 
     def insert(self, job: PrefillJob, slot: int, occupied: np.ndarray) -> None:
@@ -311,6 +319,108 @@ class ModelRunner:
             flat(host.token), np.repeat(host.done, width, axis=0), flat(host.logprob),
             flat(host.top_ids), flat(host.top_logprobs), drafted=host.drafted.sum(0),
             accepted=host.accepted.sum(0), rounds=(host.drafted > 0).sum(0))
+
+    # --- ahead-of-time compilation ------------------------------------------------------------
+
+    def warmup(self, max_prompt_len: Optional[int] = None, num_logprobs: Sequence[int] = (-1,)) -> int:
+        """Compile, ahead of time and without running anything, every program
+        serving prompts of up to `max_prompt_len` tokens (default
+        max_seq_len - 1) can need, so that no request waits for a compile:
+        `start` for each whole-prompt bucket and its prefix cache sizes,
+        `extend` / `start` for the pieces of chunked prompts, the decode chunk
+        (speculative too, when on) and `insert` for each decode cache bucket,
+        and every cache growth. Log-prob counts other than `num_logprobs`
+        still compile on first use. Returns the programs compiled now.
+        """
+        before = self.programs.num_compiles
+        limit = self.max_seq_len - 1 if max_prompt_len is None else min(max_prompt_len,
+                                                                        self.max_seq_len - 1)
+        prefixes = self._warm_prefills(limit, num_logprobs)
+        smallest = self.buckets.cache_bucket(1 + self._chunk_growth())
+        sizes = [c for c in self.buckets.cache if smallest <= c]
+        for size in sizes:
+            state = jax.eval_shape(lambda size=size: self._empty_state(size))
+            for n in num_logprobs:
+                self._compile_decode(state, n)
+            for prefix in prefixes:
+                if prefix.cache.max_seq_len <= size or prefix.cache.max_seq_len in sizes:
+                    self.programs.compiled(engine.insert, state, prefix,
+                                           jax.ShapeDtypeStruct((), jnp.int32))
+            for bigger in (c for c in sizes if c > size):
+                self.programs.compiled(engine.resize_state, state, max_seq_len=bigger)
+        return self.programs.num_compiles - before
+
+    def _warm_prefills(self, limit: int, num_logprobs: Sequence[int]) -> list:
+        """Compile the prefill programs for prompts of 1 .. limit tokens;
+        returns the abstract prefix states they make (one per cache size)."""
+        chunk = self.prefill_chunk_size
+        whole = limit if chunk is None else min(chunk, limit)
+        request = Request([0], max_new_tokens=1)
+        inputs = row_inputs([request], self.config.vocab_size, self.max_seq_len)
+        one = jax.ShapeDtypeStruct((1,), jnp.int32)
+        prefixes = {}
+        low = 1
+        for width in self.buckets.prompt:                 # whole prompts: fresh prefill
+            if low > whole:
+                break
+            for p in {low, min(width, whole)}:
+                size = self.buckets.cache_bucket(max(width, p + self.decode_chunk))
+                prefixes[size] = self._compile_start(width, size, inputs, one, True, num_logprobs)
+            low = width + 1
+        if whole < limit:                                 # chunked prompts: fixed-width pieces
+            for size in sorted({self.buckets.cache_bucket(p + self.decode_chunk)
+                                for p in range(whole + 1, limit + 1)}):
+                cache = jax.eval_shape(lambda size=size: self._cache(self.config, 1, size))
+                tokens = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+                self.programs.compiled(engine.extend, self.params, cache, tokens, one,
+                                       config=self.config)
+                self._compile_draft_prefill(engine.extend, chunk, size)
+                prefixes[size] = self._compile_start(chunk, size, inputs, one, False, num_logprobs)
+        return list(prefixes.values())
+
+    def _compile_start(self, width, size, inputs, one, fresh, num_logprobs):
+        cache = jax.eval_shape(lambda: self._cache(self.config, 1, size))
+        tokens = jax.ShapeDtypeStruct((1, width), jnp.int32)
+        if fresh:
+            self._compile_draft_prefill(engine.prefill, width, size)
+        for n in num_logprobs:
+            self.programs.compiled(engine.start, self.params, cache, tokens, one, inputs, self.stop,
+                                   config=self.config, num_logprobs=n, fresh=fresh)
+        prefix = jax.eval_shape(lambda c: engine.start(self.params, c, tokens, one, inputs, self.stop,
+                                                       config=self.config, fresh=fresh)[0], cache)
+        draft = self._draft
+        if draft is not None:
+            prefix = prefix.replace(draft=jax.eval_shape(lambda: self._cache(draft.config, 1, size)))
+        return prefix
+
+    def _compile_draft_prefill(self, phase, width, size) -> None:
+        draft = self._draft
+        if draft is None:
+            return
+        cache = jax.eval_shape(lambda: self._cache(draft.config, 1, size))
+        self.programs.compiled(phase, draft.params, cache, jax.ShapeDtypeStruct((1, width), jnp.int32),
+                               jax.ShapeDtypeStruct((1,), jnp.int32), config=draft.config)
+
+    def _compile_decode(self, state, num_logprobs: int) -> None:
+        finished = jax.ShapeDtypeStruct((self.max_num_seqs,), bool)
+        self.programs.compiled(engine.decode_chunk, self.params, state, self.stop, finished,
+                               config=self.config, num_steps=self.decode_chunk,
+                               num_logprobs=num_logprobs)
+        spec = self.speculative
+        if spec is None:
+            return
+        caps = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32)
+        k = spec.num_speculative_tokens
+        if self._draft is not None:
+            self.programs.compiled(speculative.draft_chunk, self.params, self._draft.params, state,
+                                   self.stop, finished, caps, config=self.config,
+                                   draft_config=self._draft.config, num_steps=self.decode_chunk, k=k,
+                                   num_logprobs=num_logprobs)
+        else:
+            self.programs.compiled(speculative.ngram_chunk, self.params, state, self.stop, finished,
+                                   caps, config=self.config, num_steps=self.decode_chunk, k=k,
+                                   ngram_min=spec.ngram_min, ngram_max=spec.ngram_max,
+                                   num_logprobs=num_logprobs)
 
     @property
     def cache_capacity(self) -> int:

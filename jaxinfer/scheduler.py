@@ -17,7 +17,8 @@ One iteration (`step`):
 
 Prefill policy (chunked prefill). With requests decoding, each iteration
 prefills at most `prefill_chunk_size` prompt tokens (the per-step token
-budget), in pieces of at most that size: a long prompt is spread over
+budget; the first piece of an iteration always runs, so with chunking off a
+long prompt runs whole), in pieces of that size: a long prompt is spread over
 several iterations, each attending to the pieces before it through
 `engine.extend`, so running requests wait at most one budget's prefill
 between two decode chunks instead of the whole prompt. With nothing
@@ -236,11 +237,14 @@ class Scheduler:
         if self.policy == "static" and running:
             return
         budget = self.prefill_chunk_size if running and self.prefill_chunk_size else float("inf")
-        while budget > 0:
+        used = 0
+        while True:
             if self._prefilling is None and not self._admit():
                 return
             rid, slot, job = self._prefilling
-            budget -= self.runner.prefill(job, int(min(budget, 1 << 30)))
+            if used and used + self.runner.piece(job) > budget:
+                return                           # the next piece waits for the next step
+            used += self.runner.prefill(job)
             if job.remaining == 0:
                 self.runner.insert(job, slot, self._occupied())
                 self.slots[slot] = rid

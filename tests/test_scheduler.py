@@ -50,9 +50,14 @@ class FakeRunner:
     def begin(self, request):
         return FakeJob(request)
 
-    def prefill(self, job, budget):
+    def piece(self, job):
         ids = job.request.prompt_ids
-        n = min(job.remaining, max(budget, 1), self.prefill_chunk_size or len(ids))
+        chunk = self.prefill_chunk_size
+        return len(ids) if chunk is None or len(ids) <= chunk else min(job.remaining, chunk)
+
+    def prefill(self, job):
+        ids = job.request.prompt_ids
+        n = self.piece(job)
         self.log.append(("prefill", ids[0], n))
         job.done += n
         if job.remaining == 0:

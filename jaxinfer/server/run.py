@@ -53,7 +53,7 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     scheduler = llm.scheduler(max_num_seqs)
     if warmup:
         seconds, n = warm_up(llm, scheduler)
-        log(f"warm-up: {n} requests, {llm.programs.num_compiles} programs, {seconds:.1f} s")
+        log(f"warm-up: {n} programs compiled ahead of time, {seconds:.1f} s")
     engine = AsyncEngine(EngineThread(scheduler, max_waiting_requests=max_waiting_requests))
     settings = ServerSettings(model_name=model_name, api_key=api_key,
                               max_request_bytes=max_request_bytes, defaults=defaults)
@@ -61,31 +61,27 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
 
 
 def warm_up(llm, scheduler, max_steps: int = 10_000) -> tuple[float, int]:
-    """Compile the programs requests will need by running one request per
-    prompt-length bucket (its length, capped so that it fits) through
-    `scheduler`, shortest first, each generating two decode chunks: prefill
-    (whole and chunked), insert, decode and the growth of the KV cache
-    through every cache bucket those lengths reach. Programs for log-probs
-    and rarer cache transitions still compile on first use.
+    """Compile every program serving can need ahead of time
+    (`ModelRunner.warmup`: prefill of every prompt bucket, chunked pieces,
+    insert, decode chunks and cache growth through every cache bucket), then
+    run one short request through `scheduler` so the first request does not
+    pay the programs' first-execution costs. Programs for log-probs still
+    compile on first use.
 
-    Returns (seconds, requests run).
+    Returns (seconds, programs compiled).
     Raises:
-      RuntimeError: the scheduler did not finish within max_steps.
+      RuntimeError: the short request did not finish within max_steps.
     """
     t0 = time.perf_counter()
-    longest = llm.max_seq_len - llm.decode_chunk - 1
-    lengths = sorted({max(1, min(b, longest)) for b in llm.buckets.prompt})
-    for length in lengths:
-        prompt = tuple(i % llm.config.vocab_size for i in range(length))
-        new = max(1, min(llm.decode_chunk + 1, llm.max_seq_len - length))
-        scheduler.add_request(Request(prompt, SamplingParams(), new, ignore_eos=True))
-        for _ in range(max_steps):
-            if not scheduler.has_unfinished():
-                break
-            scheduler.step()
-        else:
-            raise RuntimeError(f"warm-up did not finish within {max_steps} scheduler steps")
-    return time.perf_counter() - t0, len(lengths)
+    compiled = scheduler.runner.warmup()
+    scheduler.add_request(Request((0,), SamplingParams(), 2, ignore_eos=True))
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            break
+        scheduler.step()
+    else:
+        raise RuntimeError(f"warm-up did not finish within {max_steps} scheduler steps")
+    return time.perf_counter() - t0, compiled
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -212,7 +208,7 @@ def add_serve_parser(subparsers):
 def cmd_serve(args) -> int:
     from jaxinfer.config import GenerationConfig
     from jaxinfer.llm import LLM
-    from jaxinfer.loading import enable_compilation_cache, load_model
+    from jaxinfer.loading import enable_compilation_cache
     from jaxinfer.progress import Progress
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
@@ -227,10 +223,7 @@ def cmd_serve(args) -> int:
     progress = Progress(enabled=False if args.quiet else None)
     enable_compilation_cache()
     t0 = time.perf_counter()
-    config, params, tokenizer = load_model(cfg.model, cfg.dtype, prepared=True, progress=progress)
-    llm = LLM(config, params, tokenizer, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk,
-              max_num_seqs=cfg.max_num_seqs, prefill_chunk_size=cfg.prefill_chunk_size)
-    llm.programs.progress = progress
+    llm = LLM.from_config(cfg, progress=progress)
     log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f} s")
     server = build_server(llm, model_name=args.served_model_name or cfg.model,
                           max_num_seqs=cfg.max_num_seqs, max_waiting_requests=cfg.max_waiting_requests,

@@ -269,10 +269,13 @@ def run_serving(llm, model_path, sweep: ServingSweep, peers: Sequence[str], log=
                          sweep.seed)
     mixed = mixed_trace(vocab, sweep)
     slots, t = sweep.max_num_seqs, sweep.timeout_s
-    log("warm-up (compiles the buckets of the traces)")
-    warm = [r for r in saturation[:slots]] + [r for r in mixed if r.kind == "long"][:1]
-    run_jaxinfer(llm, [dataclasses.replace(r, arrival_s=0.0, max_new_tokens=min(r.max_new_tokens, 20))
-                       for r in warm], max_num_seqs=slots, timeout_s=t)
+    longest = max(len(r.prompt_ids) for r in saturation + poisson + mixed)
+    log(f"warm-up: compiling every program for prompts up to {longest} tokens")
+    results["warmup_programs"] = sum(
+        llm.scheduler(slots, prefill_chunk_size=c).runner.warmup(max_prompt_len=longest)
+        for c in {llm.prefill_chunk_size, None, *sweep.prefill_chunk_sizes})
+    run_jaxinfer(llm, [dataclasses.replace(r, arrival_s=0.0, max_new_tokens=2)
+                       for r in saturation[:2]], max_num_seqs=slots, timeout_s=t)
     for name, trace, policy, chunk in (
             ("continuous_saturation", saturation, "continuous", llm.prefill_chunk_size),
             ("static_saturation", saturation, "static", llm.prefill_chunk_size),
@@ -281,8 +284,10 @@ def run_serving(llm, model_path, sweep: ServingSweep, peers: Sequence[str], log=
             ("mixed_chunked_off", mixed, "continuous", None),
             *((f"mixed_chunked_{c}", mixed, "continuous", c) for c in sweep.prefill_chunk_sizes)):
         log(f"run {name}")
+        compiled = llm.programs.num_compiles
         runs[name] = run_jaxinfer(llm, trace, max_num_seqs=slots, policy=policy,
                                   prefill_chunk_size=chunk, timeout_s=t)
+        runs[name]["compiled_during_run"] = llm.programs.num_compiles - compiled
     if "hf" in peers:
         log("peer: transformers continuous batching (subprocess)")
         runs["hf_saturation"] = run_hf_peer(model_path, saturation, slots, t)
@@ -375,8 +380,7 @@ def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     from jaxinfer.llm import LLM
     from jaxinfer.tools.bench.report import write_results
 
-    llm = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=cfg.max_seq_len,
-                   decode_chunk=cfg.decode_chunk, prefill_chunk_size=cfg.prefill_chunk_size)
+    llm = LLM.from_config(cfg)
     peers = [] if args.peers in ("none", "llamacpp") else ["hf"]
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"[serving] {msg}",
                                                                            file=sys.stderr))

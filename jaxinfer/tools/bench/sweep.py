@@ -109,7 +109,7 @@ class Runner:
         runner.min_capacity = cache_len
         job = runner.begin(Request(tokens[0], max_new_tokens=budget))
         while job.remaining:
-            runner.prefill(job, job.remaining)
+            runner.prefill(job)
         for slot in range(batch):
             runner.insert(job, slot, np.arange(batch) < slot)
         return runner
