@@ -51,7 +51,6 @@ from jaxinfer.cache import KVCache, LayerKV
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.layers import (attention_output, attention_scores, group_heads, masked_softmax,
                              rope_cos_sin, rope_inv_freq, ungroup_heads)
-from jaxinfer.params import prepare_params
 
 
 class Attend(Protocol):
@@ -194,7 +193,8 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     the module docstring).
 
     Args:
-      params: prepared params (`params.prepare_params`).
+      params: prepared params (`params.prepare_params`; the phases never
+        convert a checkpoint's layout themselves).
       cache: donated; row b holds cache.lengths[b] tokens.
       tokens: int32 [B, C]; row b's new tokens are tokens[b, :lengths[b]],
         each in [0, V); the rest is padding.
@@ -209,7 +209,6 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     cache.lengths[b] + lengths[b] <= cache.max_seq_len and ids are in range
     (`jaxinfer.runner` and `LLM` do).
     """
-    params = prepare_params(params, config, pack=False)
     positions, valid = kv_cache.new_positions(cache, lengths, tokens.shape[1])
     make = _decode_attend if tokens.shape[1] == 1 else _chunk_attend
     x, layers = run_layers(params, cache, tokens, config, positions,
@@ -309,7 +308,6 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     if t > cache.max_seq_len:
         raise ValueError(f"a prompt bucket of {t} tokens does not fit a cache of "
                          f"{cache.max_seq_len} positions")
-    params = prepare_params(params, config, pack=False)
     cache = kv_cache.reset(cache)
     rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
     positions, valid = kv_cache.new_positions(cache, lengths, t)

@@ -28,9 +28,11 @@ CONFIGS = {"llama_gqa": TINY_LLAMA, "gemma3_window4": TINY_GEMMA3}
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def model(request):
+    """(config, float64-reference numpy params, prepared params: the layout
+    the compiled phases run on, packed where the CPU kernels are enabled)."""
     config = CONFIGS[request.param]
     np_params = random_params(config, seed=1)
-    return config, np_params, jax.tree_util.tree_map(jnp.asarray, np_params)
+    return config, np_params, prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config)
 
 
 def _prompt(n, config, seed=0):
@@ -126,7 +128,8 @@ def test_mixed_lengths_batch_equals_rows_alone(model):
 
 
 def test_ring_buffer_holds_last_window_positions():
-    config, params = TINY_GEMMA3, jax.tree_util.tree_map(jnp.asarray, random_params(TINY_GEMMA3))
+    config = TINY_GEMMA3
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config)), config)
     _, cache = _prefill_all(params, config, _prompt(10, config))
     # positions 6..9 at ring index p % 4
     assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 6, 7]
@@ -164,8 +167,11 @@ def decode_path(request, monkeypatch):
 def test_grown_cache_decodes_like_the_reference(model, decode_path):
     """A 3-position cache (Gemma's ring is then 3 < window 4) filled by
     prefill, grown to 16 positions (ring to 4), then 6 decode steps: each
-    step's logits match the full recompute, with and without the CPU kernels."""
-    config, np_params, params = model
+    step's logits match the full recompute, with and without the CPU kernels
+    (weights packed for them, or plain)."""
+    config, np_params, _ = model
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config,
+                            pack=decode_path == "cpu_kernels")
     seq = _prompt(3, config, seed=5).tolist()
     _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3)
     cache = grow_cache(cache, 16)
@@ -203,7 +209,8 @@ def test_cache_layers_follow_the_layer_pattern():
 
 def test_bfloat16_padding_logits_finite():
     config = TINY_LLAMA
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(config))
+    params = prepare_params(jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16),
+                                                   random_params(config)), config)
     tokens = np.zeros((4, 16), np.int32)
     lengths = np.array([3, 16, 1, 0], np.int32)  # the last row is an unused batch slot
     for row, n in enumerate(lengths):
@@ -262,11 +269,10 @@ def test_stop_token_ends_row(tiny_llm):
 
 def test_prepared_params_give_the_same_logits(model):
     """`prepare_params` (per-layer buffers, fused q/k/v and gate/up, [D, V]
-    LM head: what LLM runs) and the loaded [L, ...] form run the same math:
-    prefill and three decode steps agree within 1e-5 (XLA fuses the two forms
-    differently, so float32 summation order may differ). The prepared
-    weights are exactly the loaded ones, rearranged (packed into column
-    panels where the CPU kernels are enabled)."""
+    LM head: what LLM runs) holds exactly the loaded [L, ...] weights,
+    rearranged (packed into column panels where the CPU kernels are
+    enabled); packed and unpacked prepared params run the same math: prefill
+    and three decode steps agree within 1e-5 (float32 summation order differs)."""
     config, np_params, params = model
     prepared = prepare_params(params, config)
     packed = isinstance(prepared["lm_head"], cpu_kernels.PackedWeight)
@@ -292,7 +298,8 @@ def test_prepared_params_give_the_same_logits(model):
     assert ("embed_tokens" in prepared) == ("lm_head" in np_params)
     tokens = _prompt(5, config)
     runs = []
-    for p in (params, prepared):
+    unpacked = prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config, pack=False)
+    for p in (unpacked, prepared):
         logits, cache = _prefill_all(p, config, tokens)
         steps = [logits]
         for tok in (3, 1, 4):
