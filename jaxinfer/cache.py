@@ -72,7 +72,7 @@ class KVCache:
       ring_pos: int32 [B, R], the position stored at each ring index, -1 if none
         (R = 0 when the model has no sliding layers).
       lengths: int32 [B], tokens stored per row (= the next write position).
-      kinds: static, per-layer FULL_ATTENTION / SLIDING_ATTENTION.
+      layer_types: static, per-layer FULL_ATTENTION / SLIDING_ATTENTION.
       window: static, the sliding window W in tokens (0 when no sliding layers).
       ring_extra: static, ring slots beyond the window (R = min(W + ring_extra, S)).
       max_seq_len: static S, capacity in tokens per row.
@@ -81,7 +81,7 @@ class KVCache:
     layers: tuple[LayerKV, ...]
     ring_pos: jax.Array
     lengths: jax.Array
-    kinds: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    layer_types: tuple[str, ...] = struct.field(pytree_node=False, default=())
     window: int = struct.field(pytree_node=False, default=0)
     ring_extra: int = struct.field(pytree_node=False, default=0)
     max_seq_len: int = struct.field(pytree_node=False, default=0)
@@ -141,18 +141,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp
     kv, hd = config.num_kv_heads, config.head_dim
     r = ring_size(config, max_seq_len, ring_extra)
 
-    def layer(kind):
-        n = max_seq_len if kind == FULL_ATTENTION else r
+    def layer(layer_type):
+        n = max_seq_len if layer_type == FULL_ATTENTION else r
         store = jnp.int8 if quantized else dtype
         scales = (tuple(jnp.zeros((batch_size, kv, n), jnp.float32) for _ in range(2)) if quantized
                   else (None, None))   # two arrays: each buffer is donated on its own
         return LayerKV(jnp.zeros((batch_size, kv, hd, n), store),
                        jnp.zeros((batch_size, kv, n, hd), store), *scales)
 
-    return KVCache(layers=tuple(layer(kind) for kind in config.attention_types),
+    return KVCache(layers=tuple(layer(layer_type) for layer_type in config.attention_types),
                    ring_pos=jnp.full((batch_size, r), -1, jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
-                   kinds=config.attention_types, window=int(config.sliding_window or 0),
+                   layer_types=config.attention_types, window=int(config.sliding_window or 0),
                    ring_extra=ring_extra, max_seq_len=max_seq_len)
 
 
@@ -176,23 +176,23 @@ def cache_nbytes(config: ModelConfig, batch_size: int, max_seq_len: int,
 # --- positions and visibility -------------------------------------------------------------------
 
 
-def key_positions(cache: KVCache, kind: str) -> jax.Array:
-    """int32 [B, S or R]: the position each buffer index of a `kind` layer
+def key_positions(cache: KVCache, layer_type: str) -> jax.Array:
+    """int32 [B, S or R]: the position each buffer index of a `layer_type` layer
     holds for each row, -1 where it holds nothing valid (beyond the row's
     length, or an empty ring slot)."""
-    if kind == FULL_ATTENTION:
+    if layer_type == FULL_ATTENTION:
         idx = jnp.arange(cache.max_seq_len, dtype=jnp.int32)[None, :]
         return jnp.where(idx < cache.lengths[:, None], idx, -1)
     pos = cache.ring_pos
     return jnp.where(pos < cache.lengths[:, None], pos, -1)
 
 
-def visible(key_pos: jax.Array, query_pos: jax.Array, kind: str, window: int) -> jax.Array:
+def visible(key_pos: jax.Array, query_pos: jax.Array, layer_type: str, window: int) -> jax.Array:
     """bool [B, T, S]: which keys (positions [B, S], -1 = none) each query
     (positions [B, T]) may attend to: causal, and within `window` on sliding layers."""
     q, k = query_pos[:, :, None], key_pos[:, None, :]
     ok = (k >= 0) & (k <= q)
-    if kind == SLIDING_ATTENTION:
+    if layer_type == SLIDING_ATTENTION:
         ok &= q - k < window
     return ok
 
@@ -205,11 +205,12 @@ def new_positions(cache: KVCache, num_new: jax.Array, chunk: int) -> tuple[jax.A
     return positions, jnp.arange(chunk)[None, :] < num_new[:, None]
 
 
-def _write_index(cache: KVCache, kind: str, positions: jax.Array, valid: jax.Array) -> jax.Array:
+def _write_index(cache: KVCache, layer_type: str, positions: jax.Array,
+                 valid: jax.Array) -> jax.Array:
     """Buffer index [B, C] of each new position (out of range -> dropped by
     the scatter): p on full layers; p % R on rings, for the last R valid
     positions of each row only (earlier ones would collide with them)."""
-    if kind == FULL_ATTENTION:
+    if layer_type == FULL_ATTENTION:
         return jnp.where(valid, positions, cache.max_seq_len)
     r = cache.ring_size
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1, keepdims=True)
@@ -217,13 +218,13 @@ def _write_index(cache: KVCache, kind: str, positions: jax.Array, valid: jax.Arr
     return jnp.where(keep, positions % max(r, 1), r)
 
 
-def write(cache: KVCache, kind: str, kv: LayerKV, k: jax.Array, v: jax.Array,
+def write(cache: KVCache, layer_type: str, kv: LayerKV, k: jax.Array, v: jax.Array,
           positions: jax.Array, valid: jax.Array) -> LayerKV:
     """One layer's buffers with new keys/values k, v [B, C, K, H] stored at
     `positions` [B, C] (where `valid`); an int8 cache quantizes each new
     token on its own (old entries and their scales are untouched)."""
     rows = jnp.arange(positions.shape[0])[:, None]
-    index = _write_index(cache, kind, positions, valid)
+    index = _write_index(cache, layer_type, positions, valid)
     # advanced indices (rows, index) broadcast to [B, C] and go first; values [B, C, K, H]
     put = lambda buf, new: buf.at[rows, :, index].set(new.astype(buf.dtype), mode="drop")
     put_keys = lambda buf, new: buf.at[rows, :, :, index].set(new.astype(buf.dtype), mode="drop")
@@ -278,8 +279,8 @@ def _resize_layers(cache: KVCache, n_full: int, n_ring: int) -> tuple[LayerKV, .
     scale = lambda x, n: None if x is None else _resize_axis(x, 2, n)
     return tuple(LayerKV(_resize_axis(kv.keys, 3, n), _resize_axis(kv.values, 2, n),
                          scale(kv.key_scale, n), scale(kv.value_scale, n))
-                 for kv, n in ((kv, n_full if kind == FULL_ATTENTION else n_ring)
-                               for kv, kind in zip(cache.layers, cache.kinds)))
+                 for kv, n in ((kv, n_full if layer_type == FULL_ATTENTION else n_ring)
+                               for kv, layer_type in zip(cache.layers, cache.layer_types)))
 
 
 @functools.partial(jax.jit, static_argnames=("max_seq_len",))
@@ -311,7 +312,8 @@ def grow_cache(cache: KVCache, max_seq_len: int) -> KVCache:
       ValueError: max_seq_len < cache.max_seq_len.
     """
     if max_seq_len < cache.max_seq_len:
-        raise ValueError(f"cannot shrink a cache from {cache.max_seq_len} to {max_seq_len} positions")
+        raise ValueError(f"cannot shrink a cache from {cache.max_seq_len} to {max_seq_len} "
+                         "positions")
     return resize(cache, max_seq_len)
 
 
@@ -349,11 +351,11 @@ def read_layer(cache: KVCache, layer: int) -> tuple[np.ndarray, np.ndarray, np.n
     keys, values = cache.layers[layer].dequantized()
     keys = np.asarray(keys).transpose(0, 3, 1, 2)
     values = np.asarray(values).transpose(0, 2, 1, 3)
-    return keys, values, np.asarray(key_positions(cache, cache.kinds[layer]))
+    return keys, values, np.asarray(key_positions(cache, cache.layer_types[layer]))
 
 
 def write_index(cache: KVCache, layer: int, position: int) -> int:
     """The buffer slot where `layer` stores `position` (for tools and tests)."""
-    if cache.kinds[layer] == FULL_ATTENTION:
+    if cache.layer_types[layer] == FULL_ATTENTION:
         return position
     return position % cache.ring_size

@@ -240,7 +240,8 @@ class GenerationConfig:
 
     def _check_types(self) -> None:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
-        kinds = {"model": str, "dtype": str, "weights": str, "draft_weights": str, "chat": bool, "max_seq_len": int,
+        kinds = {"model": str, "dtype": str, "weights": str, "draft_weights": str, "chat": bool,
+                 "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
                  "ngram_min": int, "ngram_max": int, "warmup": bool}

@@ -57,14 +57,14 @@ class Attend(Protocol):
     """One layer's attention inside a phase.
 
     Args:
-      kind: FULL_ATTENTION or SLIDING_ATTENTION.
+      layer_type: FULL_ATTENTION or SLIDING_ATTENTION.
       q: [B, T, N, H] new queries (RoPE applied, scaled); k, v: [B, T, K, H].
       kv: the layer's cache buffers before the call.
     Returns:
       (out [B, T, N, H], the layer's buffers with the new K/V stored).
     """
 
-    def __call__(self, kind: str, q: jax.Array, k: jax.Array, v: jax.Array,
+    def __call__(self, layer_type: str, q: jax.Array, k: jax.Array, v: jax.Array,
                  kv: LayerKV) -> tuple[jax.Array, LayerKV]: ...
 
 
@@ -89,8 +89,9 @@ def run_layers(params: dict, cache: KVCache, tokens: jax.Array, config: ModelCon
     ropes = rope_tables(config, rope_positions)
     x = family.embed(params, tokens, config)
     layers = []
-    for p, kind, kv in zip(params["layers"], config.attention_types, cache.layers):
-        x, kv = family.layer(p, x, kv, ropes[kind], functools.partial(attend, kind), config)
+    for p, layer_type, kv in zip(params["layers"], config.attention_types, cache.layers):
+        x, kv = family.layer(p, x, kv, ropes[layer_type], functools.partial(attend, layer_type),
+                             config)
         layers.append(kv)
     return x, tuple(layers)
 
@@ -131,21 +132,22 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     Reading before writing keeps sliding layers exact when the chunk
     overwrites ring slots that its own earlier queries still need."""
     new_pos = jnp.where(valid, positions, -1)
-    masks = {kind: (kv_cache.visible(kv_cache.key_positions(cache, kind), positions, kind, cache.window),
-                    kv_cache.visible(new_pos, positions, kind, cache.window))
-             for kind in set(cache.kinds)}
+    seen = lambda t: kv_cache.visible(kv_cache.key_positions(cache, t), positions, t, cache.window)
+    masks = {layer_type: (seen(layer_type),
+                          kv_cache.visible(new_pos, positions, layer_type, cache.window))
+             for layer_type in set(cache.layer_types)}
 
-    def attend(kind, q, k, v, kv):
+    def attend(layer_type, q, k, v, kv):
         qg = group_heads(q, k.shape[2])
         cached_k, cached_v = kv.dequantized()
         s_cached = attention_scores(qg, cached_k.astype(q.dtype), config.attn_logit_softcapping)
         s_new = attention_scores(qg, _keys_minor(k), config.attn_logit_softcapping)
-        mask = jnp.concatenate(masks[kind], axis=-1)[:, None, :, None, :]
+        mask = jnp.concatenate(masks[layer_type], axis=-1)[:, None, :, None, :]
         weights = masked_softmax(jnp.concatenate([s_cached, s_new], axis=-1), mask)
         s = kv.keys.shape[-1]
         out = (attention_output(weights[..., :s], cached_v.astype(v.dtype)) +
                attention_output(weights[..., s:], _heads_major(v)))
-        return ungroup_heads(out), kv_cache.write(cache, kind, kv, k, v, positions, valid)
+        return ungroup_heads(out), kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
 
     return attend
 
@@ -158,26 +160,27 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     `cpu_kernels.decode_attention` where it applies (float32 K/V, no
     soft-cap)."""
     after = kv_cache.advance(cache, cache.layers, positions, valid)
-    masks = {kind: kv_cache.visible(kv_cache.key_positions(after, kind), positions, kind, cache.window)
-             for kind in set(cache.kinds)}
+    seen = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t, cache.window)
+    masks = {layer_type: seen(layer_type)
+             for layer_type in set(cache.layer_types)}
     use_kernel = not config.attn_logit_softcapping and cpu_kernels.enabled()
 
-    def attend(kind, q, k, v, kv):
-        kv = kv_cache.write(cache, kind, kv, k, v, positions, valid)
-        if kv.key_scale is not None and not config.attn_logit_softcapping:   # int8 K/V, dequantized inside
+    def attend(layer_type, q, k, v, kv):
+        kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
+        if kv.key_scale is not None and not config.attn_logit_softcapping:   # int8, dequantized inside
             from jaxinfer.kv_quant import decode_attention_int8
 
             qg = group_heads(q, kv.keys.shape[1])[:, :, 0].astype(jnp.float32)
             out = decode_attention_int8(qg, kv.keys, kv.key_scale, kv.values, kv.value_scale,
-                                        masks[kind][:, 0])
+                                        masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None].astype(q.dtype)), kv
         if use_kernel and q.dtype == kv.keys.dtype == kv.values.dtype == jnp.float32:
             qg = group_heads(q, kv.keys.shape[1])[:, :, 0]
-            out = cpu_kernels.decode_attention(qg, kv.keys, kv.values, masks[kind][:, 0])
+            out = cpu_kernels.decode_attention(qg, kv.keys, kv.values, masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None]), kv
         keys, values = kv.dequantized()
         out = _grouped_attention(group_heads(q, keys.shape[1]), keys.astype(q.dtype),
-                                 values.astype(q.dtype), masks[kind], config)
+                                 values.astype(q.dtype), masks[layer_type], config)
         return ungroup_heads(out), kv
 
     return attend
@@ -265,20 +268,22 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     sliding ones; the keys left out are masked for those rows anyway."""
     t, window = positions.shape[1], cache.window
     new_pos = jnp.where(valid, positions, -1)
-    masks = {kind: kv_cache.visible(new_pos, positions, kind, window) for kind in set(cache.kinds)}
+    masks = {layer_type: kv_cache.visible(new_pos, positions, layer_type, window)
+             for layer_type in set(cache.layer_types)}
 
-    def attend(kind, q, k, v, kv):
+    def attend(layer_type, q, k, v, kv):
         keys, values, qg = _keys_minor(k), _heads_major(v), group_heads(q, k.shape[2])
         outs = []
         for a, b in query_blocks(t):
-            lo = 0 if kind == FULL_ATTENTION else max(0, a - window + 1)
+            lo = 0 if layer_type == FULL_ATTENTION else max(0, a - window + 1)
             outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
-                                           masks[kind][:, a:b, lo:b], config))
+                                           masks[layer_type][:, a:b, lo:b], config))
         out = ungroup_heads(jnp.concatenate(outs, axis=2))
-        if kind == FULL_ATTENTION and kv.key_scale is None:
-            put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, 0, 0))
+        if layer_type == FULL_ATTENTION and kv.key_scale is None:
+            put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype),
+                                                                (0, 0, 0, 0))
             return out, LayerKV(put(kv.keys, keys), put(kv.values, values))
-        return out, kv_cache.write(cache, kind, kv, k, v, positions, valid)   # rings, int8 caches
+        return out, kv_cache.write(cache, layer_type, kv, k, v, positions, valid)   # rings, int8 caches
 
     return attend
 

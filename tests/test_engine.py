@@ -140,8 +140,8 @@ def test_ring_buffer_holds_last_window_positions():
 def test_gemma_cache_is_window_sized():
     config = TINY_GEMMA3
     cache = init_cache(config, 2, 64)
-    full = [kv for kv, kind in zip(cache.layers, cache.kinds) if kind == FULL_ATTENTION]
-    ring = [kv for kv, kind in zip(cache.layers, cache.kinds) if kind == SLIDING_ATTENTION]
+    full = [kv for kv, kind in zip(cache.layers, cache.layer_types) if kind == FULL_ATTENTION]
+    ring = [kv for kv, kind in zip(cache.layers, cache.layer_types) if kind == SLIDING_ATTENTION]
     assert [kv.keys.shape for kv in full] == [(2, 1, 16, 64)] * 2  # keys-minor
     assert [kv.values.shape for kv in full] == [(2, 1, 64, 16)] * 2
     assert [kv.keys.shape for kv in ring] == [(2, 1, 16, 4)] * 2
@@ -175,7 +175,7 @@ def test_grown_cache_decodes_like_the_reference(model, decode_path):
     seq = _prompt(3, config, seed=5).tolist()
     _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3)
     cache = grow_cache(cache, 16)
-    sizes = [kv.keys.shape[3] for kv, kind in zip(cache.layers, cache.kinds) if kind == FULL_ATTENTION]
+    sizes = [kv.keys.shape[3] for kv, kind in zip(cache.layers, cache.layer_types) if kind == FULL_ATTENTION]
     assert cache.max_seq_len == 16 and sizes == [16] * len(config.full_layers)
     assert cache.ring_size == (4 if config.sliding_layers else 0)
     for step in range(6):
@@ -202,7 +202,7 @@ def test_cache_buckets_two_per_doubling():
 
 def test_cache_layers_follow_the_layer_pattern():
     cache = init_cache(TINY_GEMMA3, 1, 16)
-    assert cache.kinds == TINY_GEMMA3.layer_types
+    assert cache.layer_types == TINY_GEMMA3.layer_types
     assert [kv.keys.shape[3] for kv in cache.layers] == [4, 16, 4, 16]  # ring, full, ring, full
     assert [kv.keys.shape[3] for kv in init_cache(TINY_LLAMA, 1, 16).layers] == [16] * 3
 
