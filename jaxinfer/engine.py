@@ -214,8 +214,15 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     """
     positions, valid = kv_cache.new_positions(cache, lengths, tokens.shape[1])
     make = _decode_attend if tokens.shape[1] == 1 else _chunk_attend
-    x, layers = run_layers(params, cache, tokens, config, positions,
-                           make(config, cache, positions, valid))
+    return _forward(params, cache, tokens, lengths, config, all_logits, positions, positions, valid,
+                    make(config, cache, positions, valid))
+
+
+def _forward(params, cache, tokens, lengths, config, all_logits, rope_positions, positions, valid,
+             attend):
+    """Run the layers with `attend`, store the new K/V bookkeeping, and
+    unembed: the common tail of `extend` and `prefill`."""
+    x, layers = run_layers(params, cache, tokens, config, rope_positions, attend)
     cache = kv_cache.advance(cache, layers, positions, valid)
     return _logits(params, x, lengths, config, all_logits), cache
 
@@ -316,10 +323,8 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     cache = kv_cache.reset(cache)
     rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
     positions, valid = kv_cache.new_positions(cache, lengths, t)
-    x, layers = run_layers(params, cache, tokens, config, rope_positions,
-                           _prefill_attend(config, cache, positions, valid))
-    cache = kv_cache.advance(cache, layers, positions, valid)
-    return _logits(params, x, lengths, config, all_logits), cache
+    return _forward(params, cache, tokens, lengths, config, all_logits, rope_positions, positions,
+                    valid, _prefill_attend(config, cache, positions, valid))
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
