@@ -49,8 +49,8 @@ from jaxinfer import cache as kv_cache
 from jaxinfer import cpu_kernels, models, sampling
 from jaxinfer.cache import KVCache, LayerKV
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.layers import (attention_output, attention_scores, group_heads, masked_softmax,
-                             rope_cos_sin, rope_inv_freq, ungroup_heads)
+from jaxinfer.layers import (attention_output, attention_scores, blocked_attention, group_heads,
+                             masked_softmax, rope_cos_sin, rope_inv_freq, ungroup_heads)
 
 
 class Attend(Protocol):
@@ -253,6 +253,8 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
 # full layers (figures in benchmarks/README.md).
 PREFILL_QUERY_BLOCKS = 4
 MIN_BLOCKED_PROMPT = 256
+# Prompts of at least FLASH_PROMPT tokens use `layers.blocked_attention`.
+FLASH_PROMPT = 1024
 
 
 def query_blocks(t: int) -> tuple[tuple[int, int], ...]:
@@ -272,7 +274,10 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     Long prompts attend block by block (`query_blocks`): the rows of block
     [a, b) read keys [lo, b) only, lo = 0 on full layers and a - W + 1 on
-    sliding ones; the keys left out are masked for those rows anyway."""
+    sliding ones; the keys left out are masked for those rows anyway. From
+    FLASH_PROMPT tokens on, `layers.blocked_attention` runs instead: an
+    online softmax over key blocks, O(T * block) scores per head instead of
+    O(T^2), key blocks no query of a block can see skipped."""
     t, window = positions.shape[1], cache.window
     new_pos = jnp.where(valid, positions, -1)
     masks = {layer_type: kv_cache.visible(new_pos, positions, layer_type, window)
@@ -280,12 +285,18 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     def attend(layer_type, q, k, v, kv):
         keys, values, qg = _keys_minor(k), _heads_major(v), group_heads(q, k.shape[2])
-        outs = []
-        for a, b in query_blocks(t):
-            lo = 0 if layer_type == FULL_ATTENTION else max(0, a - window + 1)
-            outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
-                                           masks[layer_type][:, a:b, lo:b], config))
-        out = ungroup_heads(jnp.concatenate(outs, axis=2))
+        if t >= FLASH_PROMPT:
+            out = ungroup_heads(blocked_attention(
+                qg, keys, values, new_pos, new_pos,
+                window if layer_type == SLIDING_ATTENTION else None,
+                softcap=config.attn_logit_softcapping))
+        else:
+            outs = []
+            for a, b in query_blocks(t):
+                lo = 0 if layer_type == FULL_ATTENTION else max(0, a - window + 1)
+                outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
+                                               masks[layer_type][:, a:b, lo:b], config))
+            out = ungroup_heads(jnp.concatenate(outs, axis=2))
         if layer_type == FULL_ATTENTION and kv.key_scale is None:
             put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype),
                                                                 (0, 0, 0, 0))

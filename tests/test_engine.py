@@ -14,7 +14,8 @@ from jaxinfer import cpu_kernels
 from jaxinfer.cache import cache_nbytes, grow_cache, init_cache
 from jaxinfer.buckets import cache_buckets
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
-from jaxinfer.engine import MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step, prefill, query_blocks
+from jaxinfer.engine import (FLASH_PROMPT, MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step,
+                             prefill, query_blocks)
 from jaxinfer.params import prepare_params
 from jaxinfer.llm import LLM
 from jaxinfer.sampling import SamplingParams
@@ -57,16 +58,22 @@ def test_parallel_prefill_matches_reference(model, n):
     assert int(cache.lengths[0]) == n
 
 
-@pytest.mark.parametrize("n", [200, 256])
-def test_blocked_prefill_of_long_prompts_matches_reference(model, n):
+@pytest.mark.parametrize("n,bucket", [(200, 256), (256, 256), (1030, 1280)])
+def test_blocked_prefill_of_long_prompts_matches_reference(model, n, bucket):
     """Prompt buckets of >= MIN_BLOCKED_PROMPT tokens attend in query blocks
-    over only the keys each block can see (window 4 on Gemma's sliding layers);
-    logits at every real position and the cache then match the reference."""
+    over only the keys each block can see, from FLASH_PROMPT on with the
+    online-softmax `blocked_attention` (window 4 on Gemma's sliding layers);
+    logits at every real position and the cache then match the reference.
+    Over 1,000 keys float32 sums drift more (2.8e-4 on logits of ~24 here,
+    the same with the query-block path), so the bound grows with the logits:
+    1e-4 + 1e-5 * max|logit|."""
     config, np_params, params = model
     assert len(query_blocks(256)) == PREFILL_QUERY_BLOCKS > 1 and MIN_BLOCKED_PROMPT <= 256
+    assert (bucket >= FLASH_PROMPT) == (n > 1000)
     tokens = _prompt(n, config, seed=n)
-    logits, cache = _prefill_all(params, config, tokens, bucket=256, max_seq_len=272)
-    np.testing.assert_allclose(logits, reference.forward(np_params, tokens, config), atol=ATOL, rtol=0)
+    logits, cache = _prefill_all(params, config, tokens, bucket=bucket, max_seq_len=bucket + 16)
+    ref = reference.forward(np_params, tokens, config)
+    np.testing.assert_allclose(logits, ref, atol=ATOL + 1e-5 * np.abs(ref).max(), rtol=0)
     # the cache it wrote continues the sequence like the reference
     step, _ = decode_step(params, cache, jnp.array([7], jnp.int32), config=config)
     expected = reference.forward(np_params, np.append(tokens, 7), config)[-1]
