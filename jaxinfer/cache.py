@@ -62,6 +62,7 @@ class KVCache:
       lengths: int32 [B], tokens stored per row (= the next write position).
       kinds: static, per-layer FULL_ATTENTION / SLIDING_ATTENTION.
       window: static, the sliding window W in tokens (0 when no sliding layers).
+      ring_extra: static, ring slots beyond the window (R = min(W + ring_extra, S)).
       max_seq_len: static S, capacity in tokens per row.
     """
 
@@ -70,6 +71,7 @@ class KVCache:
     lengths: jax.Array
     kinds: tuple[str, ...] = struct.field(pytree_node=False, default=())
     window: int = struct.field(pytree_node=False, default=0)
+    ring_extra: int = struct.field(pytree_node=False, default=0)
     max_seq_len: int = struct.field(pytree_node=False, default=0)
 
     @property
@@ -122,7 +124,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp
                    ring_pos=jnp.full((batch_size, r), -1, jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
                    kinds=config.attention_types, window=int(config.sliding_window or 0),
-                   max_seq_len=max_seq_len)
+                   ring_extra=ring_extra, max_seq_len=max_seq_len)
 
 
 def cache_nbytes(config: ModelConfig, batch_size: int, max_seq_len: int,
@@ -238,11 +240,6 @@ def _resize_layers(cache: KVCache, n_full: int, n_ring: int) -> tuple[LayerKV, .
                                for kv, kind in zip(cache.layers, cache.kinds)))
 
 
-def _ring_extra(cache: KVCache) -> int:
-    """The ring's slots beyond the window (0 unless the ring is full-size)."""
-    return max(cache.ring_size - cache.window, 0)
-
-
 @functools.partial(jax.jit, static_argnames=("max_seq_len",))
 def resize(cache: KVCache, max_seq_len: int) -> KVCache:
     """The same cache with capacity `max_seq_len` (larger or smaller).
@@ -259,8 +256,7 @@ def resize(cache: KVCache, max_seq_len: int) -> KVCache:
     shrinks it when long rows leave), so a decode step attends over a buffer
     sized to the context, not to the capacity.
     """
-    extra = _ring_extra(cache)
-    r = min(cache.window + extra, max_seq_len) if cache.ring_size else 0
+    r = min(cache.window + cache.ring_extra, max_seq_len) if cache.ring_size else 0
     return cache.replace(layers=_resize_layers(cache, max_seq_len, r),
                          ring_pos=_resize_axis(cache.ring_pos, 1, r, fill=-1),
                          max_seq_len=max_seq_len)
@@ -286,7 +282,13 @@ def insert(dest: KVCache, src: KVCache, slot: jax.Array) -> KVCache:
     is below both (the caller's check). Ring positions of `dest`'s row beyond
     the copied slots are cleared, so nothing of the slot's previous occupant
     stays visible. Use inside jit with `dest` donated.
+
+    Raises:
+      ValueError (when tracing): the two caches' rings have different
+        `ring_extra` (a position would sit at different ring indices).
     """
+    if src.ring_extra != dest.ring_extra:
+        raise ValueError(f"ring_extra differs: {src.ring_extra} (src) vs {dest.ring_extra} (dest)")
     src = src.replace(layers=_resize_layers(src, dest.max_seq_len, dest.ring_size),
                       ring_pos=_resize_axis(src.ring_pos, 1, dest.ring_size, fill=-1),
                       max_seq_len=dest.max_seq_len)

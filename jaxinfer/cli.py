@@ -122,6 +122,7 @@ def cmd_generate(args) -> int:
     from jaxinfer.llm import LLM
     from jaxinfer.loading import enable_compilation_cache, load_model
     from jaxinfer.progress import Progress
+    from jaxinfer.speculative import SpecConfig
 
     if (args.prompt is None) == (args.prompts_file is None):
         args.parser.error("give exactly one of --prompt or --prompts-file")   # exits 2
@@ -138,8 +139,11 @@ def cmd_generate(args) -> int:
     config, params, tokenizer = load_model(
         cfg.model, cfg.dtype, prepared=True, progress=progress,
         before_weights=lambda tok: check_prompt_lengths(tok, zip(labels, prompts), cfg))
+    spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
+                                    cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype)
     llm = LLM(config, params, tokenizer, max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk,
-              max_num_seqs=cfg.max_num_seqs, prefill_chunk_size=cfg.prefill_chunk_size)
+              max_num_seqs=cfg.max_num_seqs, prefill_chunk_size=cfg.prefill_chunk_size,
+              speculative=spec)
     llm.programs.progress = progress
     load_s = time.perf_counter() - t0
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, chat=cfg.chat, stop=cfg.stop,

@@ -162,6 +162,12 @@ class GenerationConfig:
       prefill_chunk_size: the per-step prefill token budget while requests
         decode, and the largest piece of a prompt one call prefills; null
         prefills every prompt whole (see jaxinfer/scheduler.py).
+      speculative: null (off), "ngram" (prompt lookup) or "draft" (a draft
+        model): speculative decoding (see jaxinfer/speculative.py).
+      num_speculative_tokens: k, tokens proposed per verification round.
+      ngram_min, ngram_max: n-gram lengths the ngram proposer matches.
+      draft_model: the draft for speculative: draft, a model sharing the
+        target's tokenizer (a name, .gguf path or folder).
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 
@@ -182,6 +188,11 @@ class GenerationConfig:
     decode_chunk: int = 16
     max_num_seqs: int = 256
     prefill_chunk_size: Optional[int] = 512
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    draft_model: Optional[str] = None
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
@@ -203,11 +214,16 @@ class GenerationConfig:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
         kinds = {"model": str, "dtype": str, "chat": bool, "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
-                 "ignore_eos": bool, "max_num_seqs": int}
+                 "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
+                 "ngram_min": int, "ngram_max": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
         chunk = self.prefill_chunk_size
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)):
             raise ValueError(f"prefill_chunk_size must be int or null, got {chunk!r}")

@@ -38,7 +38,7 @@ Around them: `start` (prefill or a last chunk, then the first sampled token),
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -352,6 +352,8 @@ class RowState:
       ignore_eos: bool [B], EOS ids do not end the row.
       seen: bool [B, V], prompt and generated tokens (repetition penalty).
       counts: int32 [B, V], generated-token counts (presence/frequency penalty).
+      history: int32 [B, S], the prompt and generated tokens in order (what
+        an n-gram proposer searches); history_len: int32 [B], how many.
       keys: [B] PRNG keys, one per row, folded with the row's step.
       sampling: per-row `SamplingArrays`.
     """
@@ -364,6 +366,8 @@ class RowState:
     ignore_eos: jax.Array
     seen: jax.Array
     counts: jax.Array
+    history: jax.Array
+    history_len: jax.Array
     keys: jax.Array
     sampling: sampling.SamplingArrays
 
@@ -372,22 +376,28 @@ class RowState:
 class RowInputs:
     """Per-request inputs of `start` (leading axis [B]): max_new_tokens,
     min_tokens int32, ignore_eos bool, seen bool [B, V] (the prompt's token
-    set, for the repetition penalty), keys [B] PRNG keys, sampling arrays."""
+    set, for the repetition penalty), history int32 [B, S] and history_len
+    [B] (the prompt's ids, for n-gram proposals), keys [B] PRNG keys,
+    sampling arrays."""
 
     max_new_tokens: jax.Array
     min_tokens: jax.Array
     ignore_eos: jax.Array
     seen: jax.Array
+    history: jax.Array
+    history_len: jax.Array
     keys: jax.Array
     sampling: sampling.SamplingArrays
 
 
 @struct.dataclass
 class DecodeState:
-    """The cache and the rows: what `decode_chunk` advances."""
+    """The cache and the rows: what `decode_chunk` advances; `draft` is the
+    draft model's cache under speculative decoding with a draft model, else None."""
 
     cache: KVCache
     rows: RowState
+    draft: Optional[KVCache] = None
 
 
 class StepOutput(NamedTuple):
@@ -395,7 +405,8 @@ class StepOutput(NamedTuple):
 
     token is -1 for rows that were already done before the step; done is the
     row's done flag after the step. logprob / top_ids / top_logprobs are
-    present when requested (else None).
+    present when requested (else None). drafted / accepted / rounds ([B]
+    totals) are set for speculative chunks only (`runner.ModelRunner.fetch`).
     """
 
     token: jax.Array
@@ -403,6 +414,9 @@ class StepOutput(NamedTuple):
     logprob: jax.Array | None = None
     top_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
+    drafted: jax.Array | None = None
+    accepted: jax.Array | None = None
+    rounds: jax.Array | None = None
 
 
 def _stops_row(token: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
@@ -420,6 +434,22 @@ def _mask_early_stops(logits: jax.Array, rows: RowState, stop: StopTokens) -> ja
     return jnp.where(hit & early[:, None], -jnp.inf, logits)
 
 
+def record_tokens(rows: RowState, token: jax.Array, active: jax.Array, stop: StopTokens) -> RowState:
+    """The rows after each active row emits `token` [B]: penalty history,
+    history, count, last token, and done when it is a stop token or the
+    budget is spent."""
+    seen, counts = sampling.update_history(rows.seen, rows.counts, token, active)
+    idx = jnp.arange(token.shape[0])
+    history = rows.history.at[idx, jnp.where(active, rows.history_len, rows.history.shape[1])].set(
+        token, mode="drop")
+    step = active.astype(jnp.int32)
+    num_generated = rows.num_generated + step
+    finished = active & (_stops_row(token, rows, stop) | (num_generated >= rows.max_new_tokens))
+    return rows.replace(tokens=jnp.where(active, token, rows.tokens), done=rows.done | finished,
+                        num_generated=num_generated, seen=seen, counts=counts, history=history,
+                        history_len=rows.history_len + step)
+
+
 def sample_step(logits: jax.Array, rows: RowState, stop: StopTokens, num_logprobs: int):
     """Sample the next token of every unfinished row from logits [B, V] and
     advance the per-row bookkeeping. Returns (rows, StepOutput)."""
@@ -429,11 +459,7 @@ def sample_step(logits: jax.Array, rows: RowState, stop: StopTokens, num_logprob
     token = sampling.sample(penalized, sampling.step_keys(rows.keys, rows.num_generated), arrays)
     active = ~rows.done
     token = jnp.where(active, token, -1)
-    seen, counts = sampling.update_history(rows.seen, rows.counts, token, active)
-    num_generated = rows.num_generated + active.astype(jnp.int32)
-    finished = _stops_row(token, rows, stop) | (num_generated >= rows.max_new_tokens)
-    rows = rows.replace(tokens=jnp.where(active, token, rows.tokens), done=rows.done | finished,
-                        num_generated=num_generated, seen=seen, counts=counts)
+    rows = record_tokens(rows, token, active, stop)
     if num_logprobs < 0:
         return rows, StepOutput(token, rows.done)
     lp, top_ids, top_lp = sampling.log_softmax_topn(logits, jnp.maximum(token, 0), num_logprobs)
@@ -465,8 +491,8 @@ def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, i
         num_generated=jnp.zeros((b,), jnp.int32),
         max_new_tokens=inputs.max_new_tokens.astype(jnp.int32),
         min_tokens=inputs.min_tokens.astype(jnp.int32), ignore_eos=inputs.ignore_eos,
-        seen=inputs.seen, counts=jnp.zeros(inputs.seen.shape, jnp.int32), keys=inputs.keys,
-        sampling=inputs.sampling)
+        seen=inputs.seen, counts=jnp.zeros(inputs.seen.shape, jnp.int32), history=inputs.history,
+        history_len=inputs.history_len, keys=inputs.keys, sampling=inputs.sampling)
     rows, out = sample_step(logits, rows, stop, num_logprobs)
     return DecodeState(cache, rows), out
 
@@ -510,11 +536,13 @@ def insert(state: DecodeState, prefix: DecodeState, slot: jax.Array) -> DecodeSt
     length must be below the state's capacity (the caller checks).
     """
     put = lambda d, s: jax.lax.dynamic_update_slice_in_dim(d, s.astype(d.dtype), slot, axis=0)
+    draft = state.draft if state.draft is None else kv_cache.insert(state.draft, prefix.draft, slot)
     return state.replace(cache=kv_cache.insert(state.cache, prefix.cache, slot),
-                         rows=jax.tree_util.tree_map(put, state.rows, prefix.rows))
+                         rows=jax.tree_util.tree_map(put, state.rows, prefix.rows), draft=draft)
 
 
 @functools.partial(jax.jit, static_argnames=("max_seq_len",))
 def resize_state(state: DecodeState, max_seq_len: int) -> DecodeState:
-    """The state with its cache resized to `max_seq_len` (see `cache.resize`)."""
-    return state.replace(cache=kv_cache.resize(state.cache, max_seq_len))
+    """The state with its cache (and draft cache) resized to `max_seq_len` (see `cache.resize`)."""
+    draft = None if state.draft is None else kv_cache.resize(state.draft, max_seq_len)
+    return state.replace(cache=kv_cache.resize(state.cache, max_seq_len), draft=draft)

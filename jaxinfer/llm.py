@@ -33,6 +33,7 @@ from jaxinfer.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runner import ModelRunner
+from jaxinfer.speculative import SpecConfig
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.stats import RunStats
 
@@ -80,6 +81,7 @@ class LLM:
       min_kv_bucket: smallest KV-cache bucket, tokens.
       stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
+      speculative: a `runner.SpecConfig` for speculative decoding, or None.
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], or a
         size below 1.
@@ -88,7 +90,8 @@ class LLM:
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
                  decode_chunk: int = 16, max_num_seqs: int = 256,
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
-                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = ()):
+                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
+                 speculative: Optional[SpecConfig] = None):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
@@ -107,6 +110,7 @@ class LLM:
         self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
         self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
         self.cache_dtype = _params_dtype(params)
+        self.speculative = speculative
         self.programs = ProgramCache()
         self.last_stats = RunStats()
 
@@ -172,7 +176,8 @@ class LLM:
         return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs, buckets=self.buckets,
                            decode_chunk=self.decode_chunk, prefill_chunk_size=self.prefill_chunk_size,
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
-                           cache_dtype=self.cache_dtype, programs=self.programs)
+                           cache_dtype=self.cache_dtype, programs=self.programs,
+                           speculative=self.speculative)
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
@@ -276,7 +281,8 @@ class LLM:
         compile_before = self.programs.compile_s
         scheduler = self.scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
         index = {scheduler.add_request(r): i for i, r in enumerate(requests)}
-        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None) for _ in requests]
+        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None, spec=None)
+                 for _ in requests]
         steps = 0
         while scheduler.has_unfinished():
             for event in scheduler.step():
@@ -285,13 +291,13 @@ class LLM:
                 acc["tokens"] += event.token_ids
                 acc["text"].append(event.text)
                 acc["logprobs"] += event.logprobs or []
-                acc["reason"], acc["timings"] = event.finish_reason, event.timings
+                acc["reason"], acc["timings"], acc["spec"] = event.finish_reason, event.timings, event.spec
                 yield i, event
         steps = scheduler.runner.decode_steps
         self.last_stats = RunStats.from_requests(
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
             [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
-            decode_steps=steps)
+            decode_steps=steps, spec=[p["spec"] for p in parts])
         return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
                            p["logprobs"] if r.logprobs is not None else None)
                 for r, p in zip(requests, parts)]

@@ -101,6 +101,57 @@ class Timings:
 
 
 @dataclasses.dataclass
+class SpecStats:
+    """A request's speculative decoding so far, and the policy that turns it
+    down when it does not pay.
+
+    Attributes:
+      drafted, accepted: proposed tokens verified, and accepted.
+      rounds: verification rounds (with at least one draft).
+      rate: exponential average (weight 0.5 per chunk) of the acceptance rate.
+      off_since: tokens generated when the cap last went to 0, or None.
+    """
+
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    rate: Optional[float] = None
+    off_since: Optional[int] = None
+
+    # acceptance below LOW turns proposals off; below HIGH halves k; with
+    # proposals off, every PROBE_EVERY generated tokens one chunk tries again
+    LOW, HIGH, PROBE_EVERY = 0.2, 0.5, 64
+
+    def add(self, drafted: int, accepted: int, rounds: int, generated: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rounds += rounds
+        if drafted:
+            now = accepted / drafted
+            self.rate = now if self.rate is None else 0.5 * self.rate + 0.5 * now
+            self.off_since = generated if self.rate < self.LOW else None
+
+    def cap(self, k: int, generated: int) -> int:
+        """k while the acceptance rate is at least HIGH (or unknown), k // 2
+        (at least 1) between LOW and HIGH, 0 below LOW except for one probing
+        chunk every PROBE_EVERY tokens."""
+        if self.rate is None or self.rate >= self.HIGH:
+            return k
+        if self.rate >= self.LOW:
+            return max(1, k // 2)
+        return k if generated - (self.off_since or 0) >= self.PROBE_EVERY else 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verification round."""
+        return self.accepted / self.rounds if self.rounds else float("nan")
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """One event of a request: what is new since its previous event.
 
@@ -115,6 +166,7 @@ class RequestOutput:
       finish_reason: "stop" (stop token or string), "length" or "abort", when finished.
       num_prompt_tokens / num_generated_tokens: counts so far.
       timings: the request's `Timings` (complete when finished).
+      spec: the request's `SpecStats` (speculative decoding counts).
     """
 
     request_id: int
@@ -126,6 +178,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     timings: Timings
+    spec: Optional[SpecStats] = None
 
 
 class RequestState:
@@ -153,6 +206,7 @@ class RequestState:
         self.finished = False
         self.finish_reason: Optional[str] = None
         self.timings = Timings(arrival=arrival)
+        self.spec = SpecStats()
         self._new_tokens: list[int] = []
         self._new_logprobs: list = []
         self._new_text = ""
@@ -186,6 +240,15 @@ class RequestState:
             self._finish("stop")
         elif n >= self.request.max_new_tokens:
             self._finish("length")
+
+    def record_speculation(self, drafted: int, accepted: int, rounds: int) -> None:
+        """Count a decode chunk's speculation (totals over its rounds)."""
+        self.spec.add(drafted, accepted, rounds, len(self.token_ids))
+
+    def draft_cap(self, k: int) -> int:
+        """How many tokens to propose per round for this request next chunk
+        (`SpecStats.cap`)."""
+        return self.spec.cap(k, len(self.token_ids))
 
     def abort(self) -> None:
         if not self.finished:
@@ -223,6 +286,6 @@ class RequestState:
         out = RequestOutput(self.request_id, self._new_text, self._new_tokens,
                             self._new_logprobs if self.request.logprobs is not None else None,
                             self.finished, self.finish_reason, self.num_prompt_tokens,
-                            len(self.token_ids), self.timings)
+                            len(self.token_ids), self.timings, self.spec)
         self._new_tokens, self._new_logprobs, self._new_text = [], [], ""
         return out

@@ -612,6 +612,32 @@ def sample(logits: jax.Array, keys: jax.Array, arrays: SamplingArrays) -> jax.Ar
     return jnp.where(greedy, argmax_first(logits), drawn)
 
 
+def distribution(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """The distribution `sample` draws from, as probabilities f32[B, V].
+
+    Greedy rows (temperature == 0 or top_k == 1): one-hot at `argmax_first`.
+    Other rows: exp(z) over the tokens `keep_mask` keeps, renormalised, with
+    z = (logits - max) / max(temperature, TEMPERATURE_FLOOR). Speculative
+    decoding compares these for the target and the proposer (Leviathan et
+    al. 2023, "Fast Inference from Transformers via Speculative Decoding",
+    arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318).
+
+    Args:
+      logits: [B, V] (penalties already applied), as for `sample`.
+      arrays: per-row parameters.
+    """
+    logits = _materialize(logits.astype(jnp.float32))
+    greedy = (arrays.temperature <= 0) | (arrays.top_k == 1)
+    temperature = jnp.maximum(arrays.temperature, TEMPERATURE_FLOOR)
+    z = _materialize((logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature[:, None])
+    keep = keep_mask(z, jnp.where(greedy, 0, arrays.top_k), jnp.where(greedy, 1.0, arrays.top_p),
+                     arrays.min_p)
+    weights = jnp.where(keep, jnp.exp(z), 0.0)
+    probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    one_hot = jax.nn.one_hot(argmax_first(logits), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy[:, None], one_hot, probs)
+
+
 def log_softmax_topn(logits: jax.Array, tokens: jax.Array, n: int):
     """Log-probabilities for reporting ("raw logprobs", as vLLM's default).
 

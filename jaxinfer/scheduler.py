@@ -48,6 +48,7 @@ import numpy as np
 
 from jaxinfer.request import Request, RequestOutput, RequestState
 from jaxinfer.runner import logprob_bucket
+from jaxinfer.speculative import NO_TOKEN
 
 POLICIES = ("continuous", "static")
 
@@ -184,7 +185,12 @@ class Scheduler:
         wanted = [self.states[r].request.logprobs for r, o in zip(self.slots, occupied) if o]
         counts = [n for n in wanted if n is not None]
         num_logprobs = logprob_bucket(max(counts)) if counts else -1
-        out = self.runner.decode(occupied, num_logprobs)
+        max_drafts = None
+        spec = getattr(self.runner, "speculative", None)
+        if spec is not None:
+            max_drafts = np.array([self.states[r].draft_cap(spec.num_speculative_tokens)
+                                   if o else 0 for r, o in zip(self.slots, occupied)], np.int32)
+        out = self.runner.decode(occupied, num_logprobs, max_drafts)
         return out, tuple((slot, slot, r) for slot, r in enumerate(self.slots) if occupied[slot])
 
     def _take_aborted(self) -> list[RequestOutput]:
@@ -206,10 +212,16 @@ class Scheduler:
             state = self.states.get(rid)
             if state is None or state.finished:
                 continue
+            if out.drafted is not None:
+                state.record_speculation(int(out.drafted[row]), int(out.accepted[row]),
+                                         int(out.rounds[row]))
             for step in range(out.token.shape[0]):
+                token = int(out.token[step, row])
+                if token == NO_TOKEN:
+                    continue
                 lp = None if out.logprob is None else (
                     out.logprob[step, row], out.top_ids[step, row], out.top_logprobs[step, row])
-                state.add(int(out.token[step, row]), lp)
+                state.add(token, lp)
             if state.finished and self.slots[slot] == rid:
                 self.slots[slot] = None
             event = state.take_output(self.clock())

@@ -26,6 +26,8 @@ class RunStats:
       decode_steps: compiled decode steps run (chunks run whole, so steps
         past a request's end count too).
       decoded_tokens: tokens after each request's first.
+      drafted, accepted, rounds: speculative decoding totals (tokens
+        proposed and verified, accepted, verification rounds with a draft).
     """
 
     prompt_tokens: int = 0
@@ -36,16 +38,29 @@ class RunStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decoded_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after each request's first, per decode second."""
         return self.decoded_tokens / self.decode_s if self.decode_s > 0 else math.nan
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (speculative decoding)."""
+        return self.accepted / self.drafted if self.drafted else math.nan
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verification round."""
+        return self.accepted / self.rounds if self.rounds else math.nan
+
     @classmethod
     def from_requests(cls, prompt_lengths: Sequence[int], tokens: Sequence[Sequence[int]],
                       timings: Sequence[Optional[Timings]], *, compile_s: float,
-                      decode_steps: int) -> "RunStats":
+                      decode_steps: int, spec: Sequence = ()) -> "RunStats":
         done = [t for t in timings if t is not None and t.first_token is not None]
         ttfts = [t.ttft for t in done]
         tpots = [(t.finished - t.first_token) / (len(ids) - 1)
@@ -55,13 +70,20 @@ class RunStats:
         return cls(prompt_tokens=sum(prompt_lengths), generated_tokens=sum(map(len, tokens)),
                    compile_s=compile_s, ttft_s=_mean(ttfts), tpot_s=_mean(tpots), decode_s=decode_s,
                    decode_steps=decode_steps,
-                   decoded_tokens=sum(max(len(ids) - 1, 0) for ids in tokens))
+                   decoded_tokens=sum(max(len(ids) - 1, 0) for ids in tokens),
+                   drafted=sum(x.drafted for x in spec if x is not None),
+                   accepted=sum(x.accepted for x in spec if x is not None),
+                   rounds=sum(x.rounds for x in spec if x is not None))
 
     def summary(self) -> str:
-        return (f"prompt tokens {self.prompt_tokens} | generated tokens {self.generated_tokens} | "
+        line = (f"prompt tokens {self.prompt_tokens} | generated tokens {self.generated_tokens} | "
                 f"compile {self.compile_s:.2f} s | TTFT {self.ttft_s * 1e3:.1f} ms | "
                 f"TPOT {self.tpot_s * 1e3:.1f} ms/token ({self.decode_steps} decode steps) | "
                 f"decode {self.decode_tokens_per_s:.1f} tokens/s")
+        if self.drafted:
+            line += (f" | speculative: {self.accepted}/{self.drafted} drafts accepted "
+                     f"({self.acceptance_rate:.0%}), {self.mean_accepted:.2f} per round")
+        return line
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -57,10 +57,11 @@ def real_model_path():
 
 @pytest.fixture(scope="session")
 def hf_gguf():
-    """gguf path -> (transformers model, tokenizer), one model held at a time
-    across the session (see `OneAtATime`); released at the end."""
+    """`.get(gguf path)` -> (transformers model, tokenizer), one model held at a
+    time across the session (see `OneAtATime`); the last module using a model
+    calls `.clear()`, and the session's end releases whatever is left."""
     holder = OneAtATime(load_hf_gguf)
-    yield holder.get
+    yield holder
     holder.clear()
 
 

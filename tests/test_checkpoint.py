@@ -400,7 +400,7 @@ def loaded(request, real_model_path, hf_gguf):
     path = real_model_path(request.param)
     config, params, meta = load_gguf(path)
     params = jax.tree_util.tree_map(np.asarray, params)
-    hf, _ = hf_gguf(path)             # shared with test_gemma3 / test_hf_smollm2 (conftest)
+    hf, _ = hf_gguf.get(path)         # shared with test_gemma3 / test_hf_smollm2 (conftest)
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}   # views of the model's tensors
     return config, params, meta, hf.config, sd
 

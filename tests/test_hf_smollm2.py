@@ -35,7 +35,8 @@ def llm(gguf_path):
 
 @pytest.fixture(scope="module")
 def hf(gguf_path, hf_gguf):
-    return hf_gguf(gguf_path)       # shared with test_checkpoint's loaded[smollm2] (conftest)
+    yield hf_gguf.get(gguf_path)    # shared with test_checkpoint's loaded[smollm2] (conftest)
+    hf_gguf.clear()                 # the last module that needs it
 
 
 def _hf_logits(model, ids):

@@ -78,7 +78,7 @@ class FakeRunner:
         self.log.append(("insert", job.request.prompt_ids[0], slot))
         self.rows[slot] = job.row
 
-    def decode(self, occupied, num_logprobs=-1):
+    def decode(self, occupied, num_logprobs=-1, max_drafts=None):
         self.log.append(("decode", tuple(bool(o) for o in occupied)))
         self.decode_steps += self.decode_chunk
         tokens = np.full((self.decode_chunk, self.max_num_seqs), -1)

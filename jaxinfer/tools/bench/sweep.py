@@ -87,7 +87,8 @@ class Runner:
         from jaxinfer.runner import row_inputs, stop_tokens
 
         b, t = tokens.shape
-        inputs = row_inputs([Request(row, max_new_tokens=1) for row in tokens], self.config.vocab_size)
+        inputs = row_inputs([Request(row, max_new_tokens=1) for row in tokens], self.config.vocab_size,
+                            t + 1)
         cache = jax.block_until_ready(init_cache(self.config, b, cache_len, self.dtype))
         programs = self.llm.programs
         c0, t0 = programs.compile_s, time.perf_counter()
@@ -116,11 +117,9 @@ class Runner:
     def chunk_step(self, runner):
         """One decode chunk of `self.chunk` steps over every slot, tokens
         fetched to the host. Returns (seconds excluding compile, compile seconds)."""
-        import jax
-
         programs = self.llm.programs
         c0, t0 = programs.compile_s, time.perf_counter()
-        jax.device_get(runner.decode(np.ones(runner.max_num_seqs, bool)).token)
+        runner.fetch(runner.decode(np.ones(runner.max_num_seqs, bool)))
         compile_s = programs.compile_s - c0
         return time.perf_counter() - t0 - compile_s, compile_s
 
