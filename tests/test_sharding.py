@@ -177,16 +177,20 @@ def test_dp_replicas_match_one_device():
 
 
 def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
+    """The tp run in a subprocess first, then HF, then our single-device
+    run, one model in this process at a time."""
     from jaxinfer.llm import LLM
+    from jaxinfer.loading import load_tokenizer
+    from tp_cases import SEEDED
 
     torch = pytest.importorskip("torch")
     path = real_model_path(name)
-    llm = LLM.load(str(path), max_seq_len=1024, decode_chunk=16, progress=False)
-    prompts = [llm.encode_prompt(t) for t in texts]
+    tok = load_tokenizer(path)
+    prompts = [tok.encode_prompt(t, False) for t in texts]
     out = tmp_path / "logits.npz"
     result = run_case(tp, "tp_cases", "real_model", timeout_s=1800, name=str(path), tp=tp,
                       prompts=prompts, new_tokens=24, out_path=str(out))
-    model, _ = hf_gguf(path)
+    model, _ = hf_gguf.get(path)
     logits = np.load(out)
     for i, ids in enumerate(prompts):
         with torch.no_grad():
@@ -196,8 +200,10 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
         print(f"\n{name} tp={tp} prompt {i} ({len(ids)} tokens): last-position max |logit diff| vs HF "
               f"{diff:.2e}, max |logit| {scale:.1f}")
         assert diff <= atol + rtol * scale
+    del model
+    hf_gguf.clear()
+    llm = LLM.load(str(path), max_seq_len=1024, decode_chunk=16, progress=False)
     assert result["greedy"] == [c.token_ids for c in llm.generate(prompts, max_new_tokens=24)]
-    from tp_cases import SEEDED
     assert result["seeded"] == [c.token_ids for c in llm.generate(prompts, SEEDED, max_new_tokens=24)]
     return result
 
