@@ -85,3 +85,110 @@ def device_sets(model: str, prefill_tp: int, decode_tp: int) -> dict:
             "decode_devices": sorted(d.id for d in cache.layers[0].keys.sharding.device_set),
             "decode_mesh": [d.id for d in mesh_b.devices.flat],
             "kv_repeat": [prefill_llm.sharding_plan.kv_repeat, decode_llm.sharding_plan.kv_repeat]}
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+STALL_PROMPT = list(range(60, 91))            # 31 tokens: the prompt a worker stalls on
+
+
+def tiny_gemma3():
+    """(config, params, tokenizer) for worker processes (`WorkerSpec.factory`)."""
+    return CONFIGS["gemma3"], random_params(CONFIGS["gemma3"], seed=11), None
+
+
+def _collect(engine, requests, late, deadline):
+    """Submit requests (the `late` ones after the first tokens of the
+    others), collecting events with callbacks; returns {index: [tokens,
+    finish_reason, error]} once all finished or at the deadline."""
+    import threading
+
+    out, lock = {}, threading.Lock()
+
+    def on_event(i):
+        def f(event):
+            with lock:
+                tokens, _, _ = out.get(i, ([], None, None))
+                if isinstance(event, BaseException):
+                    out[i] = (tokens, "exception", repr(event))
+                else:
+                    out[i] = (tokens + event.token_ids, event.finish_reason, getattr(event, "error", None))
+        return f
+
+    early = [i for i in range(len(requests)) if i not in late]
+    for i in early:
+        engine.submit(requests[i], on_event(i))
+    while not any(out.get(i, ([],))[0] for i in early):
+        if time.monotonic() > deadline:
+            raise RuntimeError("no first token before the deadline")
+        time.sleep(0.01)
+    return out, on_event
+
+
+def _wait_all(out, n, deadline):
+    while sum(v[1] is not None for v in out.values()) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(out)} of {n} requests finished before the deadline: {out}")
+        time.sleep(0.02)
+
+
+def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, timeout_s: float = 600.0) -> dict:
+    """One prefill worker process and this process as the decode worker,
+    tiny Gemma 3. With `kill`, a request whose prefill stalls is submitted
+    while others decode, followed by another; the worker is SIGKILLed
+    mid-prefill. Returns every request's outcome, the colocated tokens,
+    and what is left held or reserved afterwards."""
+    import os
+    import signal
+
+    from jaxinfer.disagg.engine import start_process_engine
+    from jaxinfer.disagg.process import WorkerSpec, _kv, _try_get
+
+    deadline = time.monotonic() + timeout_s
+    common = dict(factory="disagg_cases:tiny_gemma3", llm_kwargs=tuple(LLM_KWARGS.items()))
+    prefill = WorkerSpec(tp=prefill_tp, stall_on_prompt_len=len(STALL_PROMPT) if kill else 0,
+                         stall_s=120.0, **common)
+    engine = start_process_engine([prefill], WorkerSpec(tp=decode_tp, **common), max_num_seqs=4,
+                                  transfer_timeout_s=60.0, startup_timeout_s=300.0,
+                                  log_dir=log_dir)
+    try:
+        requests = [Request(p, s, m, ignore_eos=True) for p, s, m in REQUESTS]
+        late = [len(requests) - 1]
+        if kill:
+            requests = requests[:2] + [Request(STALL_PROMPT, GREEDY, 8, ignore_eos=True)] + requests[2:3]
+            late = [2, 3]
+        out, on_event = _collect(engine, requests, late, deadline)
+        client = engine.client
+        worker = client.workers[0]
+        killed_pid = None
+        for i in late:
+            engine.submit(requests[i], on_event(i))
+            if kill and i == 2:
+                while True:                      # wait until the worker prefills the stalled request
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the stalled request never started")
+                    started = _try_get(_kv(), f"{worker.ns}/started")
+                    seqs = [q for q, (_, r) in worker.sent.items() if r is requests[2]]
+                    if started is not None and seqs and int(started) == seqs[0]:
+                        break
+                    time.sleep(0.01)
+                killed_pid = worker.proc.pid
+                os.kill(killed_pid, signal.SIGKILL)
+        _wait_all(out, len(requests), deadline)
+        while True:                              # the worker frees acknowledged KV (bounded)
+            health = engine.health()
+            held = health["prefill"][0]["held"]
+            if (held == 0 and health["prefill"][0]["state"] == "up") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        config, params = CONFIGS["gemma3"], random_params(CONFIGS["gemma3"], seed=11)
+        with jax.default_device(jax.local_devices()[0]):
+            colocated = _colocated(config, params)
+        s = engine.scheduler
+        result = {"outcomes": {str(i): v for i, v in sorted(out.items())}, "colocated": colocated,
+                  "health": health, "in_flight": s.num_in_flight, "reserved": len(s._reserved),
+                  "slots": [x is not None for x in s.slots], "killed_pid": killed_pid,
+                  "transfers": s.transfers}
+    finally:
+        engine.stop()
+    return result

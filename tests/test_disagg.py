@@ -25,3 +25,35 @@ def test_device_sets_match_colocated(model, prefill_tp, decode_tp):
     assert not any(r["slots"])
     assert r["decode_devices"] == sorted(r["decode_mesh"])       # the KV really lives on mesh B
     assert len(r["transfers"]) == len(r["colocated"]) and all(t["bytes"] > 0 for t in r["transfers"])
+
+
+def test_processes_match_colocated(tmp_path):
+    """jax.distributed on 127.0.0.1, KV pulled with jax.experimental.transfer;
+    prefill tp = 1 in its process, decode tp = 2 (the one KV head repeated)."""
+    r = run_case(2, "disagg_cases", "processes", timeout_s=900, prefill_tp=1, decode_tp=2, kill=False,
+                 log_dir=str(tmp_path))
+    got = r["outcomes"]
+    assert [got[str(i)][0] for i in range(len(r["colocated"]))] == r["colocated"]
+    assert all(v[1] == "length" for v in got.values())
+    assert r["health"]["prefill"][0]["held"] == 0            # every pull acknowledged and freed
+    assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["reserved"] == 0
+    assert not any(r["slots"])
+
+
+def test_killed_prefill_process_fails_only_its_request(tmp_path):
+    """SIGKILL the prefill process while it prefills one request: that request
+    fails with a clear error; the request queued behind it is prefilled by
+    the restarted worker; the decoding ones finish; nothing stays reserved
+    or held."""
+    r = run_case(2, "disagg_cases", "processes", timeout_s=900, prefill_tp=1, decode_tp=1, kill=True,
+                 log_dir=str(tmp_path))
+    got, want = r["outcomes"], r["colocated"]
+    tokens, reason, error = got["2"]
+    assert reason == "error" and tokens == []
+    assert f"prefill worker 0 (pid {r['killed_pid']}) exited with code -9 while prefilling" in error
+    assert [got[k][0] for k in ("0", "1", "3")] == want[:3]     # REQUESTS[0], [1], [2]
+    assert all(got[k][1] == "length" for k in ("0", "1", "3"))
+    worker = r["health"]["prefill"][0]
+    assert worker["restarts"] == 1 and worker["state"] == "up" and worker["held"] == 0
+    assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["reserved"] == 0
+    assert not any(r["slots"])
