@@ -103,7 +103,7 @@ class DisaggScheduler(Scheduler):
     # --- state --------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(super().has_unfinished() or self._reserved or self._failed)
+        return bool(super().has_unfinished() or self._reserved or self._failed or self._draining)
 
     @property
     def num_waiting(self) -> int:
