@@ -4,6 +4,7 @@
     jaxinfer train-toy --config configs/toy-two-layer.yaml
     jaxinfer trace --config configs/toy-two-layer.yaml --prompt 你好 [--plot DIR]
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml [--quick] [--peers hf,llamacpp]
+    jaxinfer disagg --config configs/smollm2-135m-instruct.yaml --prefill-workers 1 [--prompts-file F]
 
 Every usage error (a bad flag, config key or value, prompts file, model name,
 or a prompt too long for max_seq_len) prints one line,
@@ -174,6 +175,9 @@ def main(argv=None) -> int:
     add_train_toy_parser(sub)
     add_trace_parser(sub)
     add_bench_parser(sub)
+    from jaxinfer.disagg.cli import add_disagg_parser
+
+    add_disagg_parser(sub)
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:   # reported by the command's own parser: "jaxinfer <command>: error: ..."

@@ -97,6 +97,11 @@ def tiny_gemma3():
     return CONFIGS["gemma3"], random_params(CONFIGS["gemma3"], seed=11), None
 
 
+def tiny_llama():
+    """As `tiny_gemma3`; no sliding layers, so its ring_pos is an empty [B, 0] array."""
+    return CONFIGS["llama"], random_params(CONFIGS["llama"], seed=11), None
+
+
 def _collect(engine, requests, late, deadline):
     """Submit requests (the `late` ones after the first tokens of the
     others), collecting events with callbacks; returns {index: [tokens,
@@ -132,9 +137,10 @@ def _wait_all(out, n, deadline):
         time.sleep(0.02)
 
 
-def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, timeout_s: float = 600.0) -> dict:
+def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, model: str = "gemma3",
+              timeout_s: float = 600.0) -> dict:
     """One prefill worker process and this process as the decode worker,
-    tiny Gemma 3. With `kill`, a request whose prefill stalls is submitted
+    a tiny model. With `kill`, a request whose prefill stalls is submitted
     while others decode, followed by another; the worker is SIGKILLed
     mid-prefill. Returns every request's outcome, the colocated tokens,
     and what is left held or reserved afterwards."""
@@ -145,7 +151,7 @@ def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, timeout
     from jaxinfer.disagg.process import WorkerSpec, _kv, _try_get
 
     deadline = time.monotonic() + timeout_s
-    common = dict(factory="disagg_cases:tiny_gemma3", llm_kwargs=tuple(LLM_KWARGS.items()))
+    common = dict(factory=f"disagg_cases:tiny_{model}", llm_kwargs=tuple(LLM_KWARGS.items()))
     prefill = WorkerSpec(tp=prefill_tp, stall_on_prompt_len=len(STALL_PROMPT) if kill else 0,
                          stall_s=120.0, **common)
     engine = start_process_engine([prefill], WorkerSpec(tp=decode_tp, **common), max_num_seqs=4,
@@ -181,7 +187,7 @@ def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, timeout
             if (held == 0 and health["prefill"][0]["state"] == "up") or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        config, params = CONFIGS["gemma3"], random_params(CONFIGS["gemma3"], seed=11)
+        config, params = CONFIGS[model], random_params(CONFIGS[model], seed=11)
         with jax.default_device(jax.local_devices()[0]):
             colocated = _colocated(config, params)
         s = engine.scheduler

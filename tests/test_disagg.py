@@ -27,11 +27,13 @@ def test_device_sets_match_colocated(model, prefill_tp, decode_tp):
     assert len(r["transfers"]) == len(r["colocated"]) and all(t["bytes"] > 0 for t in r["transfers"])
 
 
-def test_processes_match_colocated(tmp_path):
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gemma3", 1, 2), ("llama", 2, 1)])
+def test_processes_match_colocated(tmp_path, model, prefill_tp, decode_tp):
     """jax.distributed on 127.0.0.1, KV pulled with jax.experimental.transfer;
-    prefill tp = 1 in its process, decode tp = 2 (the one KV head repeated)."""
-    r = run_case(2, "disagg_cases", "processes", timeout_s=900, prefill_tp=1, decode_tp=2, kill=False,
-                 log_dir=str(tmp_path))
+    different tp in the two processes (Gemma: its one KV head repeated on
+    the decode side; Llama: no sliding layers, an empty ring_pos)."""
+    r = run_case(2, "disagg_cases", "processes", timeout_s=900, prefill_tp=prefill_tp,
+                 decode_tp=decode_tp, kill=False, log_dir=str(tmp_path), model=model)
     got = r["outcomes"]
     assert [got[str(i)][0] for i in range(len(r["colocated"]))] == r["colocated"]
     assert all(v[1] == "length" for v in got.values())

@@ -18,7 +18,9 @@ Two transports behind that one interface:
   mid-transfer fails (the pulled arrays raise "Connection closed"); a pull
   of a uuid nobody registered, or from an address nobody serves, never
   completes and ignores its `timeout` argument, so the receiver polls
-  `is_ready()` against its own deadline instead of blocking. There is no
+  `is_ready()` against its own deadline instead of blocking. A zero-size
+  array (a model without sliding layers has ring_pos [B, 0]) never
+  completes either, so empty leaves are not sent: the receiver makes them. There is no
   way to withdraw an `await_pull`: a registered tree stays in the sender's
   server until pulled, so an aborted request is still pulled (and dropped).
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from typing import Any, Optional
@@ -72,7 +75,7 @@ def _to_wire(tree, device) -> tuple[list, Ticket]:
     keys = tuple(str(jax.random.key_impl(x)) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
                  else "" for x in leaves)
     plain = [jax.random.key_data(x) if k else x for x, k in zip(leaves, keys)]
-    plain = jax.device_put(plain, jax.sharding.SingleDeviceSharding(device))
+    plain = jax.device_put(plain, jax.sharding.SingleDeviceSharding(device))   # gather shards
     ticket = Ticket(0, "", treedef, tuple(tuple(x.shape) for x in plain),
                     tuple(np.dtype(x.dtype).str for x in plain), keys,
                     sum(int(x.nbytes) for x in plain))
@@ -176,6 +179,7 @@ class PullTransport:
         """Register `tree` (gathered onto `device`) for one pull and hold its
         buffers until `release` (the receiver's acknowledgement)."""
         leaves, ticket = _to_wire(tree, device)
+        leaves = [x for x in leaves if x.size]          # empty arrays never complete a pull
         with self._lock:
             key = next(self._keys)
             self._held[key] = (leaves, time.monotonic())
@@ -214,9 +218,12 @@ class PullTransport:
             conn = self._connections[ticket.address] = self.server.connect(ticket.address)
         sharding = jax.sharding.SingleDeviceSharding(device)
         specs = [jax.ShapeDtypeStruct(s, np.dtype(d), sharding=sharding)
-                 for s, d in zip(ticket.shapes, ticket.dtypes)]
-        leaves = conn.pull(ticket.key, specs)
-        return Receipt(list(leaves), ticket, time.monotonic() + timeout_s)
+                 for s, d in zip(ticket.shapes, ticket.dtypes) if math.prod(s)]
+        pulled = iter(conn.pull(ticket.key, specs))
+        leaves = [next(pulled) if math.prod(s) else
+                  jax.device_put(np.zeros(s, np.dtype(d)), sharding)
+                  for s, d in zip(ticket.shapes, ticket.dtypes)]
+        return Receipt(leaves, ticket, time.monotonic() + timeout_s)
 
     def forget(self, address: str) -> None:
         """Drop the connection to a sender that is gone."""
