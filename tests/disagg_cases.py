@@ -59,20 +59,23 @@ def drive(scheduler, requests, late: int = 1, timeout_s: float = 300.0) -> dict:
     return {str(i): v for i, v in sorted(out.items())}
 
 
-def device_sets(model: str, prefill_tp: int, decode_tp: int) -> dict:
-    """Prefill on devices [0, prefill_tp), decode on the next decode_tp
-    devices of this process; outputs of both and of the colocated engine."""
-    n = prefill_tp + decode_tp
+def device_sets(model: str, prefill_tp: int, decode_tp: int, prefill_workers: int = 1) -> dict:
+    """`prefill_workers` prefill workers on devices [0, prefill_tp), [prefill_tp,
+    2 prefill_tp), ..., decode on the next decode_tp devices of this
+    process; outputs of both and of the colocated engine."""
+    n = prefill_tp * prefill_workers + decode_tp
     if len(jax.local_devices()) < n:
         return {"skip": f"needs {n} devices"}
     config = CONFIGS[model]
     params = random_params(config, seed=11)
     devs = jax.local_devices()
-    mesh_a = sharding.make_mesh(prefill_tp, devices=devs[:prefill_tp])
-    mesh_b = sharding.make_mesh(decode_tp, devices=devs[prefill_tp:n])
-    prefill_llm = sharding.tensor_parallel_llm(config, params, None, mesh_a, **LLM_KWARGS)
+    meshes_a = [sharding.make_mesh(prefill_tp, devices=devs[i * prefill_tp:(i + 1) * prefill_tp])
+                for i in range(prefill_workers)]
+    mesh_b = sharding.make_mesh(decode_tp, devices=devs[n - decode_tp:n])
+    prefill_llms = [sharding.tensor_parallel_llm(config, params, None, m, **LLM_KWARGS) for m in meshes_a]
     decode_llm = sharding.tensor_parallel_llm(config, params, None, mesh_b, **LLM_KWARGS)
-    client = ThreadPrefillClient([prefill_llm])
+    prefill_llm = prefill_llms[0]
+    client = ThreadPrefillClient(prefill_llms)
     scheduler = make_scheduler(decode_llm, client, 4)
     requests = [Request(p, s, m, ignore_eos=True) for p, s, m in REQUESTS]
     got = drive(scheduler, requests)
@@ -82,6 +85,7 @@ def device_sets(model: str, prefill_tp: int, decode_tp: int) -> dict:
             "held": client.transport().num_held, "in_flight": scheduler.num_in_flight,
             "slots": [s is not None for s in scheduler.slots],
             "transfers": scheduler.transfers,
+            "workers_used": sorted({t["worker"] for t in scheduler.transfers}),
             "decode_devices": sorted(d.id for d in cache.layers[0].keys.sharding.device_set),
             "decode_mesh": [d.id for d in mesh_b.devices.flat],
             "kv_repeat": [prefill_llm.sharding_plan.kv_repeat, decode_llm.sharding_plan.kv_repeat]}

@@ -27,6 +27,14 @@ def test_device_sets_match_colocated(model, prefill_tp, decode_tp):
     assert len(r["transfers"]) == len(r["colocated"]) and all(t["bytes"] > 0 for t in r["transfers"])
 
 
+def test_two_prefill_workers_share_the_requests():
+    r = run_case(4, "disagg_cases", "device_sets", model="gemma3", prefill_tp=1, decode_tp=2,
+                 prefill_workers=2)
+    got = r["disaggregated"]
+    assert [got[str(i)][0] for i in range(len(r["colocated"]))] == r["colocated"]
+    assert r["workers_used"] == [0, 1] and r["held"] == 0 and not any(r["slots"])
+
+
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gemma3", 1, 2), ("llama", 2, 1)])
 def test_processes_match_colocated(tmp_path, model, prefill_tp, decode_tp):
     """jax.distributed on 127.0.0.1, KV pulled with jax.experimental.transfer;

@@ -191,7 +191,8 @@ class DisaggScheduler(Scheduler):
                 self._fail(rid, f"prefill worker {result.worker}: {e}")
                 continue
             self.prefill.release(result)
-            self.transfers.append({"request_id": rid, "bytes": result.ticket.nbytes,
+            self.transfers.append({"request_id": rid, "worker": result.worker,
+                                   "bytes": result.ticket.nbytes,
                                    "transfer_s": time.perf_counter() - receipt.started,
                                    "prefill_s": result.prefill_s,
                                    "prompt_tokens": len(self.states[rid].request.prompt_ids)})
