@@ -93,6 +93,8 @@ class ShardingPlan:
         """One line: what is split and what is replicated."""
         def word(split):
             return "split" if split else "replicated"
+        if self.tp == 1:
+            return f"tp=1 dp={self.dp}: nothing split"
         heads = word(self.split_heads) + (f", each KV head x{self.kv_repeat}" if self.kv_repeat > 1 else "")
         return (f"tp={self.tp} dp={self.dp}: attention {heads}; MLP {word(self.split_mlp)}; "
                 f"vocabulary {word(self.split_vocab)}")

@@ -177,9 +177,8 @@ def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, model: 
                 while True:                      # wait until the worker prefills the stalled request
                     if time.monotonic() > deadline:
                         raise RuntimeError("the stalled request never started")
-                    started = _try_get(_kv(), f"{worker.ns}/started")
                     seqs = [q for q, (_, r) in worker.sent.items() if r is requests[2]]
-                    if started is not None and seqs and int(started) == seqs[0]:
+                    if seqs and _try_get(_kv(), f"{worker.ns}/started/{seqs[0]}") is not None:
                         break
                     time.sleep(0.01)
                 killed_pid = worker.proc.pid

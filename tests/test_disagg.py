@@ -67,3 +67,36 @@ def test_killed_prefill_process_fails_only_its_request(tmp_path):
     assert worker["restarts"] == 1 and worker["state"] == "up" and worker["held"] == 0
     assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["reserved"] == 0
     assert not any(r["slots"])
+
+
+def test_prefill_worker_interleaves_pieces_round_robin():
+    """A short prompt added while a long one is being prefilled finishes
+    after one piece of the long one, not after all of it; the first tokens
+    are the colocated engine's (same pieces of prefill_chunk_size)."""
+    from jaxinfer.disagg.transfer import LocalTransport
+    from jaxinfer.disagg.worker import PrefillWorker
+    from jaxinfer.llm import LLM
+    from jaxinfer.request import Request
+    from tiny import TINY_GEMMA3, random_params
+
+    kwargs = dict(max_seq_len=64, min_kv_bucket=32, decode_chunk=4, prefill_chunk_size=8)
+    llm = LLM(TINY_GEMMA3, random_params(TINY_GEMMA3, seed=2), **kwargs)
+    transport = LocalTransport()
+    worker = PrefillWorker(llm, transport)
+    long, short = Request(list(range(3, 40)), max_new_tokens=4), Request([7, 8, 9], max_new_tokens=4)
+    worker.add(0, long)
+    results = worker.step()                                # the long prompt's first piece
+    worker.add(1, short)
+    steps = 1
+    while worker.busy:
+        results += worker.step()
+        steps += 1
+        assert steps < 20
+    assert [r.request_id for r in results] == [1, 0] and steps == 6   # 37 tokens: 5 pieces of 8
+    assert transport.num_held == 2
+    import jax
+
+    first = {r.request_id: int(transport.receive(r.ticket, jax.devices()[0]).wait(30).result()[1].token[0, 0])
+             for r in results}
+    want = [c.token_ids[0] for c in llm.generate([long.prompt_ids, short.prompt_ids], max_new_tokens=1)]
+    assert [first[0], first[1]] == want

@@ -71,12 +71,16 @@ def start_process_engine(prefill: Sequence, decode, *, max_num_seqs: int = 8,
 
     configure_host(decode.tp, decode.cpus)
     client = ProcessPrefillClient(prefill, **client_kwargs)
-    client.initialize()
-    import jax
+    try:
+        client.initialize()
+        import jax
 
-    llm = build_llm(decode, jax.local_devices()[:decode.tp])
-    client.wait_ready()
-    scheduler = make_scheduler(llm, client, max_num_seqs, transfer_timeout_s=transfer_timeout_s)
+        llm = build_llm(decode, jax.local_devices()[:decode.tp])
+        client.wait_ready()
+        scheduler = make_scheduler(llm, client, max_num_seqs, transfer_timeout_s=transfer_timeout_s)
+    except BaseException:
+        client.close(timeout_s=5.0)       # no worker outlives a failed start
+        raise
     engine = DisaggEngine(scheduler, client, max_waiting_requests=max_waiting_requests)
     engine.llm = llm
     return engine.start()

@@ -73,12 +73,16 @@ class ThreadPrefillClient:
     def _serve(self, i: int) -> None:
         worker, q = self.workers[i], self._queues[i]
         while True:
-            item = q.get()
-            if item is None:
-                return
-            rid, request = item
+            while True:                      # take what arrived; wait only when idle
+                try:
+                    item = q.get_nowait() if worker.busy else q.get()
+                except queue.Empty:
+                    break
+                if item is None:
+                    return
+                worker.add(*item)
             with self._lock:
-                if rid in self._cancelled:
+                for rid in [r for r in self._cancelled if worker.cancel(r)]:
                     self._cancelled.discard(rid)
-                    continue
-            self._results.put(worker.prefill(rid, request))
+            for result in worker.step():
+                self._results.put(result)

@@ -20,7 +20,7 @@ process is started by this module, so the peers are trusted):
 
     req/{seq}      decode -> worker   (request id, Request), seq = 0, 1, ...
     cancel/{rid}   decode -> worker   the request was aborted: skip it
-    started        worker -> decode   the seq being prefilled now
+    started/{seq}  worker -> decode   its prefill has begun (it fails if the worker dies)
     done/{seq}     worker -> decode   PrefillResult: a Ticket, or an error
     ack/{key}      decode -> worker   the KV under ticket `key` was pulled: free it
     held           worker -> decode   how many offered trees it still holds
@@ -177,7 +177,13 @@ def _stall_hook(worker, spec: WorkerSpec) -> None:
 
 
 def _serve(client, ns: str, worker, transport, hold_timeout_s: float) -> None:
-    seq, held_reported = 0, -1
+    """The worker's loop: free acknowledged KV, take new requests (waiting
+    up to 50 ms only when idle), drop cancelled ones, run one prefill piece."""
+    seq, seqs, held_reported = 0, {}, -1
+
+    def answer(rid, result):
+        client.key_value_set_bytes(f"{ns}/done/{seqs.pop(rid)}", pickle.dumps(result))
+
     while _try_get(client, f"{ns}/stop") is None:
         for key in transport.held_keys():                  # acknowledged pulls: free the buffers
             if _try_get(client, f"{ns}/ack/{key}") is not None:
@@ -187,21 +193,35 @@ def _serve(client, ns: str, worker, transport, hold_timeout_s: float) -> None:
         if transport.num_held != held_reported:
             held_reported = transport.num_held
             client.key_value_set(f"{ns}/held", str(held_reported), allow_overwrite=True)
-        try:
-            message = client.blocking_key_value_get_bytes(f"{ns}/req/{seq}", 50)
-        except Exception as e:  # noqa: BLE001
-            if "DEADLINE_EXCEEDED" in str(e):
-                continue
-            raise
-        rid, request = pickle.loads(message)
-        if _try_get(client, f"{ns}/cancel/{rid}") is not None:
-            result = PrefillResult(rid, error="cancelled", worker=worker.worker_id)
-        else:
-            client.key_value_set(f"{ns}/started", str(seq), allow_overwrite=True)
-            result = worker.prefill(rid, request)
-        client.key_value_set_bytes(f"{ns}/done/{seq}", pickle.dumps(result))
-        client.key_value_delete(f"{ns}/req/{seq}")
-        seq += 1
+        while (raw := _next_request(client, f"{ns}/req/{seq}", wait=not worker.busy)) is not None:
+            rid, request = pickle.loads(raw)
+            seqs[rid] = seq
+            client.key_value_delete(f"{ns}/req/{seq}")
+            seq += 1
+            if _try_get(client, f"{ns}/cancel/{rid}") is not None:
+                answer(rid, PrefillResult(rid, error="cancelled", worker=worker.worker_id))
+            else:
+                worker.add(rid, request)
+        for job in list(worker.jobs):
+            if _try_get(client, f"{ns}/cancel/{job.request_id}") is not None and worker.cancel(job.request_id):
+                answer(job.request_id, PrefillResult(job.request_id, error="cancelled",
+                                                     worker=worker.worker_id))
+        if worker.jobs:                                     # the job whose piece runs next has started
+            client.key_value_set(f"{ns}/started/{seqs[worker.jobs[0].request_id]}", "1",
+                                 allow_overwrite=True)
+        for result in worker.step():
+            answer(result.request_id, result)
+
+
+def _next_request(client, key: str, wait: bool) -> Optional[bytes]:
+    if not wait:
+        return _try_get(client, key)
+    try:
+        return client.blocking_key_value_get_bytes(key, 50)
+    except Exception as e:  # noqa: BLE001
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise
 
 
 # --- the decode side: router and supervisor ----------------------------------------------------
@@ -316,10 +336,12 @@ class ProcessPrefillClient:
             time.sleep(0.05)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the workers (asked, then terminated, then killed) and leave the job."""
-        client = _kv()
+        """Stop the workers: asked (when the job is up), then terminated, then killed."""
+        from jax._src import distributed
+
+        client = distributed.global_state.client
         for w in self.workers:
-            if w.proc is not None and w.proc.poll() is None:
+            if client is not None and w.proc is not None and w.proc.poll() is None:
                 client.key_value_set(f"{w.ns}/stop", "1", allow_overwrite=True)
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
@@ -422,11 +444,10 @@ class ProcessPrefillClient:
 
     def _on_exit(self, w: _Worker, code: int) -> list[PrefillResult]:
         client = _kv()
-        started = _try_get(client, f"{w.ns}/started")
-        started = int(started) if started is not None else -1
         failed, requeue = [], []
         for seq, (rid, request) in sorted(w.sent.items()):
-            if seq == started and _try_get(client, f"{w.ns}/done/{seq}") is None:
+            started = _try_get(client, f"{w.ns}/started/{seq}") is not None
+            if started and _try_get(client, f"{w.ns}/done/{seq}") is None:
                 failed.append(PrefillResult(rid, worker=w.index, error=(
                     f"prefill worker {w.index} (pid {w.proc.pid}) exited with code {code} while "
                     "prefilling this request")))

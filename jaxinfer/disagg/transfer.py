@@ -102,6 +102,19 @@ class Receipt:
     def expired(self, now: Optional[float] = None) -> bool:
         return (time.monotonic() if now is None else now) > self.deadline
 
+    def wait(self, timeout_s: float) -> "Receipt":
+        """Poll until ready, at most `timeout_s` seconds.
+
+        Raises:
+          TransferError: still not ready after timeout_s.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise TransferError(f"the KV transfer did not finish within {timeout_s:g} s")
+            time.sleep(0.001)
+        return self
+
     def result(self):
         """The received tree, once `ready()`.
 

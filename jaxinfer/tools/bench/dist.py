@@ -173,9 +173,10 @@ def _mlp_probe(mesh, config, repeats: int) -> dict:
 
     one = jax.jit(lambda x, a, b: jax.lax.fori_loop(0, n, lambda i, x: (x @ a[i]) @ b[i] * 0.5 + x, x))
     a1, b1 = jnp.full((n, d, f // 2), 1e-3), jnp.full((n, f // 2, d), 1e-3)
+    with_reduce, without = chain(True), chain(False)
     ms = lambda fn: _timed(lambda: jax.block_until_ready(fn()), repeats * 3) * 1e3
-    return {"layers": n, "with_allreduce_ms": ms(lambda: chain(True)(x)),
-            "without_ms": ms(lambda: chain(False)(x)), "one_device_one_shard_ms": ms(lambda: one(x, a1, b1)),
+    return {"layers": n, "with_allreduce_ms": ms(lambda: with_reduce(x)),
+            "without_ms": ms(lambda: without(x)), "one_device_one_shard_ms": ms(lambda: one(x, a1, b1)),
             "loadavg_1m": _loadavg1()}
 
 
@@ -295,32 +296,49 @@ def _warm(trace, n_chat: int = 4):
             for r in chat + long]
 
 
+def _serve_traces(llm, make_scheduler, sweep) -> dict:
+    """Both traces, each with the decode cache sized by its rows ("dynamic":
+    it grows to the bucket of a 2,048-token row while one decodes, for every
+    slot) and fixed at that size from the start ("fixed"): the second
+    compares like with like, leaving only the prefills' own interference."""
+    import types
+
+    from jaxinfer.tools.bench.serving import run_jaxinfer
+
+    traces = _traces(llm.config.vocab_size, sweep)
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in traces["mixed"])
+    out = {}
+    for mode, capacity in (("dynamic", 0), ("fixed", llm.buckets.cache_bucket(longest + llm.decode_chunk))):
+        def scheduler(max_num_seqs, capacity=capacity, **kwargs):
+            s = make_scheduler(max_num_seqs, **kwargs)
+            s.runner.min_capacity = capacity
+            return s
+        shim = types.SimpleNamespace(programs=llm.programs, decode_chunk=llm.decode_chunk,
+                                     scheduler=scheduler)
+        if not out:   # warm-up: compiles the buckets of both traces
+            run_jaxinfer(shim, _warm(traces["mixed"]), max_num_seqs=sweep.max_num_seqs)
+        for name, trace in traces.items():
+            out[f"{name} ({mode})"] = run_jaxinfer(shim, trace, max_num_seqs=sweep.max_num_seqs,
+                                                   timeout_s=sweep.timeout_s)
+    return out
+
+
 def part_colocated(spec: dict) -> dict:
     """The colocated engine (this process, all its cores) on both traces."""
     from jaxinfer.llm import LLM
-    from jaxinfer.tools.bench.serving import run_jaxinfer
 
-    sweep = _sweep(spec)
     llm = LLM.load(spec["model"], max_seq_len=spec["max_seq_len"], decode_chunk=spec["decode_chunk"],
                    prefill_chunk_size=spec["prefill_chunk_size"], progress=False)
-    traces = _traces(llm.config.vocab_size, sweep)
-    run_jaxinfer(llm, _warm(traces["mixed"]), max_num_seqs=sweep.max_num_seqs)
-    return {name: run_jaxinfer(llm, trace, max_num_seqs=sweep.max_num_seqs,
-                               prefill_chunk_size=spec["prefill_chunk_size"], timeout_s=sweep.timeout_s)
-            for name, trace in traces.items()}
+    return _serve_traces(llm, llm.scheduler, _sweep(spec))
 
 
 def part_disaggregated(spec: dict) -> dict:
     """Prefill process on spec["prefill_cpus"], this process decoding on
     spec["decode_cpus"], through `serving.run_jaxinfer` (it drives the
     `DisaggScheduler` on this thread, arrivals on the decode clock)."""
-    import types
-
     from jaxinfer.disagg import make_scheduler
     from jaxinfer.disagg.process import ProcessPrefillClient, WorkerSpec, build_llm, configure_host
-    from jaxinfer.tools.bench.serving import run_jaxinfer
 
-    sweep = _sweep(spec)
     common = dict(source=spec["model"], llm_kwargs=tuple(spec["llm_kwargs"].items()))
     configure_host(1, spec["decode_cpus"])
     client = ProcessPrefillClient([WorkerSpec(cpus=tuple(spec["prefill_cpus"]), **common)])
@@ -330,13 +348,7 @@ def part_disaggregated(spec: dict) -> dict:
 
         llm = build_llm(WorkerSpec(**common), jax.local_devices()[:1])
         client.wait_ready()
-        shim = types.SimpleNamespace(
-            programs=llm.programs, decode_chunk=llm.decode_chunk,
-            scheduler=lambda max_num_seqs, **_: make_scheduler(llm, client, max_num_seqs))
-        traces = _traces(llm.config.vocab_size, sweep)
-        run_jaxinfer(shim, _warm(traces["mixed"]), max_num_seqs=sweep.max_num_seqs)
-        return {name: run_jaxinfer(shim, trace, max_num_seqs=sweep.max_num_seqs, timeout_s=sweep.timeout_s)
-                for name, trace in traces.items()}
+        return _serve_traces(llm, lambda n, **_: make_scheduler(llm, client, n), _sweep(spec))
     finally:
         client.close()
 
@@ -385,11 +397,14 @@ def run_all(model: str, quick: bool, parts: Sequence[str], log=print) -> dict:
 def targets(results: dict) -> list[dict]:
     """The issue's two structural targets."""
     out = []
-    dis = results.get("disaggregated")
-    if dis:
-        mixed, alone = dis["mixed"]["chat"]["itl_s"]["p99"], dis["chat_only"]["chat"]["itl_s"]["p99"]
-        out.append({"name": "disaggregated chat p99 ITL, long prompts arriving / none",
-                    "value": mixed / alone, "op": "<=", "goal": 1.5})
+    for engine in ("disaggregated", "colocated"):
+        for mode in ("fixed", "dynamic"):
+            runs = results.get(engine, {})
+            if f"mixed ({mode})" not in runs:
+                continue
+            itl = lambda name: runs[f"{name} ({mode})"]["chat"]["itl_s"]["p99"]
+            out.append({"name": f"{engine}, {mode} decode cache: chat p99 ITL, long prompts arriving / none",
+                        "value": itl("mixed") / itl("chat_only"), "op": "<=", "goal": 1.5})
     rows = results.get("transfer", {}).get("rows", [])
     if rows:
         out.append({"name": "transfer time / prefill time, worst request",
