@@ -8,6 +8,8 @@ jax.experimental.transfer), and a prefill process killed mid-request.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from multidevice import run_case
@@ -100,3 +102,40 @@ def test_prefill_worker_interleaves_pieces_round_robin():
              for r in results}
     want = [c.token_ids[0] for c in llm.generate([long.prompt_ids, short.prompt_ids], max_new_tokens=1)]
     assert [first[0], first[1]] == want
+
+
+def test_serve_with_a_prefill_worker_process(toy_folder, tmp_path):
+    """`jaxinfer serve --prefill-workers 1`: the OpenAI server over a prefill
+    process and this decode process answers as the toy does colocated
+    ("你好" -> "世界", the test_server expectation), streamed and not;
+    /health lists the worker; SIGTERM stops the server and its worker."""
+    import signal
+    import time
+
+    import httpx
+    import openai
+    from serve_process import start_serve, stop
+
+    cfg = tmp_path / "toy-disagg.yaml"
+    cfg.write_text(f"model: {toy_folder}\nmax_seq_len: 32\ndecode_chunk: 4\nmax_num_seqs: 2\n"
+                   "chat: false\nwarmup: false\n", encoding="utf-8")
+    env = {**os.environ, "JAXINFER_LOAD_CACHE": "0"}
+    proc, url = start_serve(["--config", str(cfg), "--prefill-workers", "1"], 600, env=env)
+    try:
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert health["status"] == "ok" and [w["state"] for w in health["prefill"]] == ["up"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        model = str(toy_folder)
+        assert client.completions.create(model=model, prompt="你好", max_tokens=3).choices[0].text == "世界"
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=model, prompt="你好", max_tokens=3, stream=True) if c.choices]
+        assert "".join(pieces) == "世界"
+        deadline = time.monotonic() + 60       # the worker frees a KV once the pull is acknowledged
+        while (held := httpx.get(url + "/health", timeout=30).json()["prefill"][0]["held"]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert held == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        stop(proc)

@@ -58,7 +58,7 @@ class FakeClient:
             self.ready.append(PrefillResult(rid, error=self.errors[first]))
             return
         job = self.prefiller.begin(request)
-        self.prefiller.prefill(job, 1 << 30)
+        self.prefiller.prefill(job)
         self.keys += 1
         self.held[self.keys] = ((job.row, job.first), first)
         ticket = Ticket(self.keys, "", None, (), (), (), 100)

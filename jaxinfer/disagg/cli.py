@@ -26,15 +26,45 @@ import time
 def add_disagg_parser(sub) -> None:
     p = sub.add_parser("disagg", help="prefill/decode disaggregation over processes")
     p.add_argument("--config", help="YAML generation config (see configs/)")
-    p.add_argument("--prefill-workers", type=int, default=1, help="prefill processes (default 1)")
-    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill worker")
-    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode worker")
-    p.add_argument("--prefill-cpus", default="", help="cores for the prefill workers, e.g. 0 or 0-1")
-    p.add_argument("--decode-cpus", default="", help="cores for the decode worker, e.g. 1")
+    add_worker_args(p, default_workers=1)
     p.add_argument("--prompts-file", help="one prompt per line (default: stdin)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     p.set_defaults(func=cmd_disagg, parser=p)
+
+
+def add_worker_args(p, default_workers: int) -> None:
+    """The worker flags `jaxinfer disagg` and `jaxinfer serve` share."""
+    p.add_argument("--prefill-workers", type=int, default=default_workers,
+                   help=f"prefill processes (default {default_workers}"
+                        + ("; 0: prefill and decode in this process)" if default_workers == 0 else ")"))
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill worker")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode worker")
+    p.add_argument("--prefill-cpus", default="", help="cores for the prefill workers, e.g. 0 or 0-1")
+    p.add_argument("--decode-cpus", default="", help="cores for the decode worker, e.g. 1")
+
+
+def start_engine(cfg, args, *, start: bool = True):
+    """The process-disaggregated engine for a `GenerationConfig` and the
+    worker flags of `add_worker_args` (`disagg.engine.start_process_engine`).
+
+    Raises:
+      ValueError: --prefill-workers < 1 or a bad CPU list.
+    """
+    from jaxinfer.disagg.engine import start_process_engine
+    from jaxinfer.disagg.process import WorkerSpec
+
+    if args.prefill_workers < 1:
+        raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
+    prefill_cpus, decode_cpus = parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)
+    llm_kwargs = (("max_seq_len", cfg.max_seq_len), ("decode_chunk", cfg.decode_chunk),
+                  ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs))
+    spec = dict(source=cfg.model, dtype=cfg.dtype, llm_kwargs=llm_kwargs)
+    prefill = [WorkerSpec(tp=args.prefill_tp, cpus=prefill_cpus, **spec)
+               for _ in range(args.prefill_workers)]
+    decode = WorkerSpec(tp=args.decode_tp, cpus=decode_cpus, **spec)
+    return start_process_engine(prefill, decode, max_num_seqs=cfg.max_num_seqs,
+                                max_waiting_requests=cfg.max_waiting_requests, start=start)
 
 
 def parse_cpus(text: str):
@@ -56,20 +86,10 @@ def parse_cpus(text: str):
 
 def cmd_disagg(args) -> int:
     from jaxinfer.config import GenerationConfig
-    from jaxinfer.disagg.engine import start_process_engine
-    from jaxinfer.disagg.process import WorkerSpec
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
-    if args.prefill_workers < 1:
-        raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
     lines = _prompt_lines(args.prompts_file)
-    llm_kwargs = (("max_seq_len", cfg.max_seq_len), ("decode_chunk", cfg.decode_chunk),
-                  ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs))
-    spec = dict(source=cfg.model, dtype=cfg.dtype, llm_kwargs=llm_kwargs)
-    prefill = [WorkerSpec(tp=args.prefill_tp, cpus=parse_cpus(args.prefill_cpus), **spec)
-               for _ in range(args.prefill_workers)]
-    decode = WorkerSpec(tp=args.decode_tp, cpus=parse_cpus(args.decode_cpus), **spec)
-    engine = start_process_engine(prefill, decode, max_num_seqs=cfg.max_num_seqs)
+    engine = start_engine(cfg, args)
     try:
         _run(engine, cfg, lines, time.monotonic() + args.timeout_s)
     finally:

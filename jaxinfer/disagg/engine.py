@@ -53,9 +53,11 @@ class DisaggEngine(EngineThread):
 
 def start_process_engine(prefill: Sequence, decode, *, max_num_seqs: int = 8,
                          transfer_timeout_s: float = 60.0,
-                         max_waiting_requests: Optional[int] = None, **client_kwargs) -> DisaggEngine:
+                         max_waiting_requests: Optional[int] = None, start: bool = True,
+                         **client_kwargs) -> DisaggEngine:
     """Start prefill worker processes and make this process the decode
-    worker (and router, and supervisor); returns the running engine.
+    worker (and router, and supervisor); returns the engine, its thread
+    running unless `start` is False (the HTTP server starts it itself).
 
     Must run before JAX starts its backend in this process (it sets this
     process's device count and CPU affinity from `decode`).
@@ -83,4 +85,4 @@ def start_process_engine(prefill: Sequence, decode, *, max_num_seqs: int = 8,
         raise
     engine = DisaggEngine(scheduler, client, max_waiting_requests=max_waiting_requests)
     engine.llm = llm
-    return engine.start()
+    return engine.start() if start else engine

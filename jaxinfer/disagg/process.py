@@ -168,10 +168,10 @@ def _stall_hook(worker, spec: WorkerSpec) -> None:
     runner = worker.runner
     original = runner.prefill
 
-    def prefill(job, budget):
+    def prefill(job):
         if len(job.request.prompt_ids) == spec.stall_on_prompt_len:
             time.sleep(spec.stall_s)
-        return original(job, budget)
+        return original(job)
 
     runner.prefill = prefill
 

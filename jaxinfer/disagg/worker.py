@@ -86,7 +86,7 @@ class PrefillWorker:
         t0 = time.perf_counter()
         try:
             job = item.job
-            self.runner.prefill(job, 1 << 30)       # one piece: at most prefill_chunk_size
+            self.runner.prefill(job)       # one piece: at most prefill_chunk_size
             if job.remaining:
                 jax.block_until_ready(job.cache)
                 item.compute_s += time.perf_counter() - t0

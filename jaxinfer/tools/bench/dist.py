@@ -123,7 +123,7 @@ def part_tp(spec: dict) -> dict:
             for slot in range(b):
                 job = runner.begin(Request(list(range(1, 65)), max_new_tokens=900, ignore_eos=True))
                 while job.remaining:
-                    runner.prefill(job, 1 << 30)
+                    runner.prefill(job)
                 runner.insert(job, slot, np.arange(b) < slot)
             occupied = np.ones(b, bool)
             chunk_s = _timed(lambda: runner.fetch(runner.decode(occupied)), spec["repeats"])
