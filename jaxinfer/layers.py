@@ -327,8 +327,8 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
 def _per_shard(x: jax.Array, w) -> jax.Array:
     """x [..., D] @ w -> [..., S, C]: w [D, S, C] holds S shards' columns
     side by side (tensor parallelism, `jaxinfer.sharding`); an unsharded
-    w [D, C] is one shard (S = 1)."""
-    if not isinstance(w, PackedWeight) and w.ndim == 3:
+    w [D, C] (plain, packed or quantized) is one shard (S = 1)."""
+    if not isinstance(w, (PackedWeight, QuantizedWeight)) and w.ndim == 3:
         return jnp.einsum("...D,DSC->...SC", x, w)
     return matmul(x, w)[..., None, :]
 
