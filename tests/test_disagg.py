@@ -108,7 +108,8 @@ def test_serve_with_a_prefill_worker_process(toy_folder, tmp_path):
     """`jaxinfer serve --prefill-workers 1`: the OpenAI server over a prefill
     process and this decode process answers as the toy does colocated
     ("你好" -> "世界", the test_server expectation), streamed and not;
-    /health lists the worker; SIGTERM stops the server and its worker."""
+    /health lists the worker; SIGTERM stops the server and its worker, and
+    the worker's (empty) log folder goes with them."""
     import signal
     import time
 
@@ -119,8 +120,11 @@ def test_serve_with_a_prefill_worker_process(toy_folder, tmp_path):
     cfg = tmp_path / "toy-disagg.yaml"
     cfg.write_text(f"model: {toy_folder}\nmax_seq_len: 32\ndecode_chunk: 4\nmax_num_seqs: 2\n"
                    "chat: false\nwarmup: false\n", encoding="utf-8")
-    env = {**os.environ, "JAXINFER_LOAD_CACHE": "0"}
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "JAXINFER_LOAD_CACHE": "0", "TMPDIR": str(tmp)}
     proc, url = start_serve(["--config", str(cfg), "--prefill-workers", "1"], 600, env=env)
+    assert [p.name[:17] for p in tmp.glob("jaxinfer-prefill-*")] == ["jaxinfer-prefill-"]
     try:
         health = httpx.get(url + "/health", timeout=30).json()
         assert health["status"] == "ok" and [w["state"] for w in health["prefill"]] == ["up"]
@@ -137,5 +141,6 @@ def test_serve_with_a_prefill_worker_process(toy_folder, tmp_path):
         assert held == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
+        assert not list(tmp.glob("jaxinfer-prefill-*"))      # its empty log folder removed
     finally:
         stop(proc)

@@ -9,8 +9,9 @@ and supervises `--prefill-workers` prefill processes, then reads prompts
 (one per line, from the file or stdin), submits each as soon as it is read
 (so later prompts arrive while earlier ones decode) and prints each
 completion when it finishes: `--- [line N] finish_reason=... ttft=...s`
-and the text, or `--- [line N] error: ...`. The workers' health goes to
-stderr at the end. The HTTP server's disaggregated mode builds the same
+and the text, or `--- [line N] error: ...` (a prompt too long for
+max_seq_len is reported so and skipped; the exit code is then 1). The
+workers' health goes to stderr at the end. The HTTP server's disaggregated mode builds the same
 engine (`disagg.engine.start_process_engine`) in place of its
 `EngineThread`.
 """
@@ -18,6 +19,7 @@ engine (`disagg.engine.start_process_engine`) in place of its
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -71,7 +73,7 @@ def parse_cpus(text: str):
     """"0", "0,2", "0-3" -> (0,), (0, 2), (0, 1, 2, 3); "" -> None.
 
     Raises:
-      ValueError: for anything else.
+      ValueError: for anything else, or cores this process may not run on.
     """
     if not text:
         return None
@@ -81,6 +83,10 @@ def parse_cpus(text: str):
         if not lo.strip().isdigit() or (hi and not hi.strip().isdigit()):
             raise ValueError(f"bad CPU list {text!r}: expected e.g. 0, 0,2 or 0-3")
         out += list(range(int(lo), int(hi or lo) + 1))
+    missing = sorted(set(out) - os.sched_getaffinity(0))
+    if missing:
+        raise ValueError(f"bad CPU list {text!r}: this process may run on cores "
+                         f"{sorted(os.sched_getaffinity(0))} only, not {missing}")
     return tuple(out)
 
 
@@ -88,14 +94,15 @@ def cmd_disagg(args) -> int:
     from jaxinfer.config import GenerationConfig
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+    parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)     # usage errors first
     lines = _prompt_lines(args.prompts_file)
     engine = start_engine(cfg, args)
     try:
-        _run(engine, cfg, lines, time.monotonic() + args.timeout_s)
+        rejected = _run(engine, cfg, lines, time.monotonic() + args.timeout_s)
     finally:
         print(json.dumps(engine.health()), file=sys.stderr)
         engine.stop()
-    return 0
+    return 1 if rejected else 0
 
 
 def _prompt_lines(path):
@@ -106,8 +113,11 @@ def _prompt_lines(path):
     return iter(read_prompts(path))
 
 
-def _run(engine, cfg, lines, deadline: float) -> None:
+def _run(engine, cfg, lines, deadline: float) -> int:
+    """Submit each line as read, print each completion; returns the number
+    of lines rejected before they ran (their error printed in their place)."""
     done = threading.Event()
+    rejected = 0
     outstanding = [0]
     lock = threading.Lock()
 
@@ -135,15 +145,21 @@ def _run(engine, cfg, lines, deadline: float) -> None:
     for number, text in lines:
         if not text.strip():
             continue
-        [request] = engine.llm.requests([text], cfg.sampling, max_new_tokens=cfg.max_new_tokens,
-                                        chat=cfg.chat, stop=cfg.stop, min_tokens=cfg.min_tokens,
-                                        ignore_eos=cfg.ignore_eos)
+        try:
+            [request] = engine.llm.requests([text], cfg.sampling, max_new_tokens=cfg.max_new_tokens,
+                                            chat=cfg.chat, stop=cfg.stop, min_tokens=cfg.min_tokens,
+                                            ignore_eos=cfg.ignore_eos)
+        except ValueError as e:          # too long for max_seq_len: this line only
+            print(f"--- [line {number}] error: {str(e).removeprefix('row 0: ')}", flush=True)
+            rejected += 1
+            continue
         with lock:
             outstanding[0] += 1
             done.clear()
         engine.submit(request, printer(number))
     with lock:
         if outstanding[0] == 0:
-            return
+            return rejected
     if not done.wait(max(0.0, deadline - time.monotonic())):
         raise TimeoutError("requests did not finish before --timeout-s")
+    return rejected

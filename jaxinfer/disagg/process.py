@@ -35,6 +35,7 @@ import importlib
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -270,7 +271,9 @@ class ProcessPrefillClient:
       startup_timeout_s: a worker not ready this long after its start is
         killed and counted as failed.
       hold_timeout_s: a worker drops offered KV nobody pulled after this long.
-      log_dir: where each worker's output goes (prefill-{i}-{incarnation}.log).
+      log_dir: where each worker's output goes (prefill-{i}-{incarnation}.log);
+        default a new temporary folder, deleted by `close` when every log
+        in it is empty.
     """
 
     def __init__(self, specs: Sequence[WorkerSpec], *, max_restarts: int = 3,
@@ -279,6 +282,7 @@ class ProcessPrefillClient:
         self.workers = [_Worker(i, spec) for i, spec in enumerate(specs)]
         self.max_restarts, self.startup_timeout_s = max_restarts, startup_timeout_s
         self.hold_timeout_s, self.heartbeat_s = hold_timeout_s, heartbeat_s
+        self._own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="jaxinfer-prefill-")
         self.coordinator = f"127.0.0.1:{_free_port()}"
         self._transport = None
@@ -356,6 +360,16 @@ class ProcessPrefillClient:
                 except subprocess.TimeoutExpired:
                     w.proc.kill()
                     w.proc.wait(5)
+        self._remove_empty_logs()
+
+    def _remove_empty_logs(self) -> None:
+        """Delete the log folder this client made when every log in it is
+        empty (a folder given as log_dir, or any output, stays)."""
+        if not self._own_log_dir or not os.path.isdir(self.log_dir):
+            return
+        names = os.listdir(self.log_dir)
+        if all(os.path.getsize(os.path.join(self.log_dir, n)) == 0 for n in names):
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def health(self) -> list[dict]:
         """Per worker: index, pid, state (starting / up / restarting / down),
