@@ -1,5 +1,6 @@
 // CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.cpu_kernels):
 //   JaxinferDecodeAttention  attention of one new token per row over its K/V cache buffer
+//   JaxinferPagedDecodeAttention  the same over a paged cache, pages read in place
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
@@ -20,6 +21,18 @@
 //
 // One work unit per (row, kv head); each reads its K and V blocks once, and only the span
 // [first visible, last visible] of positions.
+//
+// --- Paged decode attention ---
+// The same computation over a paged cache (PagedAttention, Kwon et al., SOSP 2023):
+//   q           f32  [B, K, G, H]
+//   k_pages     f32  [P, K, H, ps]  the pool of P pages of ps positions (keys minor)
+//   v_pages     f32  [P, K, ps, H]
+//   block_table s32  [B, M]         row b's position p lives in page block_table[b, p / ps]
+//   mask        pred [B, M * ps]    true = visible (index p = position p)
+//   out         f32  [B, K, G, H]
+// Each (row, kv head) unit walks the pages that overlap its visible span and reads them in
+// place: scores page by page into one row of scratch, one softmax, then the values page by
+// page into the output. Every block-table entry must name a page in [0, P).
 //
 // --- Packed matmul ---
 //   x      f32 [M, I]      M rows (tokens) of I input features
@@ -142,12 +155,17 @@ void scores(const float* q, int64_t H, const float* k, int64_t S, float* sc, int
       for (int g = 0; g < GN; ++g) sc[g * ld + s] += q[g * H + h] * k[h * S + s];
 }
 
-// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n), 4 vectors of columns of v at a time.
+// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n) (add: out[g, :] += ...), 4 vectors of
+// columns of v at a time.
 template <int GN>
-void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int64_t H, float* out) {
+void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int64_t H, float* out,
+                     bool add) {
   int64_t c = 0;
   for (; c + 4 * kLanes <= H; c += 4 * kLanes) {
     v16 acc[GN][4] = {};
+    if (add)
+      for (int g = 0; g < GN; ++g)
+        for (int j = 0; j < 4; ++j) acc[g][j] = load(out + g * H + c + j * kLanes);
     for (int64_t s = 0; s < n; ++s) {
       const float* row = v + s * H + c;
       const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
@@ -165,7 +183,7 @@ void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int6
   }
   for (; c < H; ++c)
     for (int g = 0; g < GN; ++g) {
-      float acc = 0.0f;
+      float acc = add ? out[g * H + c] : 0.0f;
       for (int64_t s = 0; s < n; ++s) acc += w[g * ld + s] * v[s * H + c];
       out[g * H + c] = acc;
     }
@@ -196,31 +214,35 @@ struct Scores {
 
 template <int GN>
 struct WeightedValues {
-  static void run(const float* w, float* out, int64_t ld, int64_t n, const float* v, int64_t H) {
-    weighted_values<GN>(w, ld, n, v, H, out);
+  static void run(const float* w, float* out, int64_t ld, int64_t n, const float* v, int64_t H,
+                  bool add) {
+    weighted_values<GN>(w, ld, n, v, H, out, add);
   }
 };
 
-// Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to kLanes.
-void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
-                 const bool* mask, float* out, std::vector<float>& scratch) {
-  const int64_t G = d.G, H = d.H, S = d.S;
-  const bool* visible = mask + (unit / d.K) * S;
-  float* o = out + unit * G * H;
-  int64_t lo = 0, hi = S;
+// The visible span [lo, hi) of a row's mask of S entries (lo == hi: nothing visible).
+inline void visible_span(const bool* visible, int64_t S, int64_t& lo, int64_t& hi) {
+  lo = 0;
+  hi = S;
   while (lo < S && !visible[lo]) ++lo;
   while (hi > lo && !visible[hi - 1]) --hi;
-  if (lo == hi) {
-    std::fill(o, o + G * H, 0.0f);
-    return;
-  }
-  const int64_t n = hi - lo, ld = (n + kLanes - 1) / kLanes * kLanes;
-  scratch.resize((G + 1) * ld);
-  float* sc = scratch.data();
-  float* keep = sc + G * ld;  // 1 where visible, 0 elsewhere and in the padding
-  for (int64_t s = 0; s < ld; ++s) keep[s] = (s < n && visible[lo + s]) ? 1.0f : 0.0f;
+}
 
-  by_head_group<Scores>(G, H, ld, q + unit * G * H, sc, H, k + unit * H * S + lo, S, ld, n);
+// Scratch for a unit whose span is [lo, lo + n): G rows of scores and a keep row (1 where
+// visible, 0 elsewhere and in the padding), each ld = n rounded up to kLanes long.
+inline float* unit_scratch(std::vector<float>& scratch, const bool* visible, int64_t lo, int64_t n,
+                           int64_t G, int64_t& ld) {
+  ld = (n + kLanes - 1) / kLanes * kLanes;
+  scratch.resize((G + 1) * ld);
+  float* keep = scratch.data() + G * ld;
+  for (int64_t s = 0; s < ld; ++s) keep[s] = (s < n && visible[lo + s]) ? 1.0f : 0.0f;
+  return scratch.data();
+}
+
+// Masked softmax in place over each of the G score rows of sc (entries [n, ld) zeroed first),
+// with the keep row after them.
+void masked_softmax_rows(float* sc, int64_t G, int64_t n, int64_t ld) {
+  const float* keep = sc + G * ld;
   for (int64_t g = 0; g < G; ++g) {  // masked softmax in place, over [0, ld)
     float* row = sc + g * ld;
     std::fill(row + n, row + ld, 0.0f);
@@ -242,7 +264,61 @@ void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, co
     const v16 inv = splat(1.0f / total);  // total >= 1: the max itself contributes exp(0)
     for (int64_t s = 0; s < ld; s += kLanes) store(row + s, load(row + s) * inv);
   }
-  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, n, v + (unit * S + lo) * H, H);
+}
+
+// Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to kLanes.
+void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
+                 const bool* mask, float* out, std::vector<float>& scratch) {
+  const int64_t G = d.G, H = d.H, S = d.S;
+  const bool* visible = mask + (unit / d.K) * S;
+  float* o = out + unit * G * H;
+  int64_t lo, hi, ld;
+  visible_span(visible, S, lo, hi);
+  if (lo == hi) {
+    std::fill(o, o + G * H, 0.0f);
+    return;
+  }
+  const int64_t n = hi - lo;
+  float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
+  by_head_group<Scores>(G, H, ld, q + unit * G * H, sc, H, k + unit * H * S + lo, S, ld, n);
+  masked_softmax_rows(sc, G, n, ld);
+  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, n, v + (unit * S + lo) * H, H, false);
+}
+
+struct PagedDims {
+  int64_t B, K, G, H, P, ps, M;
+};
+
+// attend_unit over a paged cache: the span's pages, each read in place.
+void attend_paged_unit(const PagedDims& d, int64_t unit, const float* q, const float* kp,
+                       const float* vp, const int32_t* block_table, const bool* mask, float* out,
+                       std::vector<float>& scratch) {
+  const int64_t G = d.G, H = d.H, ps = d.ps, S = d.M * ps, b = unit / d.K, kh = unit % d.K;
+  const bool* visible = mask + b * S;
+  const int32_t* pages = block_table + b * d.M;
+  float* o = out + unit * G * H;
+  int64_t lo, hi, ld;
+  visible_span(visible, S, lo, hi);
+  if (lo == hi) {
+    std::fill(o, o + G * H, 0.0f);
+    return;
+  }
+  const int64_t n = hi - lo;
+  float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
+  const int64_t first = lo / ps, last = (hi - 1) / ps;
+  for (int64_t i = first; i <= last; ++i) {  // [a, z): the span's part in page i
+    const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
+    const float* page = kp + (pages[i] * d.K + kh) * H * ps;
+    by_head_group<Scores>(G, H, ld, q + unit * G * H, sc + (a - lo), H, page + (a - i * ps), ps, ld,
+                          z - a);
+  }
+  masked_softmax_rows(sc, G, n, ld);
+  for (int64_t i = first; i <= last; ++i) {
+    const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
+    const float* page = vp + (pages[i] * d.K + kh) * ps * H;
+    by_head_group<WeightedValues>(G, ld, H, sc + (a - lo), o, ld, z - a, page + (a - i * ps) * H, H,
+                                  i > first);
+  }
 }
 
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
@@ -292,6 +368,37 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v
   parallel_units(pool, d.B * d.K, [=](int64_t unit) {
     thread_local std::vector<float> scratch;
     attend_unit(d, unit, qp, kp, vp, mp, op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+using Table2 = ffi::Buffer<ffi::S32, 2>;
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v, Table2 table,
+                                Mask2 mask, ffi::Result<Tensor4> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = table.dimensions(),
+             md = mask.dimensions();
+  const PagedDims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[1]};
+  if (kd[1] != d.K || kd[2] != d.H || vd[0] != d.P || vd[1] != d.K || vd[2] != d.ps ||
+      vd[3] != d.H || td[0] != d.B || md[0] != d.B || md[1] != d.M * d.ps)
+    return ffi::Error::InvalidArgument(
+        "paged_decode_attention: expected q [B,K,G,H], k [P,K,H,ps], v [P,K,ps,H], "
+        "block_table [B,M], mask [B,M*ps]");
+  const int32_t* tp = table.typed_data();
+  const bool* mp = mask.typed_data();
+  for (int64_t b = 0; b < d.B; ++b) {  // the pages each row's visible span reads must exist
+    int64_t lo, hi;
+    visible_span(mp + b * d.M * d.ps, d.M * d.ps, lo, hi);
+    for (int64_t i = lo / d.ps; lo < hi && i <= (hi - 1) / d.ps; ++i)
+      if (tp[b * d.M + i] < 0 || tp[b * d.M + i] >= d.P)
+        return ffi::Error::InvalidArgument(
+            "paged_decode_attention: a visible position's block-table entry is not a page");
+  }
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  float* op = out->typed_data();
+  parallel_units(pool, d.B * d.K, [=](int64_t unit) {
+    thread_local std::vector<float> scratch;
+    attend_paged_unit(d, unit, qp, kp, vp, tp, mp, op, scratch);
   });
   return ffi::Error::Success();
 }
@@ -580,6 +687,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttention, DecodeAttention,
                                   .Arg<Tensor4>()
                                   .Arg<Tensor4>()
                                   .Arg<Tensor4>()
+                                  .Arg<Mask2>()
+                                  .Ret<Tensor4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Table2>()
                                   .Arg<Mask2>()
                                   .Ret<Tensor4>());
 
