@@ -87,7 +87,7 @@ class KVCache:
       ring_pos: int32 [B, R], the position stored at each ring index, -1 if none
         (R = 0 when the model has no sliding layers).
       lengths: int32 [B], tokens stored per row (= the next write position).
-      kinds: static, per-layer FULL_ATTENTION / SLIDING_ATTENTION.
+      layer_types: static, per-layer FULL_ATTENTION / SLIDING_ATTENTION.
       window: static, the sliding window W in tokens (0 when no sliding layers).
       ring_extra: static, ring slots beyond the window (R = min(W + ring_extra, S)).
       max_seq_len: static S, capacity in tokens per row (paged: M * page_size).
@@ -100,7 +100,7 @@ class KVCache:
     ring_pos: jax.Array
     lengths: jax.Array
     block_tables: Optional[jax.Array] = None
-    kinds: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    layer_types: tuple[str, ...] = struct.field(pytree_node=False, default=())
     window: int = struct.field(pytree_node=False, default=0)
     ring_extra: int = struct.field(pytree_node=False, default=0)
     max_seq_len: int = struct.field(pytree_node=False, default=0)
@@ -128,8 +128,8 @@ class KVCache:
         """P, pages in each full-attention layer's pool (0 for a dense cache)."""
         if not self.paged:
             return 0
-        return next(kv.keys.shape[0] for kv, kind in zip(self.layers, self.kinds)
-                    if kind == FULL_ATTENTION)
+        return next(kv.keys.shape[0] for kv, layer_type in zip(self.layers, self.layer_types)
+                    if layer_type == FULL_ATTENTION)
 
     @property
     def nbytes(self) -> int:
@@ -186,11 +186,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp
     """
     _check_cache_args(batch_size, max_seq_len, ring_extra, kv_cache_dtype)
     r = ring_size(config, max_seq_len, ring_extra)
-    return KVCache(layers=tuple(_buffers(config, batch_size, max_seq_len if kind == FULL_ATTENTION else r,
-                                         dtype, kv_cache_dtype) for kind in config.attention_types),
+    return KVCache(layers=tuple(_buffers(config, batch_size, max_seq_len if layer_type == FULL_ATTENTION else r,
+                                         dtype, kv_cache_dtype) for layer_type in config.attention_types),
                    ring_pos=jnp.full((batch_size, r), -1, jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
-                   kinds=config.attention_types, window=int(config.sliding_window or 0),
+                   layer_types=config.attention_types, window=int(config.sliding_window or 0),
                    ring_extra=ring_extra, max_seq_len=max_seq_len)
 
 
@@ -219,12 +219,12 @@ def init_paged_cache(config: ModelConfig, batch_size: int, max_seq_len: int, num
     m = pages_per_seq(max_seq_len, page_size)
     r = ring_size(config, m * page_size, ring_extra)
     layers = tuple(_buffers(config, num_pages, page_size, dtype, kv_cache_dtype)
-                   if kind == FULL_ATTENTION else _buffers(config, batch_size, r, dtype, kv_cache_dtype)
-                   for kind in config.attention_types)
+                   if layer_type == FULL_ATTENTION else _buffers(config, batch_size, r, dtype, kv_cache_dtype)
+                   for layer_type in config.attention_types)
     return KVCache(layers=layers, ring_pos=jnp.full((batch_size, r), -1, jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
                    block_tables=jnp.full((batch_size, m), num_pages, jnp.int32),
-                   kinds=config.attention_types, window=int(config.sliding_window or 0),
+                   layer_types=config.attention_types, window=int(config.sliding_window or 0),
                    ring_extra=ring_extra, max_seq_len=m * page_size, page_size=page_size)
 
 
@@ -287,23 +287,23 @@ def cache_nbytes(config: ModelConfig, batch_size: int, max_seq_len: int,
 # --- positions and visibility -------------------------------------------------------------------
 
 
-def key_positions(cache: KVCache, kind: str) -> jax.Array:
-    """int32 [B, S or R]: the position each buffer index of a `kind` layer
+def key_positions(cache: KVCache, layer_type: str) -> jax.Array:
+    """int32 [B, S or R]: the position each buffer index of a `layer_type` layer
     holds for each row, -1 where it holds nothing valid (beyond the row's
     length, or an empty ring slot)."""
-    if kind == FULL_ATTENTION:
+    if layer_type == FULL_ATTENTION:
         idx = jnp.arange(cache.max_seq_len, dtype=jnp.int32)[None, :]
         return jnp.where(idx < cache.lengths[:, None], idx, -1)
     pos = cache.ring_pos
     return jnp.where(pos < cache.lengths[:, None], pos, -1)
 
 
-def visible(key_pos: jax.Array, query_pos: jax.Array, kind: str, window: int) -> jax.Array:
+def visible(key_pos: jax.Array, query_pos: jax.Array, layer_type: str, window: int) -> jax.Array:
     """bool [B, T, S]: which keys (positions [B, S], -1 = none) each query
     (positions [B, T]) may attend to: causal, and within `window` on sliding layers."""
     q, k = query_pos[:, :, None], key_pos[:, None, :]
     ok = (k >= 0) & (k <= q)
-    if kind == SLIDING_ATTENTION:
+    if layer_type == SLIDING_ATTENTION:
         ok &= q - k < window
     return ok
 
@@ -316,11 +316,12 @@ def new_positions(cache: KVCache, num_new: jax.Array, chunk: int) -> tuple[jax.A
     return positions, jnp.arange(chunk)[None, :] < num_new[:, None]
 
 
-def _write_index(cache: KVCache, kind: str, positions: jax.Array, valid: jax.Array) -> jax.Array:
+def _write_index(cache: KVCache, layer_type: str, positions: jax.Array,
+                 valid: jax.Array) -> jax.Array:
     """Buffer index [B, C] of each new position (out of range -> dropped by
     the scatter): p on full layers; p % R on rings, for the last R valid
     positions of each row only (earlier ones would collide with them)."""
-    if kind == FULL_ATTENTION:
+    if layer_type == FULL_ATTENTION:
         return jnp.where(valid, positions, cache.max_seq_len)
     r = cache.ring_size
     end = jnp.max(jnp.where(valid, positions + 1, 0), axis=1, keepdims=True)
@@ -339,17 +340,17 @@ def _page_index(cache: KVCache, positions: jax.Array, valid: jax.Array) -> tuple
     return jnp.where(valid & (col < m), page, cache.num_pages), positions % ps
 
 
-def write(cache: KVCache, kind: str, kv: LayerKV, k: jax.Array, v: jax.Array,
+def write(cache: KVCache, layer_type: str, kv: LayerKV, k: jax.Array, v: jax.Array,
           positions: jax.Array, valid: jax.Array) -> LayerKV:
     """One layer's buffers with new keys/values k, v [B, C, K, H] stored at
     `positions` [B, C] (where `valid`); an int8 cache quantizes each new
     token on its own (old entries and their scales are untouched). A paged
     full-attention layer writes into the pages its block tables name."""
-    if cache.paged and kind == FULL_ATTENTION:
+    if cache.paged and layer_type == FULL_ATTENTION:
         rows, index = _page_index(cache, positions, valid)   # page [B, C], offset in the page
     else:
         rows = jnp.arange(positions.shape[0])[:, None]
-        index = _write_index(cache, kind, positions, valid)
+        index = _write_index(cache, layer_type, positions, valid)
     # advanced indices (rows, index) broadcast to [B, C] and go first; values [B, C, K, H]
     put = lambda buf, new: buf.at[rows, :, index].set(new.astype(buf.dtype), mode="drop")
     put_keys = lambda buf, new: buf.at[rows, :, :, index].set(new.astype(buf.dtype), mode="drop")
@@ -362,13 +363,13 @@ def write(cache: KVCache, kind: str, kv: LayerKV, k: jax.Array, v: jax.Array,
                    put(kv.key_scale, k_scale), put(kv.value_scale, v_scale))
 
 
-def layer_view(cache: KVCache, kind: str, kv: LayerKV) -> LayerKV:
+def layer_view(cache: KVCache, layer_type: str, kv: LayerKV) -> LayerKV:
     """A layer's buffers as rows: `kv` itself, except for a paged
     full-attention layer, whose pages are gathered through the block tables
     into keys [B, K, H, M * page_size], values [B, K, M * page_size, H] (and
     scales [B, K, M * page_size]), index p holding position p (a copy: the
     XLA path; the CPU decode kernel reads the pages in place instead)."""
-    if not (cache.paged and kind == FULL_ATTENTION):
+    if not (cache.paged and layer_type == FULL_ATTENTION):
         return kv
     bt = cache.block_tables
     b, m = bt.shape
@@ -426,9 +427,9 @@ def _resize_layers(cache: KVCache, n_full: int, n_ring: int) -> tuple[LayerKV, .
     scale = lambda x, n: None if x is None else _resize_axis(x, 2, n)
     resized = lambda kv, n: LayerKV(_resize_axis(kv.keys, 3, n), _resize_axis(kv.values, 2, n),
                                     scale(kv.key_scale, n), scale(kv.value_scale, n))
-    return tuple(kv if kind == FULL_ATTENTION and cache.paged   # pools keep their pages
-                 else resized(kv, n_full if kind == FULL_ATTENTION else n_ring)
-                 for kv, kind in zip(cache.layers, cache.kinds))
+    return tuple(kv if layer_type == FULL_ATTENTION and cache.paged   # pools keep their pages
+                 else resized(kv, n_full if layer_type == FULL_ATTENTION else n_ring)
+                 for kv, layer_type in zip(cache.layers, cache.layer_types))
 
 
 @functools.partial(jax.jit, static_argnames=("max_seq_len",))
@@ -467,7 +468,8 @@ def grow_cache(cache: KVCache, max_seq_len: int) -> KVCache:
       ValueError: max_seq_len < cache.max_seq_len.
     """
     if max_seq_len < cache.max_seq_len:
-        raise ValueError(f"cannot shrink a cache from {cache.max_seq_len} to {max_seq_len} positions")
+        raise ValueError(f"cannot shrink a cache from {cache.max_seq_len} to {max_seq_len} "
+                         "positions")
     return resize(cache, max_seq_len)
 
 
@@ -502,8 +504,8 @@ def insert(dest: KVCache, src: KVCache, slot: jax.Array) -> KVCache:
     return with_pools(rows, dest) if dest.paged else rows
 
 
-def _is_pool(cache: KVCache, kind: str) -> bool:
-    return cache.paged and kind == FULL_ATTENTION
+def _is_pool(cache: KVCache, layer_type: str) -> bool:
+    return cache.paged and layer_type == FULL_ATTENTION
 
 
 def with_pools(cache: KVCache, source: KVCache) -> KVCache:
@@ -512,8 +514,8 @@ def with_pools(cache: KVCache, source: KVCache) -> KVCache:
     request's one-row cache gets the pools before a prefill call, and how
     the decode state gets them back after it."""
     return cache.replace(layers=tuple(
-        src if _is_pool(cache, kind) else kv
-        for kv, src, kind in zip(cache.layers, source.layers, cache.kinds)))
+        src if _is_pool(cache, layer_type) else kv
+        for kv, src, layer_type in zip(cache.layers, source.layers, cache.layer_types)))
 
 
 def without_pools(cache: KVCache) -> KVCache:
@@ -525,8 +527,8 @@ def without_pools(cache: KVCache) -> KVCache:
         return cache
     empty = lambda x: None if x is None else jnp.zeros((0,) + x.shape[1:], x.dtype)
     return cache.replace(layers=tuple(
-        LayerKV(*(empty(x) for x in kv)) if _is_pool(cache, kind) else kv
-        for kv, kind in zip(cache.layers, cache.kinds)))
+        LayerKV(*(empty(x) for x in kv)) if _is_pool(cache, layer_type) else kv
+        for kv, layer_type in zip(cache.layers, cache.layer_types)))
 
 
 def read_layer(cache: KVCache, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -537,16 +539,16 @@ def read_layer(cache: KVCache, layer: int) -> tuple[np.ndarray, np.ndarray, np.n
       [B, slots]): the position each slot holds, -1 when it holds nothing
       valid (see `key_positions`).
     """
-    kind = cache.kinds[layer]
-    keys, values = layer_view(cache, kind, cache.layers[layer]).dequantized()
+    layer_type = cache.layer_types[layer]
+    keys, values = layer_view(cache, layer_type, cache.layers[layer]).dequantized()
     keys = np.asarray(keys).transpose(0, 3, 1, 2)
     values = np.asarray(values).transpose(0, 2, 1, 3)
-    return keys, values, np.asarray(key_positions(cache, kind))
+    return keys, values, np.asarray(key_positions(cache, layer_type))
 
 
 def write_index(cache: KVCache, layer: int, position: int) -> int:
     """The buffer slot where `layer` stores `position` (for tools and tests;
     the index in `read_layer`'s view for a paged layer)."""
-    if cache.kinds[layer] == FULL_ATTENTION:
+    if cache.layer_types[layer] == FULL_ATTENTION:
         return position
     return position % cache.ring_size

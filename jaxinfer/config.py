@@ -189,6 +189,8 @@ class GenerationConfig:
       ngram_min, ngram_max: n-gram lengths the ngram proposer matches.
       draft_model: the draft for speculative: draft, a model sharing the
         target's tokenizer (a name, .gguf path or folder).
+      draft_weights: the draft model's weight format (as `weights`; "q4"
+        makes a quantized copy of the target a cheap draft).
       max_waiting_requests: `jaxinfer serve` only: requests accepted but
         not yet decoding, at most; past it the server answers HTTP 503
         (null: unbounded).
@@ -226,6 +228,7 @@ class GenerationConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     draft_model: Optional[str] = None
+    draft_weights: str = "float32"
     max_waiting_requests: Optional[int] = 256
     warmup: bool = True
     sampling: SamplingParams = SamplingParams()
@@ -237,8 +240,10 @@ class GenerationConfig:
         if self.kv_cache_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
             raise ValueError(f"kv_cache_dtype must be null, float32, bfloat16, float16 or int8, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.weights not in ("float32", "bfloat16", "int8", "q4"):
-            raise ValueError(f"weights must be float32, bfloat16, int8 or q4, got {self.weights!r}")
+        for name in ("weights", "draft_weights"):
+            if getattr(self, name) not in ("float32", "bfloat16", "int8", "q4"):
+                raise ValueError(f"{name} must be float32, bfloat16, int8 or q4, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -262,7 +267,8 @@ class GenerationConfig:
 
     def _check_types(self) -> None:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
-        kinds = {"model": str, "dtype": str, "weights": str, "chat": bool, "max_seq_len": int,
+        kinds = {"model": str, "dtype": str, "weights": str, "draft_weights": str, "chat": bool,
+                 "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
                  "ngram_min": int, "ngram_max": int, "warmup": bool, "prefix_caching": bool}

@@ -286,13 +286,19 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     s = k.shape[-1]
     expected = {"q": (q, (b, kv_heads, g, h), jnp.float32), "k": (k, (b, kv_heads, h, s), jnp.float32),
                 "v": (v, (b, kv_heads, s, h), jnp.float32), "mask": (mask, (b, s), jnp.bool_)}
-    for name, (x, shape, dtype) in expected.items():
-        if x.shape != shape or x.dtype != dtype:
-            raise ValueError(f"decode_attention: {name} is {x.dtype}{list(x.shape)}, "
-                             f"expected {jnp.dtype(dtype)}{list(shape)}")
+    check_operands("decode_attention", expected)
     _require_enabled()
     return jax.ffi.ffi_call("jaxinfer_decode_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, mask)
+
+
+def check_operands(fn: str, expected: dict) -> None:
+    """Raise ValueError naming the first operand whose shape or dtype is not
+    the expected one; `expected` maps name -> (array, shape, dtype)."""
+    for name, (x, shape, dtype) in expected.items():
+        if x.shape != shape or x.dtype != dtype:
+            raise ValueError(f"{fn}: {name} is {x.dtype}{list(x.shape)}, "
+                             f"expected {jnp.dtype(dtype)}{list(shape)}")
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -325,10 +331,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 "v_pages": (v_pages, (p, kv_heads, ps, h), jnp.float32),
                 "block_tables": (block_tables, (b, m), jnp.int32),
                 "mask": (mask, (b, m * ps), jnp.bool_)}
-    for name, (x, shape, dtype) in expected.items():
-        if x.shape != shape or x.dtype != dtype:
-            raise ValueError(f"paged_decode_attention: {name} is {x.dtype}{list(x.shape)}, "
-                             f"expected {jnp.dtype(dtype)}{list(shape)}")
+    check_operands("paged_decode_attention", expected)
     _require_enabled()
     return jax.ffi.ffi_call("jaxinfer_paged_decode_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(

@@ -49,23 +49,22 @@ from jaxinfer import cache as kv_cache
 from jaxinfer import cpu_kernels, models, sampling
 from jaxinfer.cache import KVCache, LayerKV
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.layers import (attention_output, attention_scores, group_heads, masked_softmax,
-                             rope_cos_sin, rope_inv_freq, ungroup_heads)
-from jaxinfer.params import prepare_params
+from jaxinfer.layers import (attention_output, attention_scores, blocked_attention, group_heads,
+                             masked_softmax, rope_cos_sin, rope_inv_freq, ungroup_heads)
 
 
 class Attend(Protocol):
     """One layer's attention inside a phase.
 
     Args:
-      kind: FULL_ATTENTION or SLIDING_ATTENTION.
+      layer_type: FULL_ATTENTION or SLIDING_ATTENTION.
       q: [B, T, N, H] new queries (RoPE applied, scaled); k, v: [B, T, K, H].
       kv: the layer's cache buffers before the call.
     Returns:
       (out [B, T, N, H], the layer's buffers with the new K/V stored).
     """
 
-    def __call__(self, kind: str, q: jax.Array, k: jax.Array, v: jax.Array,
+    def __call__(self, layer_type: str, q: jax.Array, k: jax.Array, v: jax.Array,
                  kv: LayerKV) -> tuple[jax.Array, LayerKV]: ...
 
 
@@ -90,8 +89,9 @@ def run_layers(params: dict, cache: KVCache, tokens: jax.Array, config: ModelCon
     ropes = rope_tables(config, rope_positions)
     x = family.embed(params, tokens, config)
     layers = []
-    for p, kind, kv in zip(params["layers"], config.attention_types, cache.layers):
-        x, kv = family.layer(p, x, kv, ropes[kind], functools.partial(attend, kind), config)
+    for p, layer_type, kv in zip(params["layers"], config.attention_types, cache.layers):
+        x, kv = family.layer(p, x, kv, ropes[layer_type], functools.partial(attend, layer_type),
+                             config)
         layers.append(kv)
     return x, tuple(layers)
 
@@ -132,21 +132,22 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     Reading before writing keeps sliding layers exact when the chunk
     overwrites ring slots that its own earlier queries still need."""
     new_pos = jnp.where(valid, positions, -1)
-    masks = {kind: (kv_cache.visible(kv_cache.key_positions(cache, kind), positions, kind, cache.window),
-                    kv_cache.visible(new_pos, positions, kind, cache.window))
-             for kind in set(cache.kinds)}
+    seen = lambda t: kv_cache.visible(kv_cache.key_positions(cache, t), positions, t, cache.window)
+    masks = {layer_type: (seen(layer_type),
+                          kv_cache.visible(new_pos, positions, layer_type, cache.window))
+             for layer_type in set(cache.layer_types)}
 
-    def attend(kind, q, k, v, kv):
+    def attend(layer_type, q, k, v, kv):
         qg = group_heads(q, k.shape[2])
-        cached_k, cached_v = kv_cache.layer_view(cache, kind, kv).dequantized()
+        cached_k, cached_v = kv_cache.layer_view(cache, layer_type, kv).dequantized()
         s_cached = attention_scores(qg, cached_k.astype(q.dtype), config.attn_logit_softcapping)
         s_new = attention_scores(qg, _keys_minor(k), config.attn_logit_softcapping)
-        mask = jnp.concatenate(masks[kind], axis=-1)[:, None, :, None, :]
+        mask = jnp.concatenate(masks[layer_type], axis=-1)[:, None, :, None, :]
         weights = masked_softmax(jnp.concatenate([s_cached, s_new], axis=-1), mask)
         s = cached_k.shape[-1]
         out = (attention_output(weights[..., :s], cached_v.astype(v.dtype)) +
                attention_output(weights[..., s:], _heads_major(v)))
-        return ungroup_heads(out), kv_cache.write(cache, kind, kv, k, v, positions, valid)
+        return ungroup_heads(out), kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
 
     return attend
 
@@ -161,33 +162,34 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     which reads the pages in place; other paged cases attend over the pages
     gathered into rows (`cache.layer_view`)."""
     after = kv_cache.advance(cache, cache.layers, positions, valid)
-    masks = {kind: kv_cache.visible(kv_cache.key_positions(after, kind), positions, kind, cache.window)
-             for kind in set(cache.kinds)}
+    seen = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t, cache.window)
+    masks = {layer_type: seen(layer_type)
+             for layer_type in set(cache.layer_types)}
     use_kernel = not config.attn_logit_softcapping and cpu_kernels.enabled()
 
-    def attend(kind, q, k, v, kv):
-        kv = kv_cache.write(cache, kind, kv, k, v, positions, valid)
+    def attend(layer_type, q, k, v, kv):
+        kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
         f32 = q.dtype == kv.keys.dtype == kv.values.dtype == jnp.float32
-        if use_kernel and f32 and cache.paged and kind == FULL_ATTENTION:
+        if use_kernel and f32 and cache.paged and layer_type == FULL_ATTENTION:
             qg = group_heads(q, kv.keys.shape[1])[:, :, 0]   # inactive rows (free slots) read nothing
             out = cpu_kernels.paged_decode_attention(qg, kv.keys, kv.values, cache.block_tables,
-                                                     masks[kind][:, 0] & valid)
+                                                     masks[layer_type][:, 0] & valid)
             return ungroup_heads(out[:, :, None]), kv
-        view = kv_cache.layer_view(cache, kind, kv)
+        view = kv_cache.layer_view(cache, layer_type, kv)
         if view.key_scale is not None and not config.attn_logit_softcapping:   # int8 K/V, dequantized inside
             from jaxinfer.kv_quant import decode_attention_int8
 
             qg = group_heads(q, view.keys.shape[1])[:, :, 0].astype(jnp.float32)
             out = decode_attention_int8(qg, view.keys, view.key_scale, view.values, view.value_scale,
-                                        masks[kind][:, 0])
+                                        masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None].astype(q.dtype)), kv
         if use_kernel and f32:
             qg = group_heads(q, view.keys.shape[1])[:, :, 0]
-            out = cpu_kernels.decode_attention(qg, view.keys, view.values, masks[kind][:, 0])
+            out = cpu_kernels.decode_attention(qg, view.keys, view.values, masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None]), kv
         keys, values = view.dequantized()
         out = _grouped_attention(group_heads(q, keys.shape[1]), keys.astype(q.dtype),
-                                 values.astype(q.dtype), masks[kind], config)
+                                 values.astype(q.dtype), masks[layer_type], config)
         return ungroup_heads(out), kv
 
     return attend
@@ -203,7 +205,8 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     the module docstring).
 
     Args:
-      params: prepared params (`params.prepare_params`).
+      params: prepared params (`params.prepare_params`; the phases never
+        convert a checkpoint's layout themselves).
       cache: donated; row b holds cache.lengths[b] tokens.
       tokens: int32 [B, C]; row b's new tokens are tokens[b, :lengths[b]],
         each in [0, V); the rest is padding.
@@ -218,11 +221,17 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     cache.lengths[b] + lengths[b] <= cache.max_seq_len and ids are in range
     (`jaxinfer.runner` and `LLM` do).
     """
-    params = prepare_params(params, config, pack=False)
     positions, valid = kv_cache.new_positions(cache, lengths, tokens.shape[1])
     make = _decode_attend if tokens.shape[1] == 1 else _chunk_attend
-    x, layers = run_layers(params, cache, tokens, config, positions,
-                           make(config, cache, positions, valid))
+    return _forward(params, cache, tokens, lengths, config, all_logits, positions, positions, valid,
+                    make(config, cache, positions, valid))
+
+
+def _forward(params, cache, tokens, lengths, config, all_logits, rope_positions, positions, valid,
+             attend):
+    """Run the layers with `attend`, store the new K/V bookkeeping, and
+    unembed: the common tail of `extend` and `prefill`."""
+    x, layers = run_layers(params, cache, tokens, config, rope_positions, attend)
     cache = kv_cache.advance(cache, layers, positions, valid)
     return _logits(params, x, lengths, config, all_logits), cache
 
@@ -253,6 +262,8 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
 # full layers (figures in benchmarks/README.md).
 PREFILL_QUERY_BLOCKS = 4
 MIN_BLOCKED_PROMPT = 256
+# Prompts of at least FLASH_PROMPT tokens use `layers.blocked_attention`.
+FLASH_PROMPT = 1024
 
 
 def query_blocks(t: int) -> tuple[tuple[int, int], ...]:
@@ -273,23 +284,34 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     Long prompts attend block by block (`query_blocks`): the rows of block
     [a, b) read keys [lo, b) only, lo = 0 on full layers and a - W + 1 on
-    sliding ones; the keys left out are masked for those rows anyway."""
+    sliding ones; the keys left out are masked for those rows anyway. From
+    FLASH_PROMPT tokens on, `layers.blocked_attention` runs instead: an
+    online softmax over key blocks, O(T * block) scores per head instead of
+    O(T^2), key blocks no query of a block can see skipped."""
     t, window = positions.shape[1], cache.window
     new_pos = jnp.where(valid, positions, -1)
-    masks = {kind: kv_cache.visible(new_pos, positions, kind, window) for kind in set(cache.kinds)}
+    masks = {layer_type: kv_cache.visible(new_pos, positions, layer_type, window)
+             for layer_type in set(cache.layer_types)}
 
-    def attend(kind, q, k, v, kv):
+    def attend(layer_type, q, k, v, kv):
         keys, values, qg = _keys_minor(k), _heads_major(v), group_heads(q, k.shape[2])
-        outs = []
-        for a, b in query_blocks(t):
-            lo = 0 if kind == FULL_ATTENTION else max(0, a - window + 1)
-            outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
-                                           masks[kind][:, a:b, lo:b], config))
-        out = ungroup_heads(jnp.concatenate(outs, axis=2))
-        if kind == FULL_ATTENTION and kv.key_scale is None and not cache.paged:
-            put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, 0, 0))
+        if t >= FLASH_PROMPT:
+            out = ungroup_heads(blocked_attention(
+                qg, keys, values, new_pos, new_pos,
+                window if layer_type == SLIDING_ATTENTION else None,
+                softcap=config.attn_logit_softcapping))
+        else:
+            outs = []
+            for a, b in query_blocks(t):
+                lo = 0 if layer_type == FULL_ATTENTION else max(0, a - window + 1)
+                outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
+                                               masks[layer_type][:, a:b, lo:b], config))
+            out = ungroup_heads(jnp.concatenate(outs, axis=2))
+        if layer_type == FULL_ATTENTION and kv.key_scale is None and not cache.paged:
+            put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype),
+                                                                (0, 0, 0, 0))
             return out, LayerKV(put(kv.keys, keys), put(kv.values, values))
-        return out, kv_cache.write(cache, kind, kv, k, v, positions, valid)   # rings, int8, pages
+        return out, kv_cache.write(cache, layer_type, kv, k, v, positions, valid)   # rings, int8, pages
 
     return attend
 
@@ -319,14 +341,11 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
     if t > cache.max_seq_len:
         raise ValueError(f"a prompt bucket of {t} tokens does not fit a cache of "
                          f"{cache.max_seq_len} positions")
-    params = prepare_params(params, config, pack=False)
     cache = kv_cache.reset(cache)
     rope_positions = np.arange(t, dtype=np.int32)[None]  # static: RoPE tables become constants
     positions, valid = kv_cache.new_positions(cache, lengths, t)
-    x, layers = run_layers(params, cache, tokens, config, rope_positions,
-                           _prefill_attend(config, cache, positions, valid))
-    cache = kv_cache.advance(cache, layers, positions, valid)
-    return _logits(params, x, lengths, config, all_logits), cache
+    return _forward(params, cache, tokens, lengths, config, all_logits, rope_positions, positions,
+                    valid, _prefill_attend(config, cache, positions, valid))
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))

@@ -183,7 +183,8 @@ class LLM:
                                                progress=progress, weights=cfg.weights,
                                                before_weights=before_weights)
         spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
-                                        cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype)
+                                        cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype,
+                                        cfg.draft_weights)
         llm = cls(config, params, tokenizer, max_seq_len=cfg.max_seq_len,
                   decode_chunk=cfg.decode_chunk, max_num_seqs=cfg.max_num_seqs,
                   prefill_chunk_size=cfg.prefill_chunk_size, speculative=spec,

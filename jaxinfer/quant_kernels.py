@@ -102,10 +102,7 @@ def decode_attention_int8(q: jax.Array, k: jax.Array, k_scale: jax.Array, v: jax
                 "k_scale": (k_scale, (b, kv_heads, s), jnp.float32),
                 "v": (v, (b, kv_heads, s, h), jnp.int8),
                 "v_scale": (v_scale, (b, kv_heads, s), jnp.float32), "mask": (mask, (b, s), jnp.bool_)}
-    for name, (x, shape, dtype) in expected.items():
-        if x.shape != shape or x.dtype != dtype:
-            raise ValueError(f"decode_attention_int8: {name} is {x.dtype}{list(x.shape)}, "
-                             f"expected {jnp.dtype(dtype)}{list(shape)}")
+    cpu_kernels.check_operands("decode_attention_int8", expected)
     _require_enabled()
     return jax.ffi.ffi_call("jaxinfer_decode_attention_int8",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, k_scale, v, v_scale, mask)

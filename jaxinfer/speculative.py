@@ -108,7 +108,8 @@ class SpecConfig:
     @classmethod
     def from_settings(cls, method: Optional[str], num_speculative_tokens: int, ngram_min: int,
                       ngram_max: int, draft_model: Optional[str], target: ModelConfig,
-                      tokenizer=None, dtype=jnp.float32) -> Optional["SpecConfig"]:
+                      tokenizer=None, dtype=jnp.float32,
+                      draft_weights: str = "float32") -> Optional["SpecConfig"]:
         """The SpecConfig of config keys (None when `method` is None), loading
         the draft model for method "draft".
 
@@ -122,7 +123,8 @@ class SpecConfig:
             return None
         if method == "draft" and draft_model is None:
             raise ValueError("speculative: draft needs draft_model (a model name, .gguf or folder)")
-        draft = DraftModel.load(draft_model, target, tokenizer, dtype) if method == "draft" else None
+        draft = (DraftModel.load(draft_model, target, tokenizer, dtype, weights=draft_weights)
+                 if method == "draft" else None)
         return cls(method, num_speculative_tokens, ngram_min, ngram_max, draft)
 
 
@@ -321,8 +323,10 @@ class DraftModel:
 
     @classmethod
     def load(cls, source: str, target_config: ModelConfig, target_tokenizer=None,
-             dtype=jnp.float32, probe: str = "Speculative decoding: 42 drafts, 1 target.") -> "DraftModel":
-        """Load a draft model and check that it can draft for the target.
+             dtype=jnp.float32, probe: str = "Speculative decoding: 42 drafts, 1 target.",
+             weights: str = "float32") -> "DraftModel":
+        """Load a draft model (its matmul weights as `weights`, e.g. "q4" for
+        a quantized copy of the target) and check that it can draft for the target.
 
         Raises:
           ValueError: another vocabulary size, or its tokenizer gives other
@@ -331,7 +335,8 @@ class DraftModel:
         """
         from jaxinfer.loading import load_model
 
-        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True)
+        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
+                                               weights=weights)
         check_draft(target_config, target_tokenizer, config, tokenizer, source, probe)
         return cls(config, params, str(source))
 

@@ -207,7 +207,7 @@ def test_resize_keeps_what_rows_hold(model, size):
     cache = resize(cache, size)
     assert cache.max_seq_len == size and all(
         kv.keys.shape[3] == (size if kind == "full_attention" else min(W, size))
-        for kv, kind in zip(cache.layers, cache.kinds))
+        for kv, kind in zip(cache.layers, cache.layer_types))
     logits, _ = decode_step(params, cache, jnp.array([int(ids[10])]), config=config)
     np.testing.assert_allclose(np.asarray(logits)[0], reference.forward(np_params, ids, config)[-1],
                                atol=ATOL, rtol=0)
@@ -249,7 +249,7 @@ def test_int8_writes_never_rescale_old_entries(model):
     before = jax.tree_util.tree_map(np.array, cache.layers)
     for tok in (3, 1, 4, 1):
         _, cache = decode_step(params, cache, jnp.array([tok], jnp.int32), config=config)
-    for kind, old, new in zip(cache.kinds, before, cache.layers):
+    for kind, old, new in zip(cache.layer_types, before, cache.layers):
         assert new.keys.dtype == jnp.int8 and new.key_scale.dtype == jnp.float32
         if kind == "full_attention":
             np.testing.assert_array_equal(np.asarray(new.key_scale)[..., :6], old.key_scale[..., :6])

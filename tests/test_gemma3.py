@@ -111,7 +111,7 @@ def test_tiny_gemma_softcaps_and_query_scalar_match_reference():
     config = TINY_GEMMA3.replace(query_pre_attn_scalar=24.0, attn_logit_softcapping=1.5,
                                  final_logit_softcapping=2.0)
     np_params = random_params(config, seed=3)
-    params = jax.tree_util.tree_map(jnp.asarray, np_params)
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config)
     tokens = np.random.default_rng(3).integers(0, config.vocab_size, 10)
     padded = np.zeros((1, 16), np.int32)
     padded[0, :10] = tokens

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,6 +37,7 @@ from jaxinfer.config import SLIDING_ATTENTION as SLIDE
 from jaxinfer.engine import decode_step, prefill
 from jaxinfer.layers import rms_norm
 from jaxinfer.llm import LLM
+from jaxinfer.params import prepare_params
 from tiny import tiny_llama_folder
 from jaxinfer.sampling import SamplingParams
 
@@ -126,11 +126,13 @@ def hf_greedy_recompute(model, ids, steps) -> list[int]:
 
 
 def jax_prefill(config, params, ids, max_seq_len=64):
-    """(logits [T, V] at every prompt position, cache) from one parallel prefill."""
+    """(logits [T, V] at every prompt position, cache) from one parallel prefill
+    (of the loaded params, prepared here)."""
+    params = prepare_params(params, config)
     bucket = 1 << (len(ids) - 1).bit_length()
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :len(ids)] = ids
-    cache = init_cache(config, 1, max_seq_len, jax.tree_util.tree_leaves(params)[0].dtype)
+    cache = init_cache(config, 1, max_seq_len, params["norm"].dtype)
     logits, cache = prefill(params, cache, jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32),
                             config=config, all_logits=True)
     return np.asarray(logits)[0, :len(ids)], cache
@@ -138,6 +140,7 @@ def jax_prefill(config, params, ids, max_seq_len=64):
 
 def jax_greedy_cached(config, params, ids, steps) -> list[int]:
     """Greedy continuation through the KV cache: prefill, then one decode_step per token."""
+    params = prepare_params(params, config)
     logits, cache = jax_prefill(config, params, ids)
     out = [int(logits[-1].argmax())]
     while len(out) < steps:

@@ -51,6 +51,7 @@ import numpy as np
 from jaxinfer import engine
 from jaxinfer.cache import init_cache
 from jaxinfer.config import ModelConfig, check_keys, read_yaml_mapping
+from jaxinfer.params import prepare_params
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
@@ -215,7 +216,8 @@ def corpus_loss(params: dict, tokens: jax.Array, lengths: jax.Array, targets: ja
     """Mean next-token cross-entropy (nats/token) of the engine's own prefill
     logits over the real positions of every line."""
     cache = init_cache(config, tokens.shape[0], tokens.shape[1])
-    logits, _ = engine.prefill(params, cache, tokens, lengths, config=config, all_logits=True)
+    prepared = prepare_params(params, config, pack=False)   # jnp ops: differentiable
+    logits, _ = engine.prefill(prepared, cache, tokens, lengths, config=config, all_logits=True)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(nll * weights) / jnp.sum(weights)
@@ -286,20 +288,16 @@ def train(toy: ToyConfig, log: Optional[Callable[[str], None]] = None) -> TrainR
 
 def greedy_continuation(config: ModelConfig, params: dict, ids: Sequence[int],
                         max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
-    """Greedy ids after prompt `ids` via engine.prefill + decode_step, ending
-    with (and including) the first stop id, at most max_new_tokens."""
-    cache = init_cache(config, 1, len(ids) + max_new_tokens)
-    tokens = jnp.asarray([list(ids)], jnp.int32)
-    logits, cache = engine.prefill(params, cache, tokens, jnp.array([len(ids)], jnp.int32),
-                                   config=config)
-    out = []
-    while True:
-        token = int(jnp.argmax(logits[0]))
-        out.append(token)
-        if token in stop_ids or len(out) == max_new_tokens:
-            return out
-        logits, cache = engine.decode_step(params, cache, jnp.array([token], jnp.int32),
-                                           config=config)
+    """Greedy ids after prompt `ids` (`LLM.generate`), ending with (and
+    including) the first stop id, at most max_new_tokens."""
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling import SamplingParams
+
+    llm = LLM(config, params, max_seq_len=min(config.max_position_embeddings,
+                                              max(len(ids) + max_new_tokens, 2)),
+              stop_token_ids=stop_ids)
+    [out] = llm.generate([list(ids)], SamplingParams(temperature=0.0), max_new_tokens=max_new_tokens)
+    return out.token_ids
 
 
 # --- Hugging Face folder -------------------------------------------------------------------------
@@ -376,46 +374,12 @@ def save_hf_folder(folder: str | os.PathLike, result: TrainResult, toy: ToyConfi
     return folder
 
 
-def config_from_hf(values: dict) -> ModelConfig:
-    """ModelConfig from the config.json that `hf_config` writes (Llama fields only)."""
-    return ModelConfig(
-        arch="llama", vocab_size=values["vocab_size"], num_layers=values["num_hidden_layers"],
-        hidden_size=values["hidden_size"], num_heads=values["num_attention_heads"],
-        num_kv_heads=values["num_key_value_heads"], head_dim=values["head_dim"],
-        intermediate_size=values["intermediate_size"], rope_theta=values["rope_theta"],
-        rms_norm_eps=values["rms_norm_eps"],
-        max_position_embeddings=values["max_position_embeddings"],
-        tie_word_embeddings=values["tie_word_embeddings"], hidden_act=values["hidden_act"])
-
-
-def read_hf_folder(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    """(config, params) of a folder written by `save_hf_folder`, read with
-    safetensors + `convert.params_from_hf_tensors`. Used when the general
-    reader `jaxinfer.checkpoint.safetensors.load_hf_folder` is unavailable."""
-    from safetensors.numpy import load_file
-
-    from jaxinfer.checkpoint.convert import params_from_hf_tensors
-
-    folder = pathlib.Path(folder)
-    config = config_from_hf(json.loads((folder / "config.json").read_text()))
-    tensors = load_file(str(folder / "model.safetensors"))
-    return config, params_from_hf_tensors(tensors.__getitem__, tensors.keys(), config, dtype)
-
-
 def load_folder(folder: str | os.PathLike, dtype=jnp.float32):
-    """(config, params, Tokenizer) of an HF folder through the normal loader
-    (`jaxinfer.loading.load_model`), falling back to `read_hf_folder` while
-    `jaxinfer.checkpoint.safetensors` does not exist."""
-    import importlib.util
+    """(config, params in the checkpoint layout, Tokenizer) of an HF folder,
+    through the normal loader (`jaxinfer.loading.load_model`)."""
+    from jaxinfer.loading import load_model
 
-    if importlib.util.find_spec("jaxinfer.checkpoint.safetensors") is not None:
-        from jaxinfer.loading import load_model
-
-        return load_model(str(folder), dtype=dtype)
-    from jaxinfer.tokenizer import Tokenizer
-
-    config, params = read_hf_folder(folder, dtype)
-    return config, params, Tokenizer.from_pretrained(folder)
+    return load_model(str(folder), dtype=dtype)
 
 
 def is_model_folder(folder: pathlib.Path) -> bool:

@@ -158,6 +158,12 @@ def cmd_bench(args) -> int:
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_serve_load(args, cfg, _load_sweep_from_args(args))
+    if args.speculative:
+        from jaxinfer.config import GenerationConfig
+        from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
+
+        cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+        return cmd_speculative(args, cfg, QUICK_SPEC if args.quick else SpecSweep())
     if args.serving:
         from jaxinfer.config import GenerationConfig
         from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
@@ -179,6 +185,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML generation config (see configs/)")
     p.add_argument("--quick", action="store_true",
                    help="small sweep for smoke runs (prompts 32/128, batches 1/4, few steps)")
+    p.add_argument("--speculative", action="store_true",
+                   help="the speculative decoding sweep instead (n-gram and draft-model proposers, "
+                        "k in 2/4/6, batch 1 and 4, copy-heavy and open-ended prompts); see "
+                        "jaxinfer/tools/bench/speculative.py")
     p.add_argument("--serving", action="store_true",
                    help="the serving benchmark instead: request traces through the scheduler "
                         "(continuous vs static batching, chunked prefill on/off, transformers' "
