@@ -160,3 +160,178 @@ def test_paged_kernel_matches_dense_kernel(page_size):
     dense = cpu_kernels.decode_attention(*map(jnp.asarray, (q, gathered_k, gathered_v, mask)))
     np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), atol=2e-6, rtol=0)
     assert not np.asarray(paged)[2].any()                # row 2 sees nothing: zeros
+
+
+# --- the page allocator ---------------------------------------------------------------------
+
+PS = 2
+_tokens = st.lists(st.integers(0, 2), min_size=1, max_size=9)   # a tiny alphabet: many prefix hits
+_op = st.one_of(
+    st.tuples(st.just("add"), _tokens, st.sampled_from([None, "a", "b"])),
+    st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 5)),
+    st.tuples(st.just("finish"), st.integers(0, 7)),
+    st.tuples(st.just("abort"), st.integers(0, 7)),
+)
+
+
+class PoolModel:
+    """Requests driving a PagePool the way the runner does, with the truth
+    kept beside it: which request holds which pages, and which token prefix
+    (and salt) each registered page holds."""
+
+    def __init__(self, num_pages):
+        self.pool = PagePool(num_pages, PS)
+        self.live = {}          # rid -> [pages, tokens, salt]
+        self.content = {}       # page -> (salt, the token prefix through the page's end)
+        self.next_id = 0
+
+    def add(self, tokens, salt):
+        hashes = page_hashes(tokens, PS, salt)
+        before = self.pool.stats()
+        hit = self.pool.lookup(hashes[:(len(tokens) - 1) // PS])   # the last token's page recomputed
+        for i, page in enumerate(hit):   # a hit is exactly this prefix, under this salt
+            assert self.content[page] == (salt, tuple(tokens[:(i + 1) * PS]))
+        try:
+            fresh = self.pool.allocate(pages_per_seq(len(tokens), PS) - len(hit))
+        except PoolExhaustedError:
+            self.pool.release(hit)
+            after = self.pool.stats()
+            assert (after["used"], after["free"], after["cached"]) == \
+                   (before["used"], before["free"], before["cached"])
+            return
+        for page in fresh:
+            assert self.pool.refcount(page) == 1
+            self.content.pop(page, None)     # a new owner overwrites it
+        self.live[self.next_id] = [hit + fresh, list(tokens), salt]
+        self.next_id += 1
+
+    def grow(self, rid, n):
+        pages, tokens, _ = self.live[rid]
+        need = pages_per_seq(len(tokens) + n, PS) - len(pages)
+        if need > self.pool.num_available:
+            return                           # the scheduler would preempt someone
+        fresh = self.pool.allocate(need)
+        for page in fresh:
+            self.content.pop(page, None)
+        pages += fresh
+        tokens += [1] * n
+
+    def end(self, rid, register):
+        pages, tokens, salt = self.live.pop(rid)
+        if register:                         # finished: its full pages become shareable
+            for i, (page, h) in enumerate(zip(pages, page_hashes(tokens, PS, salt))):
+                if self.pool.register(page, h) and page not in self.content:
+                    self.content[page] = (salt, tuple(tokens[:(i + 1) * PS]))
+        self.pool.release(pages)
+
+    def check(self):
+        self.pool.check()
+        held = {}
+        for pages, _, _ in self.live.values():
+            assert len(set(pages)) == len(pages), "a request holds a page twice"
+            for page in pages:
+                held[page] = held.get(page, 0) + 1
+        for page in range(self.pool.num_pages):
+            assert self.pool.refcount(page) == held.get(page, 0)
+        p = self.pool
+        assert p.num_free + p.num_used + p.num_cached == p.num_pages
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_pages=st.integers(1, 12), ops=st.lists(_op, max_size=40))
+def test_allocator_invariants(num_pages, ops):
+    """Random add / grow / finish / abort (with prefix hits from a 3-token
+    alphabet and three salts): no page owned twice, reference counts equal
+    the holders, free + used + cached = the pool, a hit is always the same
+    prefix under the same salt, and nothing leaks at the end."""
+    model = PoolModel(num_pages)
+    for op in ops:
+        live = sorted(model.live)
+        if op[0] == "add":
+            model.add(op[1], op[2])
+        elif live:
+            rid = live[op[1] % len(live)]
+            if op[0] == "grow":
+                model.grow(rid, op[2])
+            else:
+                model.end(rid, register=op[0] == "finish")
+        model.check()
+    for rid in sorted(model.live):
+        model.end(rid, register=True)
+    model.check()
+    pool = model.pool
+    assert pool.num_used == 0 and all(pool.refcount(p) == 0 for p in range(num_pages))
+    assert pool.num_free + pool.num_cached == num_pages
+    pool.clear_cache()
+    assert pool.num_free == num_pages and pool.num_cached == 0
+
+
+def test_page_hashes_chain_salt_and_last_token():
+    """Pages are equal only when the whole prefix through them and the salt
+    are: a change in a page's last token changes that page's hash and every
+    later one, and leaves the earlier ones."""
+    a = list(range(12))
+    b = a[:7] + [99] + a[8:]                    # differs at the last token of page 1 (size 4)
+    ha, hb = page_hashes(a, 4), page_hashes(b, 4)
+    assert len(ha) == 3 and ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]
+    assert page_hashes(a, 4, "t1")[0] != ha[0] != page_hashes(a, 4, "")[0]
+    assert page_hashes(a, 4, "t1") != page_hashes(a, 4, "t2")
+    assert page_hashes(a[:11], 4) == ha[:2]     # a partial last page has no hash
+
+
+# --- the serving engine: paged vs dense, prefix cache, preemption ------------------------------
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+
+
+def _llm(config, params, **kwargs):
+    kwargs = {"max_seq_len": 64, "decode_chunk": 3, "prefill_chunk_size": 8, "min_kv_bucket": 16,
+              **kwargs}
+    return LLM(config, params, **kwargs)
+
+
+def _run(scheduler, requests, arrive=None, max_steps=400):
+    """Run `requests` (each arriving at step arrive[i], default 0) to the end;
+    returns per request (token ids, logprobs of the chosen tokens)."""
+    arrive = arrive or [0] * len(requests)
+    ids, tokens, logprobs, step = {}, {}, {}, 0
+    while step == 0 or scheduler.has_unfinished() or step <= max(arrive):
+        for r, t in zip(requests, arrive):
+            if t == step:
+                ids[scheduler.add_request(r)] = r
+        for event in scheduler.step():
+            tokens.setdefault(event.request_id, []).extend(event.token_ids)
+            logprobs.setdefault(event.request_id, []).extend(lp for _, lp, _ in event.logprobs or ())
+        step += 1
+        assert step < max_steps, "the scheduler did not drain"
+    return [(tokens[rid], np.array(logprobs.get(rid, []))) for rid in ids]
+
+
+def _mixed_requests(vocab):
+    """Prompts of 5, 20 (chunked by 8) and 13 tokens, outputs crossing page boundaries."""
+    return [Request(_ids(n, vocab, 30 + n), GREEDY if n != 13 else SEEDED, max_new_tokens=m,
+                    logprobs=0)
+            for n, m in ((5, 14), (20, 11), (13, 17))]
+
+
+@pytest.fixture(scope="module")
+def dense_outputs(model):
+    config, params = model
+    llm = _llm(config, params, page_size=None)
+    return _run(llm.scheduler(2), _mixed_requests(config.vocab_size), arrive=[0, 0, 2])
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_paged_engine_equals_dense(model, dense_outputs, page_size):
+    """Continuous batching on the paged engine (2 slots, 3 requests, one
+    arriving mid-run, one chunked, one sampled with a seed): the dense
+    engine's tokens, and its log-probabilities within the kernel tolerance."""
+    config, params = model
+    llm = _llm(config, params, page_size=page_size)
+    sched = llm.scheduler(2)
+    assert sched.runner.paged
+    paged = _run(sched, _mixed_requests(config.vocab_size), arrive=[0, 0, 2])
+    for (d_tokens, d_lp), (p_tokens, p_lp) in zip(dense_outputs, paged):
+        assert p_tokens == d_tokens
+        np.testing.assert_allclose(p_lp, d_lp, atol=KERNEL_ATOL, rtol=0)
+    assert sched.runner.kv_pages.num_used == 0      # every page back
