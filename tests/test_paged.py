@@ -335,3 +335,114 @@ def test_paged_engine_equals_dense(model, dense_outputs, page_size):
         assert p_tokens == d_tokens
         np.testing.assert_allclose(p_lp, d_lp, atol=KERNEL_ATOL, rtol=0)
     assert sched.runner.kv_pages.num_used == 0      # every page back
+
+
+def _tiny_llama(max_position_embeddings=128):
+    import dataclasses
+
+    config = dataclasses.replace(TINY_LLAMA, max_position_embeddings=max_position_embeddings)
+    return config, jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=5))
+
+
+def _one_by_one(scheduler, requests):
+    """Each request run to its end before the next arrives (so later ones
+    can hit the pages earlier ones left in the prefix cache); per request
+    (tokens, logprobs, prompt tokens served from the cache)."""
+    out = []
+    for r in requests:
+        before = scheduler.runner.kv_pages.hit_tokens if scheduler.runner.paged else 0
+        [(tokens, lp)] = _run(scheduler, [r])
+        hit = scheduler.runner.kv_pages.hit_tokens - before if scheduler.runner.paged else 0
+        out.append((tokens, lp, hit))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefix_llms():
+    """Tiny Llama with page size 4: prefix caching on, and the same with it off."""
+    config, params = _tiny_llama()
+    return (_llm(config, params, page_size=4, prefix_caching=True),
+            _llm(config, params, page_size=4, prefix_caching=False))
+
+
+def test_prefix_hits_salts_and_partial_pages(prefix_llms):
+    """On one scheduler, one request after another: an equal 16-token prompt
+    (4 full pages) hits 3 pages (the last token's page is recomputed, and the
+    first token's log-probabilities still equal a miss's); another salt hits
+    nothing, the same salt hits again; a prompt differing in the last token
+    of page 3 shares pages 0-2 only. Every output equals the cache-off one."""
+    on, off = prefix_llms
+    v = on.config.vocab_size
+    p = _ids(16, v, 3)
+    other_last = p[:15] + [(p[15] + 1) % v] + _ids(5, v, 4)
+    requests = [Request(p, GREEDY, max_new_tokens=6, logprobs=3),
+                Request(p, GREEDY, max_new_tokens=6, logprobs=3),          # a full-prompt hit
+                Request(p, GREEDY, max_new_tokens=6, logprobs=3, cache_salt="tenant-b"),
+                Request(p, GREEDY, max_new_tokens=6, logprobs=3, cache_salt="tenant-b"),
+                Request(other_last, SEEDED, max_new_tokens=9, logprobs=0)]
+    got = _one_by_one(on.scheduler(2), requests)
+    want = _one_by_one(off.scheduler(2), requests)
+    assert [hit for _, _, hit in got] == [0, 12, 0, 12, 12]
+    assert [hit for _, _, hit in want] == [0] * 5
+    for (g_tokens, g_lp, _), (w_tokens, w_lp, _) in zip(got, want):
+        assert g_tokens == w_tokens
+        np.testing.assert_allclose(g_lp, w_lp, atol=KERNEL_ATOL, rtol=0)
+
+
+def test_prefix_hits_share_pages_by_reference_and_evict_lru():
+    """Two running requests on one cached prefix hold the same pages (reference
+    count 2); unreferenced cached pages are evicted only when the free list is
+    empty, least recently used first."""
+    pool = PagePool(6, 2)
+    a = page_hashes([1, 2, 3, 4], 2)
+    pages = pool.allocate(2)
+    for page, h in zip(pages, a):
+        pool.register(page, h)
+    assert pool.lookup(a) == pages and [pool.refcount(x) for x in pages] == [2, 2]
+    pool.release(pages)
+    pool.release(pages)
+    assert pool.num_cached == 2 and pool.num_free == 4
+    fresh = pool.allocate(4)                       # the free pages first: the cache survives
+    assert not set(fresh) & set(pages) and pool.lookup(a[:1]) == pages[:1]
+    pool.release(pages[:1])                        # page 0 of the prefix is now the most recent
+    assert pool.allocate(1) == [pages[1]]          # the least recently used is evicted
+    assert pool.lookup(a) == pages[:1]             # its hash is gone, the chain stops there
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(1)
+
+
+def test_long_shared_prefix_reuses_the_cache():
+    """A second request sharing a 1000-token prefix (tiny Llama, 1,024
+    positions, page size 16, 256-token prefill chunks) is served 992 tokens
+    from the cache (62 full pages) and gives the cache-off output."""
+    config, params = _tiny_llama(1100)
+    v = config.vocab_size
+    prefix = _ids(1000, v, 11)
+    requests = [Request(prefix + _ids(9, v, 12), GREEDY, max_new_tokens=8),
+                Request(prefix + _ids(5, v, 13), GREEDY, max_new_tokens=8)]
+    kw = dict(max_seq_len=1024, prefill_chunk_size=256, decode_chunk=4, min_kv_bucket=64,
+              page_size=16)
+    got = _one_by_one(LLM(config, params, prefix_caching=True, **kw).scheduler(2), requests)
+    want = _one_by_one(LLM(config, params, prefix_caching=False, **kw).scheduler(2), requests)
+    assert [hit for _, _, hit in got] == [0, 992]
+    assert [t for t, _, _ in got] == [t for t, _, _ in want]
+
+
+def test_preemption_completes_every_request_unchanged():
+    """A pool of 12 pages of 4 tokens (48 positions) for 4 slots of requests
+    needing 7-9 pages each: admission waits and running requests are
+    preempted (recomputed later), and every request, greedy or seeded,
+    returns what it returns with a pool for all at once."""
+    config, params = _tiny_llama()
+    v = config.vocab_size
+    requests = [Request(_ids(n, v, 40 + n), GREEDY if n % 2 else SEEDED, max_new_tokens=m)
+                for n, m in ((9, 20), (14, 16), (6, 24), (11, 18), (3, 22))]
+    big = _llm(config, params, page_size=4)
+    small = _llm(config, params, page_size=4, num_pages=12)
+    want = _run(big.scheduler(4), requests, arrive=[0, 0, 1, 2, 2])
+    sched = small.scheduler(4)
+    got = _run(sched, requests, arrive=[0, 0, 1, 2, 2])
+    assert sched.num_preempted > 0
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(len(t) == r.max_new_tokens for (t, _), r in zip(got, requests))
+    assert sched.runner.kv_pages.num_used == 0
