@@ -374,6 +374,12 @@ class LLM:
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
             [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
             decode_steps=steps, spec=[p["spec"] for p in parts])
+        pool = scheduler.runner.kv_pages
+        if pool is not None:
+            self.last_stats = dataclasses.replace(
+                self.last_stats, prefix_query_tokens=pool.query_tokens,
+                prefix_hit_tokens=pool.hit_tokens, num_pages=pool.num_pages)
+        self.last_stats = dataclasses.replace(self.last_stats, num_preempted=scheduler.num_preempted)
         return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
                            p["logprobs"] if r.logprobs is not None else None)
                 for r, p in zip(requests, parts)]

@@ -446,3 +446,27 @@ def test_preemption_completes_every_request_unchanged():
     assert [t for t, _ in got] == [t for t, _ in want]
     assert all(len(t) == r.max_new_tokens for (t, _), r in zip(got, requests))
     assert sched.runner.kv_pages.num_used == 0
+
+
+def test_run_stats_and_server_metrics_report_pages_and_hits(prefix_llms):
+    """generate's RunStats count the prefix cache's tokens (three equal
+    16-token prompts: the 2nd and 3rd are served 12 each), and /metrics
+    exposes the pool's pages by state, the hit rate and preemptions."""
+    on, _ = prefix_llms
+    p = _ids(16, on.config.vocab_size, 21)
+    on.generate([p, p, p], max_new_tokens=3)
+    stats = on.last_stats
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.num_preempted) == (48, 24, 0)
+    assert stats.prefix_hit_rate == 0.5 and stats.num_pages > 0 and "prefix cache: 24/48" in stats.summary()
+    pytest.importorskip("prometheus_client")
+    from jaxinfer.server.async_engine import EngineStats
+    from jaxinfer.server.metrics import ServerMetrics
+
+    text = ServerMetrics("m").render(
+        EngineStats(num_pages=10, pages_used=3, pages_free=5, pages_cached=2, prefix_query_tokens=48,
+                    prefix_hit_tokens=24, num_preempted=1), 0, 0, 0.0).decode()
+    for line in ('jaxinfer_kv_cache_pages{model_name="m",state="used"} 3.0',
+                 'jaxinfer_kv_cache_pages{model_name="m",state="cached"} 2.0',
+                 'jaxinfer_prefix_cache_hit_rate{model_name="m"} 0.5',
+                 'jaxinfer_num_preemptions{model_name="m"} 1.0'):
+        assert line in text
