@@ -104,11 +104,12 @@ def test_paged_logits_equal_dense(model, page_size, kernels):
     dense, _ = _run_plan(config, params, init_cache(config, 2, 48), seqs)
     paged, cache = _run_plan(config, params, _shuffled_paged_cache(config, 2, 48, page_size), seqs)
     assert np.asarray(cache.lengths).tolist() == [25, 21]
-    # the block-table kernel computes scores and sums values page by page (at
-    # page size 1 one position at a time, without the dense kernel's vector
-    # path): float32 rounding of ~1e-7 per attention output, grown through
-    # three layers to ~1e-5 on logits of magnitude ~15 (the kernel itself is
-    # held to 2e-6 in test_paged_kernel_matches_dense_kernel)
+    # the block-table kernel sums in the dense kernel's order, but a page
+    # shorter than a vector (page size 1, 3) takes the scalar tail loop where
+    # the dense kernel vectorizes (other rounding / contraction): ~1e-7 per
+    # attention output, grown through three layers to ~1e-5 on logits of
+    # magnitude ~15 (the kernel itself is held to 2e-6 in
+    # test_paged_kernel_matches_dense_kernel)
     atol = KERNEL_ATOL if kernels == "on" else ATOL
     for call, (d_rows, p_rows) in enumerate(zip(dense, paged)):
         for row, (d, p) in enumerate(zip(d_rows, p_rows)):
@@ -470,3 +471,20 @@ def test_run_stats_and_server_metrics_report_pages_and_hits(prefix_llms):
                  'jaxinfer_prefix_cache_hit_rate{model_name="m"} 0.5',
                  'jaxinfer_num_preemptions{model_name="m"} 1.0'):
         assert line in text
+
+
+def test_warmup_covers_paged_serving(prefix_llms):
+    """After `ModelRunner.warmup`, paged serving with prefix hits (whole,
+    chunked, and the last piece after a hit) and preemption-free decode
+    compiles nothing more."""
+    on, _ = prefix_llms
+    sched = on.scheduler(2)
+    sched.runner.warmup(num_logprobs=(-1,))
+    before = on.programs.num_compiles
+    v = on.config.vocab_size
+    p = _ids(30, v, 50)
+    requests = [Request(p, GREEDY, max_new_tokens=5), Request(p[:13], GREEDY, max_new_tokens=7),
+                Request(p + [1, 2], GREEDY, max_new_tokens=4), Request(p[:6], SEEDED, max_new_tokens=9)]
+    _one_by_one(sched, requests)
+    assert on.programs.num_compiles == before
+    assert sched.runner.kv_pages.hit_tokens > 0

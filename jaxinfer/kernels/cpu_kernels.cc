@@ -30,9 +30,10 @@
 //   block_table s32  [B, M]         row b's position p lives in page block_table[b, p / ps]
 //   mask        pred [B, M * ps]    true = visible (index p = position p)
 //   out         f32  [B, K, G, H]
-// Each (row, kv head) unit walks the pages that overlap its visible span and reads them in
-// place: scores page by page into one row of scratch, one softmax, then the values page by
-// page into the output. Every block-table entry must name a page in [0, P).
+// Each (row, kv head) unit reads the pages that overlap its visible span in place, as one
+// run of positions per page (`Run`): the dense kernel's loops over runs instead of one
+// contiguous span, so the sums are the dense kernel's, in the same order. Every
+// block-table entry of a visible position must name a page in [0, P).
 //
 // --- Packed matmul ---
 //   x      f32 [M, I]      M rows (tokens) of I input features
@@ -124,58 +125,74 @@ struct Dims {
   int64_t B, K, G, H, S;
 };
 
-// scores[g, s] = sum_h q[g, h] k[h, s] for s in [0, n), GN query heads at a time.
-// Rows of k are read front to back, kRows at once, so the block streams sequentially.
+// A run of consecutive cached positions stored contiguously: the key of its s-th position
+// is k[h * stride + s] (h = 0..H-1), its value v[s * H + h]. A dense row's visible span is
+// one run; a paged row's is one run per page it overlaps, in position order.
+struct Run {
+  const float* k;
+  const float* v;
+  int64_t stride;
+  int64_t n;
+};
+
+// scores[g, s] = sum_h q[g, h] k[h, s] for the positions s of the runs (n in all, in order),
+// GN query heads at a time. Each run's rows of k are read front to back, kRows at once, so
+// the run streams sequentially; every score sums over h in the same order whatever the runs
+// (a paged row's scores are the dense kernel's, bit for bit).
 template <int GN>
-void scores(const float* q, int64_t H, const float* k, int64_t S, float* sc, int64_t ld, int64_t n) {
+void scores(const float* q, int64_t H, const Run* runs, int64_t num_runs, float* sc, int64_t ld,
+            int64_t n) {
   constexpr int kRows = 8;
-  const int64_t nv = n / kLanes * kLanes;
   for (int g = 0; g < GN; ++g) std::fill(sc + g * ld, sc + g * ld + n, 0.0f);
-  int64_t h = 0;
-  for (; h + kRows <= H; h += kRows) {
-    const float* rows = k + h * S;
-    float qh[GN][kRows];
-    for (int g = 0; g < GN; ++g)
-      for (int r = 0; r < kRows; ++r) qh[g][r] = q[g * H + h + r];
-    for (int64_t s = 0; s < nv; s += kLanes) {
-      v16 kv[kRows];
-      for (int r = 0; r < kRows; ++r) kv[r] = load(rows + r * S + s);
-      for (int g = 0; g < GN; ++g) {
-        v16 acc = load(sc + g * ld + s);
-        for (int r = 0; r < kRows; ++r) acc += qh[g][r] * kv[r];
-        store(sc + g * ld + s, acc);
-      }
-    }
-    for (int64_t s = nv; s < n; ++s)
+  float* out = sc;
+  for (int64_t i = 0; i < num_runs; out += runs[i].n, ++i) {
+    const int64_t S = runs[i].stride, m = runs[i].n, nv = m / kLanes * kLanes;
+    int64_t h = 0;
+    for (; h + kRows <= H; h += kRows) {
+      const float* rows = runs[i].k + h * S;
+      float qh[GN][kRows];
       for (int g = 0; g < GN; ++g)
-        for (int r = 0; r < kRows; ++r) sc[g * ld + s] += qh[g][r] * rows[r * S + s];
+        for (int r = 0; r < kRows; ++r) qh[g][r] = q[g * H + h + r];
+      for (int64_t s = 0; s < nv; s += kLanes) {
+        v16 kv[kRows];
+        for (int r = 0; r < kRows; ++r) kv[r] = load(rows + r * S + s);
+        for (int g = 0; g < GN; ++g) {
+          v16 acc = load(out + g * ld + s);
+          for (int r = 0; r < kRows; ++r) acc += qh[g][r] * kv[r];
+          store(out + g * ld + s, acc);
+        }
+      }
+      for (int64_t s = nv; s < m; ++s)
+        for (int g = 0; g < GN; ++g)
+          for (int r = 0; r < kRows; ++r) out[g * ld + s] += qh[g][r] * rows[r * S + s];
+    }
+    for (; h < H; ++h)
+      for (int64_t s = 0; s < m; ++s)
+        for (int g = 0; g < GN; ++g) out[g * ld + s] += q[g * H + h] * runs[i].k[h * S + s];
   }
-  for (; h < H; ++h)
-    for (int64_t s = 0; s < n; ++s)
-      for (int g = 0; g < GN; ++g) sc[g * ld + s] += q[g * H + h] * k[h * S + s];
 }
 
-// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n) (add: out[g, :] += ...), 4 vectors of
-// columns of v at a time.
+// out[g, :] = sum_s w[g, s] v[s, :] over the positions s of the runs (in order), 4 vectors
+// of columns of v at a time.
 template <int GN>
-void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int64_t H, float* out,
-                     bool add) {
+void weighted_values(const float* w, int64_t ld, const Run* runs, int64_t num_runs, int64_t H,
+                     float* out) {
   int64_t c = 0;
   for (; c + 4 * kLanes <= H; c += 4 * kLanes) {
     v16 acc[GN][4] = {};
-    if (add)
-      for (int g = 0; g < GN; ++g)
-        for (int j = 0; j < 4; ++j) acc[g][j] = load(out + g * H + c + j * kLanes);
-    for (int64_t s = 0; s < n; ++s) {
-      const float* row = v + s * H + c;
-      const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
-                v3 = load(row + 3 * kLanes);
-      for (int g = 0; g < GN; ++g) {
-        const float ws = w[g * ld + s];
-        acc[g][0] += ws * v0;
-        acc[g][1] += ws * v1;
-        acc[g][2] += ws * v2;
-        acc[g][3] += ws * v3;
+    const float* wr = w;
+    for (int64_t i = 0; i < num_runs; wr += runs[i].n, ++i) {
+      for (int64_t s = 0; s < runs[i].n; ++s) {
+        const float* row = runs[i].v + s * H + c;
+        const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
+                  v3 = load(row + 3 * kLanes);
+        for (int g = 0; g < GN; ++g) {
+          const float ws = wr[g * ld + s];
+          acc[g][0] += ws * v0;
+          acc[g][1] += ws * v1;
+          acc[g][2] += ws * v2;
+          acc[g][3] += ws * v3;
+        }
       }
     }
     for (int g = 0; g < GN; ++g)
@@ -183,8 +200,10 @@ void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int6
   }
   for (; c < H; ++c)
     for (int g = 0; g < GN; ++g) {
-      float acc = add ? out[g * H + c] : 0.0f;
-      for (int64_t s = 0; s < n; ++s) acc += w[g * ld + s] * v[s * H + c];
+      float acc = 0.0f;
+      const float* wr = w;
+      for (int64_t i = 0; i < num_runs; wr += runs[i].n, ++i)
+        for (int64_t s = 0; s < runs[i].n; ++s) acc += wr[g * ld + s] * runs[i].v[s * H + c];
       out[g * H + c] = acc;
     }
 }
@@ -207,16 +226,17 @@ void by_head_group(int64_t G, int64_t stride_first, int64_t stride_last, const f
 
 template <int GN>
 struct Scores {
-  static void run(const float* q, float* sc, int64_t H, const float* k, int64_t S, int64_t ld, int64_t n) {
-    scores<GN>(q, H, k, S, sc, ld, n);
+  static void run(const float* q, float* sc, int64_t H, const Run* runs, int64_t num_runs, int64_t ld,
+                  int64_t n) {
+    scores<GN>(q, H, runs, num_runs, sc, ld, n);
   }
 };
 
 template <int GN>
 struct WeightedValues {
-  static void run(const float* w, float* out, int64_t ld, int64_t n, const float* v, int64_t H,
-                  bool add) {
-    weighted_values<GN>(w, ld, n, v, H, out, add);
+  static void run(const float* w, float* out, int64_t ld, const Run* runs, int64_t num_runs,
+                  int64_t H) {
+    weighted_values<GN>(w, ld, runs, num_runs, H, out);
   }
 };
 
@@ -266,6 +286,15 @@ void masked_softmax_rows(float* sc, int64_t G, int64_t n, int64_t ld) {
   }
 }
 
+// Scores, masked softmax and weighted values of one (row, kv head) unit over the runs of its
+// visible span (n positions; sc: the unit's scratch, see unit_scratch), into o [G, H].
+void attend_runs(int64_t G, int64_t H, const float* q, const Run* runs, int64_t num_runs, float* sc,
+                 int64_t n, int64_t ld, float* o) {
+  by_head_group<Scores>(G, H, ld, q, sc, H, runs, num_runs, ld, n);
+  masked_softmax_rows(sc, G, n, ld);
+  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, runs, num_runs, H);
+}
+
 // Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to kLanes.
 void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
                  const bool* mask, float* out, std::vector<float>& scratch) {
@@ -280,9 +309,8 @@ void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, co
   }
   const int64_t n = hi - lo;
   float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
-  by_head_group<Scores>(G, H, ld, q + unit * G * H, sc, H, k + unit * H * S + lo, S, ld, n);
-  masked_softmax_rows(sc, G, n, ld);
-  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, n, v + (unit * S + lo) * H, H, false);
+  const Run run{k + unit * H * S + lo, v + (unit * S + lo) * H, S, n};
+  attend_runs(G, H, q + unit * G * H, &run, 1, sc, n, ld, o);
 }
 
 struct PagedDims {
@@ -306,19 +334,14 @@ void attend_paged_unit(const PagedDims& d, int64_t unit, const float* q, const f
   const int64_t n = hi - lo;
   float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
   const int64_t first = lo / ps, last = (hi - 1) / ps;
+  thread_local std::vector<Run> runs;
+  runs.clear();
   for (int64_t i = first; i <= last; ++i) {  // [a, z): the span's part in page i
-    const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
-    const float* page = kp + (pages[i] * d.K + kh) * H * ps;
-    by_head_group<Scores>(G, H, ld, q + unit * G * H, sc + (a - lo), H, page + (a - i * ps), ps, ld,
-                          z - a);
+    const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps), off = a - i * ps;
+    const int64_t base = pages[i] * d.K + kh;
+    runs.push_back(Run{kp + base * H * ps + off, vp + (base * ps + off) * H, ps, z - a});
   }
-  masked_softmax_rows(sc, G, n, ld);
-  for (int64_t i = first; i <= last; ++i) {
-    const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
-    const float* page = vp + (pages[i] * d.K + kh) * ps * H;
-    by_head_group<WeightedValues>(G, ld, H, sc + (a - lo), o, ld, z - a, page + (a - i * ps) * H, H,
-                                  i > first);
-  }
+  attend_runs(G, H, q + unit * G * H, runs.data(), static_cast<int64_t>(runs.size()), sc, n, ld, o);
 }
 
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
