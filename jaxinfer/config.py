@@ -165,10 +165,16 @@ class GenerationConfig:
       decode_chunk: decode steps per compiled chunk (streaming granularity;
         shorter chunks admit waiting requests sooner).
       max_num_seqs: decode slots, the most requests decoding at once.
-      page_size: tokens per KV-cache page: the full-attention layers' K/V
-        live in one pool of pages, each request holding the pages it fills
-        through a block table (PagedAttention); null gives every slot a
-        dense buffer of max_seq_len positions instead (see jaxinfer/runner.py).
+      page_size: tokens per KV-cache page (16 is a good value): the
+        full-attention layers' K/V live in one pool of pages, each request
+        holding the pages it fills through a block table (PagedAttention);
+        null (the default) gives every slot a dense buffer instead (see
+        jaxinfer/runner.py). Dense stays the default because a paged decode
+        step measured slower than the dense one at batch 32 on CPU (the
+        block-table kernel walks one run per page; figures in
+        benchmarks/README.md), beyond the 1.15x the issue allows; paging
+        pays where memory or shared prefixes matter (more concurrent
+        requests per byte, prefix caching).
       num_pages: pages in the pool (null: from kv_cache_memory).
       kv_cache_memory: the paged KV cache's budget in bytes (the page pool
         and the sliding-window rings of every slot); an int or a string such
@@ -218,7 +224,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     decode_chunk: int = 16
     max_num_seqs: int = 256
-    page_size: Optional[int] = 16
+    page_size: Optional[int] = None
     num_pages: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     prefix_caching: bool = True

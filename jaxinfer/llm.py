@@ -86,7 +86,8 @@ class LLM:
         ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
       page_size: tokens per KV page (PagedAttention: the full-attention
         layers' K/V in one page pool with a block table per request), or
-        None for one dense buffer per slot (see `jaxinfer.runner`).
+        None (the default, see `GenerationConfig.page_size`) for one dense
+        buffer per slot (see `jaxinfer.runner`).
       num_pages: pages in the pool; None derives it from kv_cache_memory.
       kv_cache_memory: the KV cache's budget in bytes (the page pool plus the
         sliding-window rings of every slot); None: what max_num_seqs slots of
@@ -104,7 +105,7 @@ class LLM:
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
                  min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
                  speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
-                 page_size: Optional[int] = 16, num_pages: Optional[int] = None,
+                 page_size: Optional[int] = None, num_pages: Optional[int] = None,
                  kv_cache_memory: Optional[int] = None, prefix_caching: bool = True):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
