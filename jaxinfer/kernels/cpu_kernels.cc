@@ -286,21 +286,12 @@ void masked_softmax_rows(float* sc, int64_t G, int64_t n, int64_t ld) {
   }
 }
 
-// Scores, masked softmax and weighted values of one (row, kv head) unit over the runs of its
-// visible span (n positions; sc: the unit's scratch, see unit_scratch), into o [G, H].
-void attend_runs(int64_t G, int64_t H, const float* q, const Run* runs, int64_t num_runs, float* sc,
-                 int64_t n, int64_t ld, float* o) {
-  by_head_group<Scores>(G, H, ld, q, sc, H, runs, num_runs, ld, n);
-  masked_softmax_rows(sc, G, n, ld);
-  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, runs, num_runs, H);
-}
-
-// Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to kLanes.
-void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
-                 const bool* mask, float* out, std::vector<float>& scratch) {
-  const int64_t G = d.G, H = d.H, S = d.S;
-  const bool* visible = mask + (unit / d.K) * S;
-  float* o = out + unit * G * H;
+// Attention of one (row, kv head) unit into o [G, H]: the visible span [lo, hi) of its mask
+// row (S entries), whose positions `runs_of(lo, hi, runs)` lists as runs, scored, softmaxed
+// and summed; scratch holds G + 1 rows of hi - lo rounded up to kLanes.
+template <typename RunsOf>
+void attend_span(int64_t G, int64_t H, const float* q, const bool* visible, int64_t S, float* o,
+                 std::vector<float>& scratch, RunsOf runs_of) {
   int64_t lo, hi, ld;
   visible_span(visible, S, lo, hi);
   if (lo == hi) {
@@ -309,39 +300,43 @@ void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, co
   }
   const int64_t n = hi - lo;
   float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
-  const Run run{k + unit * H * S + lo, v + (unit * S + lo) * H, S, n};
-  attend_runs(G, H, q + unit * G * H, &run, 1, sc, n, ld, o);
+  thread_local std::vector<Run> runs;
+  runs.clear();
+  runs_of(lo, hi, runs);
+  const int64_t num_runs = static_cast<int64_t>(runs.size());
+  by_head_group<Scores>(G, H, ld, q, sc, H, runs.data(), num_runs, ld, n);
+  masked_softmax_rows(sc, G, n, ld);
+  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, runs.data(), num_runs, H);
+}
+
+// One (row, kv head) unit of a dense cache: its span is one run.
+void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
+                 const bool* mask, float* out, std::vector<float>& scratch) {
+  const int64_t H = d.H, S = d.S;
+  attend_span(d.G, H, q + unit * d.G * H, mask + (unit / d.K) * S, S, out + unit * d.G * H, scratch,
+              [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
+                runs.push_back(Run{k + unit * H * S + lo, v + (unit * S + lo) * H, S, hi - lo});
+              });
 }
 
 struct PagedDims {
   int64_t B, K, G, H, P, ps, M;
 };
 
-// attend_unit over a paged cache: the span's pages, each read in place.
+// One (row, kv head) unit of a paged cache: one run per page its span overlaps, read in place.
 void attend_paged_unit(const PagedDims& d, int64_t unit, const float* q, const float* kp,
                        const float* vp, const int32_t* block_table, const bool* mask, float* out,
                        std::vector<float>& scratch) {
-  const int64_t G = d.G, H = d.H, ps = d.ps, S = d.M * ps, b = unit / d.K, kh = unit % d.K;
-  const bool* visible = mask + b * S;
+  const int64_t H = d.H, ps = d.ps, S = d.M * ps, b = unit / d.K, kh = unit % d.K;
   const int32_t* pages = block_table + b * d.M;
-  float* o = out + unit * G * H;
-  int64_t lo, hi, ld;
-  visible_span(visible, S, lo, hi);
-  if (lo == hi) {
-    std::fill(o, o + G * H, 0.0f);
-    return;
-  }
-  const int64_t n = hi - lo;
-  float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
-  const int64_t first = lo / ps, last = (hi - 1) / ps;
-  thread_local std::vector<Run> runs;
-  runs.clear();
-  for (int64_t i = first; i <= last; ++i) {  // [a, z): the span's part in page i
-    const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps), off = a - i * ps;
-    const int64_t base = pages[i] * d.K + kh;
-    runs.push_back(Run{kp + base * H * ps + off, vp + (base * ps + off) * H, ps, z - a});
-  }
-  attend_runs(G, H, q + unit * G * H, runs.data(), static_cast<int64_t>(runs.size()), sc, n, ld, o);
+  attend_span(d.G, H, q + unit * d.G * H, mask + b * S, S, out + unit * d.G * H, scratch,
+              [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
+                for (int64_t i = lo / ps; i <= (hi - 1) / ps; ++i) {  // [a, z): the span in page i
+                  const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
+                  const int64_t base = pages[i] * d.K + kh, off = a - i * ps;
+                  runs.push_back(Run{kp + base * H * ps + off, vp + (base * ps + off) * H, ps, z - a});
+                }
+              });
 }
 
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1

@@ -27,11 +27,9 @@ start and end of each run.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import statistics
 import sys
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -265,16 +263,8 @@ def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
 
 
 def cmd_paged(args, cfg, sweep: PagedSweep) -> int:
-    from jaxinfer.tools.bench.machine import cpu_info
-    from jaxinfer.tools.bench.report import write_results
+    from jaxinfer.tools.bench.report import publish
 
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[paged] {msg}", file=sys.stderr, flush=True))
-    results = run_paged(cfg, sweep, log)
-    results.update(model=cfg.model, cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
-    stem = f"paged-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = format_paged(results)
-    paths = write_results(results, args.out, stem, report=report)
-    print(report)
-    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    return publish(run_paged(cfg, sweep, log), cfg, args.out, "paged", format_paged)
