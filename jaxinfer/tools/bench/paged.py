@@ -13,7 +13,8 @@ Three measurements, one process, float32 K/V, greedy, `ignore_eos`:
   over the run's time, compilation excluded: `ProgramCache.clock`);
 * the decode step at batch `step_batch`: `engine.decode_step` on a dense cache
   and on a paged one (shuffled pages) holding the same `step_context` tokens
-  per row in the same capacity; median seconds per step over `step_repeats`;
+  per row in the same capacity, the two alternating step by step (so both
+  see the same machine load); median seconds per step over `step_repeats`;
 * prefix reuse: `prefix_requests` requests sharing a `prefix_len`-token
   system prompt (distinct short suffixes), with the prefix cache on and off.
   Sequentially (each request alone): TTFT of a hit (every request after the
@@ -154,18 +155,19 @@ def step_cost(base, sweep: PagedSweep, log) -> dict:
         return cache.replace(lengths=lengths(), block_tables=jnp.asarray(table))
 
     out = {"batch": b, "context": ctx, "capacity": size}
-    for name, make in (("dense", dense), ("paged", paged)):
-        log(f"step cost: {name}")
-        cache = make()
-        times = []
-        for i in range(sweep.step_repeats + 2):      # the first two warm up (and compile)
+    caches = {"dense": dense(), "paged": paged()}
+    times = {name: [] for name in caches}
+    log("step cost: dense and paged steps, interleaved")
+    for _ in range(sweep.step_repeats + 2):              # the first two warm up (and compile)
+        for name in caches:                              # alternate: both see the same load
             t0 = time.perf_counter()
-            logits, cache = decode_step(base.params, cache, tokens, config=base.config)
+            logits, cache = decode_step(base.params, caches[name], tokens, config=base.config)
             jax.block_until_ready(logits)
-            times.append(time.perf_counter() - t0)
-            cache = cache.replace(lengths=lengths())   # every step at the same context
-        out[f"{name}_step_s"] = statistics.median(times[2:])
-        out[f"{name}_loadavg"] = loadavg()
+            times[name].append(time.perf_counter() - t0)
+            caches[name] = cache.replace(lengths=lengths())   # every step at the same context
+    for name, t in times.items():
+        out[f"{name}_step_s"] = statistics.median(t[2:])
+    out["loadavg"] = loadavg()
     out["paged_over_dense"] = out["paged_step_s"] / out["dense_step_s"]
     return out
 
