@@ -57,8 +57,8 @@ class PagedSweep:
     prefill_chunk_size: int = 512
 
 
-QUICK_PAGED = PagedSweep(num_requests=24, prompt_len=(32, 512), output_len=(16, 128), paged_slots=16,
-                         step_repeats=10, prefix_requests=8)
+QUICK_PAGED = PagedSweep(num_requests=16, prompt_len=(32, 512), output_len=(16, 128), paged_slots=16,
+                         step_repeats=8, prefix_requests=4)
 
 
 def _lengths(rng, lo_hi, n):
