@@ -609,9 +609,9 @@ class ModelRunner:
                                        config=self.config)
                 self._compile_draft_prefill(engine.extend, chunk, size)
                 prefixes[size] = self._compile_start(chunk, size, inputs, one, False, num_logprobs)
-        if self.prefix_caching:                           # the last piece after a hit
-            size = self._job_size(0)
-            for width in (w for w in self.buckets.prompt if w <= whole):
+        if self.prefix_caching:   # the last piece after a hit: up to `whole` tokens in its bucket
+            size, widest = self._job_size(0), self.buckets.prompt_bucket(whole)
+            for width in (w for w in self.buckets.prompt if w <= widest):
                 prefixes[size] = self._compile_start(width, size, inputs, one, False, num_logprobs)
         return list(prefixes.values())
 
