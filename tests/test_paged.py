@@ -520,3 +520,28 @@ def test_real_model_paged_greedy_equals_dense(source, page_size):
                                    atol=1e-4, rtol=0)
     if not dense.config.sliding_layers:
         assert paged.last_stats.prefix_hit_tokens > 0
+
+
+def test_config_keys_and_errors():
+    """kv_cache_memory takes bytes or a size string; num_pages and
+    kv_cache_memory exclude each other; a budget sets the pool's pages; a
+    request that could never fit the whole pool is refused when added."""
+    from jaxinfer.cache import page_nbytes
+    from jaxinfer.config import GenerationConfig, parse_bytes
+
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("1.5 kib") == 1536
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_bytes("lots", "kv_cache_memory")
+    assert GenerationConfig(kv_cache_memory="64MiB").kv_cache_memory == 64 << 20
+    with pytest.raises(ValueError, match="not both"):
+        GenerationConfig(num_pages=8, kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="page_size"):
+        GenerationConfig(page_size=0)
+    config, params = _tiny_llama()
+    budget = 10 * page_nbytes(config, 4)
+    llm = _llm(config, params, page_size=4, kv_cache_memory=budget)
+    assert llm.pool_pages(2) == 10
+    sched = _llm(config, params, page_size=4, num_pages=6).scheduler(2)
+    with pytest.raises(ValueError, match="KV pages"):
+        sched.add_request(Request(_ids(20, config.vocab_size, 1), GREEDY, max_new_tokens=10))
