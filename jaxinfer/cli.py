@@ -6,6 +6,7 @@
     jaxinfer trace --config configs/toy-two-layer.yaml --prompt 你好 [--plot DIR]
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml [--quick] [--peers hf,llamacpp]
     jaxinfer eval --config configs/smollm2-135m-instruct.yaml [--weights int8,q4]
+    jaxinfer disagg --config configs/smollm2-135m-instruct.yaml --prefill-workers 1 [--prompts-file F]
 
 Every usage error (a bad flag, config key or value, prompts file, model name,
 or a prompt too long for max_seq_len) prints one line,
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from jaxinfer.disagg.cli import add_disagg_parser
     from jaxinfer.server.run import add_serve_parser
     from jaxinfer.tools.bench.run import add_bench_parser
     from jaxinfer.tools.eval.run import add_eval_parser
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
     add_trace_parser(sub)
     add_bench_parser(sub)
     add_eval_parser(sub)
+    add_disagg_parser(sub)
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:   # reported by the command's own parser: "jaxinfer <command>: error: ..."

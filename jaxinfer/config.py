@@ -148,7 +148,7 @@ class GenerationConfig:
         path or a Hugging Face checkpoint folder.
       dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
       kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
-        "bfloat16" or "int8" (codes plus a float32 scale per token per kv
+        "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
         head, a quarter of float32's bytes; see jaxinfer/kv_quant.py).
       weights: how matmul weights are kept: "float32", "bfloat16", "int8"
         (per output channel) or "q4" (4-bit blocks; a GGUF file's own blocks

@@ -256,11 +256,13 @@ def bf16_dot() -> bool:
 
 def enabled() -> bool:
     """Whether traced code should call the native kernels: the default backend
-    is CPU, `JAXINFER_CPU_KERNELS` is not "0", and the library builds and loads.
-    Decided at trace time, so a compiled program keeps the choice it was
-    traced with."""
+    is CPU, `JAXINFER_CPU_KERNELS` is not "0", no multi-device mesh is set
+    (`jax.set_mesh`: the kernels do not partition, see `jaxinfer.sharding`),
+    and the library builds and loads. Decided at trace time, so a compiled
+    program keeps the choice it was traced with."""
+    mesh = jax.sharding.get_abstract_mesh()
     return (os.environ.get(SWITCH, "1") != "0" and jax.default_backend() == "cpu"
-            and hasattr(jax, "ffi") and _load())
+            and (mesh.empty or mesh.size == 1) and hasattr(jax, "ffi") and _load())
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

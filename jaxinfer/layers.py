@@ -310,16 +310,27 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
 
     Args:
       x: [B, T, D]; gate_up: [D, 2F], gate columns then up columns (one
-        matmul for both); down: [F, D]. Either may be a `PackedWeight`.
+        matmul for both), or [D, S, 2F/S] split into S tensor-parallel
+        shards, each its own gate then up columns (`sharding.per_shard_gate_up`);
+        down: [F, D]. gate_up [D, 2F] and down may be `PackedWeight`s.
     """
-    f = down.shape[0]
-    gu = matmul(x, gate_up)
-    g, u = gu[..., :f], gu[..., f:]
+    gu = _per_shard(x, gate_up)                      # [B, T, S, 2F/S]
+    half = gu.shape[-1] // 2
+    g, u = gu[..., :half], gu[..., half:]
     if activation == "silu":
         act = jax.nn.silu(g)
     else:
         act = jax.nn.gelu(g, approximate=True)
-    return matmul(act * u, down)
+    return matmul((act * u).reshape(*x.shape[:-1], -1), down)
+
+
+def _per_shard(x: jax.Array, w) -> jax.Array:
+    """x [..., D] @ w -> [..., S, C]: w [D, S, C] holds S shards' columns
+    side by side (tensor parallelism, `jaxinfer.sharding`); an unsharded
+    w [D, C] (plain, packed or quantized) is one shard (S = 1)."""
+    if not isinstance(w, (PackedWeight, QuantizedWeight)) and w.ndim == 3:
+        return jnp.einsum("...D,DSC->...SC", x, w)
+    return matmul(x, w)[..., None, :]
 
 
 # --- Q/K/V -----------------------------------------------------------------------
@@ -333,7 +344,9 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     Args:
       p: one layer's prepared params (`params.prepare_params`): `qkv_proj`
         [D, (N + 2K) * H], optional `qkv_bias` [(N + 2K) * H], `q_norm` /
-        `k_norm` [H].
+        `k_norm` [H]. Tensor-parallel params (`jaxinfer.sharding`) hold
+        `qkv_proj` as [D, S, (N/S + 2K/S) * H] (and the bias as [S, ...]):
+        S shards, each its own q heads, then k heads, then v heads.
       h: [B, T, D] normalized input.
       rope: (cos, sin), each [B, T, H] float32.
     Returns:
@@ -341,12 +354,13 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     """
     b, t, _ = h.shape
     n, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = matmul(h, p["qkv_proj"])
+    qkv = _per_shard(h, p["qkv_proj"])              # [B, T, S, (N/S + 2K/S) * H]
     if config.attention_bias:
-        qkv = qkv + p["qkv_bias"]
-    q = qkv[..., :n * hd].reshape(b, t, n, hd)
-    k = qkv[..., n * hd:(n + kv) * hd].reshape(b, t, kv, hd)
-    v = qkv[..., (n + kv) * hd:].reshape(b, t, kv, hd)
+        qkv = qkv + p["qkv_bias"].reshape(qkv.shape[-2:])
+    nq, nk = n // qkv.shape[-2] * hd, kv // qkv.shape[-2] * hd
+    q = qkv[..., :nq].reshape(b, t, n, hd)
+    k = qkv[..., nq:nq + nk].reshape(b, t, kv, hd)
+    v = qkv[..., nq + nk:].reshape(b, t, kv, hd)
     if config.qk_norm:
         q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
@@ -377,6 +391,16 @@ def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
     return jnp.moveaxis(jnp.take(params["lm_head"], tokens, axis=1), 0, -1)
 
 
+def replicated(x: jax.Array) -> jax.Array:
+    """x gathered whole onto every device of the mesh set with `jax.set_mesh`
+    (tensor parallelism, `jaxinfer.sharding`); x itself without a mesh.
+    Logits split by vocabulary are gathered once here, so sampling's many
+    reductions over V run locally instead of each needing a collective."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
+
+
 def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Logits float32 [..., V] from final-normed hidden states [..., D].
 
@@ -384,7 +408,7 @@ def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     which gives tied models one too) and applies `final_logit_softcapping`
     when set.
     """
-    logits = matmul(h, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = replicated(matmul(h, params["lm_head"], preferred_element_type=jnp.float32))
     cap = config.final_logit_softcapping
     if cap:
         logits = cap * jnp.tanh(logits / cap)

@@ -174,3 +174,24 @@ def test_step_prints_only_after_its_delay():
         with progress.step("broken"):
             raise KeyError("x")
     assert out.getvalue().endswith("[jaxinfer] broken ... failed after 0.00 s\n")
+
+
+def test_disagg_cpu_lists_are_checked_before_any_process_starts(capsys):
+    """`--prefill-cpus` / `--decode-cpus`: ranges and lists, bad syntax and
+    cores this process may not run on are one-line errors (exit 2 through
+    the CLI), not a failure inside the worker's preexec_fn."""
+    import os
+
+    from jaxinfer.disagg.cli import parse_cpus
+
+    assert parse_cpus("") is None
+    first = min(os.sched_getaffinity(0))
+    assert parse_cpus(str(first)) == (first,)
+    assert parse_cpus(f"{first}-{first}") == (first,)
+    with pytest.raises(ValueError, match="bad CPU list 'abc'"):
+        parse_cpus("abc")
+    with pytest.raises(ValueError, match=r"may run on cores .* not \[4096\]"):
+        parse_cpus("4096")
+    rc = main(["disagg", "--prefill-cpus", "4096", "--prompts-file", os.devnull, "max_seq_len=32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "jaxinfer disagg: error: bad CPU list '4096'" in err, err

@@ -84,3 +84,29 @@ def test_format_report_lists_every_variant():
     report = format_report(result)
     assert "| q4 | 10.1000 | +1.00% | 1.00e-03 | 2.00e-01 | 6.5 / 5 | 1 / 2 |" in report
     assert "llama.cpp perplexity: skipped (not installed)" in report
+
+
+def test_speed_rows_run_every_variant_and_count_the_bytes():
+    """The speed table's cells run the engine's phases on a tiny model (so a
+    changed phase signature breaks this test, not the benchmark); the byte
+    model: int8 KV reads (1 + 4/H) / 4 of float32's K/V bytes, and more rows
+    read more K/V."""
+    from jaxinfer.tools.eval import speed
+
+    config = TINY_LLAMA
+    params = prepare_params(random_params(config, seed=0), config)
+    rows = speed.speed_rows(config, {"float32": params, "float32+kv8": params}, [1, 2], 8,
+                            bandwidth_bps=1e9, prompt_len=8, steps=4, chunk=2)
+    assert [r["config"] for r in rows] == ["float32", "float32+kv8"]
+    for row in rows:
+        assert [d["batch"] for d in row["decode"]] == [1, 2]
+        assert all(d["tpot_s"] > 0 and d["tokens_per_s"] == d["batch"] / d["tpot_s"] for d in row["decode"])
+        assert row["prefill"]["prompt_len"] == 8 and row["prefill"]["ttft_s"] > 0
+    f32, kv8 = (r["decode"] for r in rows)
+    weights = speed.weight_bytes_read(params)
+    for a, b in zip(f32, kv8):
+        kv_f32, kv_int8 = a["bytes_per_step"] - weights, b["bytes_per_step"] - weights
+        embed = a["batch"] * config.hidden_size * 4
+        np.testing.assert_allclose(kv_int8 - embed, (kv_f32 - embed) * (1 + 4 / config.head_dim) / 4,
+                                   rtol=1e-12)
+    assert f32[1]["bytes_per_step"] > f32[0]["bytes_per_step"]

@@ -235,6 +235,8 @@ BAD_INPUTS = [
     ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
     ("wrong type", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("wrong type: messages", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages"),
     ("temperature < 0", "/v1/completions", {"prompt": "x", "temperature": -0.1}, 400, "temperature"),
     ("top_p = 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_p > 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),

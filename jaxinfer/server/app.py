@@ -224,7 +224,13 @@ class OpenAIServer:
     async def health(self):
         if not self.engine.running:
             return _json_error(503, "the engine is not running", type="server_error")
-        return {"status": "ok"}
+        health = getattr(self.engine.engine, "health", None)   # disaggregated: every worker
+        if health is None:
+            return {"status": "ok"}
+        report = health()
+        if not report["ok"]:
+            return JSONResponse({"status": "down", **report}, status_code=503)
+        return {"status": "ok", **report}
 
     async def metrics_text(self):
         programs = self.llm.programs
@@ -357,6 +363,9 @@ class OpenAIServer:
         try:
             async for index, event in group.events(self.settings.poll_s, request.is_disconnected):
                 self._record(choices[index], event)
+                if event.finish_reason == "error":      # disaggregated: its prefill worker failed
+                    raise APIError(503, f"the request failed: {event.error}", type="server_error",
+                                   code="worker_failed")
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from None
         finally:
@@ -391,6 +400,10 @@ class OpenAIServer:
             async for index, event in group.events():
                 choice = choices[index]
                 self._record(choice, event)
+                if event.finish_reason == "error":      # disaggregated: its prefill worker failed
+                    yield _sse(error_body(f"the request failed: {event.error}", "server_error",
+                                          code="worker_failed"))
+                    break
                 if event.text or (fmt.top is not None and event.logprobs):
                     yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,
                                          include_usage=include_usage))

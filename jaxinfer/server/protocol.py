@@ -66,7 +66,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
 

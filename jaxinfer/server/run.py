@@ -60,6 +60,25 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     return OpenAIServer(llm, engine, settings)
 
 
+def build_disaggregated_server(cfg, args, *, model_name: str, api_key: Optional[str]):
+    """An `OpenAIServer` over the process-disaggregated engine
+    (`disagg.cli.start_engine`: `args.prefill_workers` prefill processes,
+    this process decoding); the app starts its engine thread. Requests whose
+    prefill worker dies or whose KV transfer fails get an error (HTTP 503, or
+    an error event in a stream); `/health` reports every worker.
+
+    Must run before JAX starts its backend in this process.
+    """
+    from jaxinfer.disagg.cli import start_engine
+    from jaxinfer.server.app import OpenAIServer, ServerSettings
+    from jaxinfer.server.async_engine import AsyncEngine
+
+    engine = start_engine(cfg, args, start=False)
+    settings = ServerSettings(model_name=model_name, api_key=api_key,
+                              max_request_bytes=args.max_request_bytes, defaults=cfg.sampling)
+    return OpenAIServer(engine.llm, AsyncEngine(engine), settings)
+
+
 def warm_up(llm, scheduler, max_steps: int = 10_000) -> tuple[float, int]:
     """Compile every program serving can need ahead of time
     (`ModelRunner.warmup`: prefill of every prompt bucket, chunked pieces,
@@ -184,6 +203,8 @@ def add_serve_parser(subparsers):
     """Register `serve` on a `jaxinfer` subparsers object."""
     import argparse
 
+    from jaxinfer.disagg.cli import add_worker_args
+
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -200,6 +221,7 @@ def add_serve_parser(subparsers):
                    help="on SIGINT/SIGTERM, seconds to let running requests finish before they "
                         "are aborted (default 30)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress, warnings only")
+    add_worker_args(p, default_workers=0)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     p.set_defaults(func=cmd_serve, parser=p)
     return p
@@ -223,12 +245,20 @@ def cmd_serve(args) -> int:
     progress = Progress(enabled=False if args.quiet else None)
     enable_compilation_cache()
     t0 = time.perf_counter()
-    llm = LLM.from_config(cfg, progress=progress)
-    log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f} s")
-    server = build_server(llm, model_name=args.served_model_name or cfg.model,
-                          max_num_seqs=cfg.max_num_seqs, max_waiting_requests=cfg.max_waiting_requests,
-                          defaults=cfg.sampling, api_key=api_key,
-                          max_request_bytes=args.max_request_bytes, warmup=cfg.warmup, log=log)
+    model_name = args.served_model_name or cfg.model
+    if args.prefill_workers < 0:
+        args.parser.error(f"--prefill-workers must be >= 0, got {args.prefill_workers}")
+    if args.prefill_workers:
+        server = build_disaggregated_server(cfg, args, model_name=model_name, api_key=api_key)
+        log(f"{args.prefill_workers} prefill worker process(es) and this decode process up in "
+            f"{time.perf_counter() - t0:.1f} s")
+    else:
+        llm = LLM.from_config(cfg, progress=progress)
+        log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f} s")
+        server = build_server(llm, model_name=model_name, max_num_seqs=cfg.max_num_seqs,
+                              max_waiting_requests=cfg.max_waiting_requests, defaults=cfg.sampling,
+                              api_key=api_key, max_request_bytes=args.max_request_bytes,
+                              warmup=cfg.warmup, log=log)
     host, port = sock.getsockname()[:2]
     log(f"serving {server.settings.model_name!r} at http://{host}:{port}/v1 ({cfg.max_num_seqs} slots, "
         f"max_seq_len {cfg.max_seq_len}, api key {'required' if api_key else 'off'})")

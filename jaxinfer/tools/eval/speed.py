@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import engine, metrics, sampling
+from jaxinfer.runner import stop_tokens
 from jaxinfer.cache import init_cache
 from jaxinfer.config import ModelConfig
 
@@ -51,11 +52,18 @@ def decode_step_bytes(config: ModelConfig, params: dict, batch: int, context: fl
     return weight_bytes_read(params) + batch * config.hidden_size * 4 + kv * kv_bytes_per_value / 4
 
 
-def _start_inputs(tokens: np.ndarray, budget: int):
+def _start_inputs(tokens: np.ndarray, budget: int, vocab_size: int):
+    """`engine.start`'s arguments after the cache for greedy rows of
+    `tokens` [B, T] with `budget` new tokens each and no stop tokens."""
+    from jaxinfer.request import Request
+    from jaxinfer.runner import row_inputs
+
     b, t = tokens.shape
-    greedy = [sampling.SamplingParams(temperature=0.0)] * b
-    return (jnp.asarray(tokens), jnp.full((b,), t, jnp.int32), jnp.full((b,), budget, jnp.int32),
-            sampling.stack_params(greedy), sampling.row_keys([0] * b), jnp.array([-1], jnp.int32))
+    requests = [Request(row.tolist(), sampling.SamplingParams(temperature=0.0), max_new_tokens=budget)
+                for row in tokens]
+    return (jnp.asarray(tokens), jnp.full((b,), t, jnp.int32),
+            row_inputs(requests, vocab_size, t + budget),
+            stop_tokens((), ()))
 
 
 def _timed(fn):
@@ -66,10 +74,11 @@ def _timed(fn):
 
 
 def measure_decode(config: ModelConfig, params: dict, batch: int, prompt_len: int = 128,
-                   steps: int = 64, chunk: int = 16, seed: int = 0) -> dict:
+                   steps: int = 64, chunk: int = 16, seed: int = 0,
+                   kv_cache_dtype: Optional[str] = None) -> dict:
     """Decode speed at `batch` rows after `prompt_len`-token random prompts
-    (greedy, float32 KV cache): one warm-up chunk of `chunk` steps, then
-    `steps // chunk` timed chunks.
+    (greedy; float32 KV cache unless `kv_cache_dtype`): one warm-up chunk of
+    `chunk` steps, then `steps // chunk` timed chunks.
 
     Returns:
       {"batch", "tpot_s" (median seconds per step), "tokens_per_s" (B / TPOT),
@@ -79,9 +88,11 @@ def measure_decode(config: ModelConfig, params: dict, batch: int, prompt_len: in
     cache_len = prompt_len + chunk * (n_chunks + 1) + 1
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, prompt_len),
                                                    dtype=np.int32)
-    cache = init_cache(config, batch, cache_len)
-    state, _ = engine.start(params, cache, *_start_inputs(tokens, cache_len), config=config)
-    run = lambda: engine.decode_chunk(params, state, config=config, num_steps=chunk)
+    cache = init_cache(config, batch, cache_len, kv_cache_dtype=kv_cache_dtype)
+    state, _ = engine.start(params, cache, *_start_inputs(tokens, cache_len, config.vocab_size),
+                            config=config)
+    stop = stop_tokens((), ())
+    run = lambda: engine.decode_chunk(params, state, stop, config=config, num_steps=chunk)
     _, (state, _) = _timed(run)  # compiles
     per_step = []
     for _ in range(n_chunks):
@@ -102,7 +113,7 @@ def measure_prefill(config: ModelConfig, params: dict, length: int = 512, batch:
     """
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, length),
                                                    dtype=np.int32)
-    inputs = _start_inputs(tokens, 1)
+    inputs = _start_inputs(tokens, 1, config.vocab_size)
 
     def run():
         cache = init_cache(config, batch, length)
@@ -114,6 +125,9 @@ def measure_prefill(config: ModelConfig, params: dict, length: int = 512, batch:
             "tokens_per_s": batch * length / ttft, "loadavg_1m": os.getloadavg()[0]}
 
 
+KV8 = "+kv8"      # a variant suffix: the same weights with the int8 KV cache
+
+
 def speed_rows(config: ModelConfig, variants: dict, batches: Sequence[int], prefill_len: int,
                bandwidth_bps: Optional[float] = None, **decode_kwargs) -> list[dict]:
     """One row per variant: decode at each batch and prefill at `prefill_len`,
@@ -121,14 +135,18 @@ def speed_rows(config: ModelConfig, variants: dict, batches: Sequence[int], pref
     of the memory roofline (bytes per step / bandwidth / TPOT).
 
     Args:
-      variants: name -> prepared params.
+      variants: name -> prepared params; a name ending in KV8 ("q4+kv8")
+        runs with the int8 KV cache.
     """
     rows = []
     for name, params in variants.items():
+        kv8 = name.endswith(KV8)
         row = {"config": name, "weight_bytes": weight_bytes_read(params), "decode": []}
         for b in batches:
-            d = measure_decode(config, params, b, **decode_kwargs)
-            d["bytes_per_step"] = decode_step_bytes(config, params, b, d["context"])
+            d = measure_decode(config, params, b, kv_cache_dtype="int8" if kv8 else None,
+                               **decode_kwargs)
+            per_value = 1 + 4 / config.head_dim if kv8 else 4.0
+            d["bytes_per_step"] = decode_step_bytes(config, params, b, d["context"], per_value)
             if bandwidth_bps:
                 d["memory_roofline_fraction"] = d["bytes_per_step"] / bandwidth_bps / d["tpot_s"]
             row["decode"].append(d)
@@ -224,7 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxinfer.tools.eval.speed")
     p.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     p.add_argument("--model", help="override the config's model")
-    p.add_argument("--weights", default="float32,int8,q4")
+    p.add_argument("--weights", default="float32,int8,q4",
+                   help="comma-separated weights (float32, bfloat16, int8, q4), each optionally "
+                        "with +kv8 for the int8 KV cache, e.g. float32,int8,q4,float32+kv8")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prefill", type=int, default=512, help="prefill length (0: none)")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per cell")
@@ -242,10 +262,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     enable_compilation_cache()
     model = args.model or GenerationConfig.load(args.config).model
-    weights = [w for w in args.weights.split(",") if w]
+    names = [w for w in args.weights.split(",") if w]
+    weights = sorted({w.removesuffix(KV8) for w in names})
     load_start = os.getloadavg()
     config, _, gguf_path, prepared = load_variants(model, [w for w in weights if w != "float32"])
-    variants = {w: prepared[w] for w in weights}
+    variants = {w: prepared[w.removesuffix(KV8)] for w in names}
     bandwidth = None if args.no_bandwidth else _bandwidth()
     rows = speed_rows(config, variants, [int(b) for b in args.batches.split(",")], args.prefill,
                       bandwidth, steps=args.steps)

@@ -1,0 +1,115 @@
+"""Tensor-parallel cases run in a subprocess with forced CPU devices
+(`multidevice.run_case`); each returns JSON for the test to assert on."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import engine, sharding
+from jaxinfer.cache import init_cache
+from jaxinfer.llm import LLM
+from jaxinfer.params import prepare_params
+from jaxinfer.sampling import SamplingParams
+from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+
+# Tiny configs that cover every plan: TINY_LLAMA (N=4, K=2, V=97 prime:
+# vocabulary replicated), TINY_GEMMA3 (K=1: KV heads repeated at tp=2,
+# window 4), SmolLM2's head shape (N=9, K=3: attention split at tp=3,
+# replicated at tp=2) with a vocabulary tp=2 and 3 divide, untied.
+CONFIGS = {
+    "llama": TINY_LLAMA,
+    "gemma3": TINY_GEMMA3,
+    "smollm2_heads": TINY_LLAMA.replace(vocab_size=96, num_heads=9, num_kv_heads=3, head_dim=4,
+                                        hidden_size=36, intermediate_size=48,
+                                        tie_word_embeddings=False),
+}
+PROMPTS = [[1, 5, 7, 9, 11, 3], list(range(2, 40, 2)), [4] * 3 + list(range(7, 30))]
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+
+
+def _devices_or_skip(n: int):
+    if len(jax.local_devices()) < n:
+        return {"skip": f"needs {n} devices, {jax.default_backend()} has {len(jax.local_devices())}"}
+    return None
+
+
+def _all_logits(llm, programs, ids):
+    tokens = np.zeros((1, 64), np.int32)
+    tokens[0, :len(ids)] = ids
+    args = (llm.params, init_cache(llm.config, 1, 64), jnp.asarray(tokens),
+            jnp.array([len(ids)], jnp.int32))
+    if programs is None:
+        logits, _ = engine.prefill(*args, config=llm.config, all_logits=True)
+    else:
+        logits, _ = programs(engine.prefill, *args, config=llm.config, all_logits=True)
+    return np.asarray(logits)[0, :len(ids)]
+
+
+def _generate(llm, sampling):
+    out = llm.generate(PROMPTS, sampling, max_new_tokens=12, ignore_eos=True)
+    return [c.token_ids for c in out]
+
+
+def equivalence(model: str, tps: list, dp: int = 1) -> dict:
+    """Per tp: the plan, max |logit diff| of all-position prefill logits
+    against the single-device run, greedy and seeded tokens of both
+    (chunked prefill of 8 tokens: prompts cross the window), the
+    collectives in the compiled decode chunk and whether it calls the C++
+    decode-attention kernel."""
+    skip = _devices_or_skip(max(tps) * dp)
+    if skip:
+        return skip
+    config = CONFIGS[model]
+    params = random_params(config, seed=3)
+    kwargs = dict(max_seq_len=64, min_kv_bucket=64, decode_chunk=4, prefill_chunk_size=8,
+                  max_num_seqs=4)
+    # The reference runs XLA's own matmuls too (pack=False: no C++ packed
+    # matmul, which sums in another order), so only tensor parallelism differs.
+    ref = LLM(config, prepare_params(params, config, pack=False), **kwargs)
+    ref_logits = [_all_logits(ref, None, ids) for ids in PROMPTS]
+    want = {"greedy": _generate(ref, None), "seeded": _generate(ref, SEEDED)}
+    out = {"reference": want, "max_abs_logit": float(max(np.abs(x).max() for x in ref_logits))}
+    for tp in tps:
+        mesh = sharding.make_mesh(tp, dp)
+        llm = sharding.tensor_parallel_llm(config, params, None, mesh, **kwargs)
+        diffs = [float(np.abs(_all_logits(llm, llm.programs, ids) - r).max())
+                 for ids, r in zip(PROMPTS, ref_logits)]
+        got = {"greedy": _generate(llm, None), "seeded": _generate(llm, SEEDED)}
+        [hlo] = llm.programs.hlo_texts("decode_chunk")
+        plan = llm.sharding_plan
+        out[str(tp)] = {
+            "plan": plan.describe(), "split_heads": plan.split_heads, "kv_repeat": plan.kv_repeat,
+            "split_mlp": plan.split_mlp, "split_vocab": plan.split_vocab,
+            "max_logit_diff": max(diffs), **got,
+            "collectives": sharding.collectives(hlo),
+            "expected_collectives": sharding.expected_collectives(config, plan),
+            "kernel_in_decode": "jaxinfer_decode_attention" in hlo,
+            "kernels_enabled": bool(__import__("jaxinfer.cpu_kernels").cpu_kernels.enabled()),
+        }
+    return out
+
+
+def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str) -> dict:
+    """A real model on a tp mesh: last-position prefill logits of each prompt
+    (saved to `out_path` as .npz, arrays "0", "1", ...), greedy and seeded tokens."""
+    skip = _devices_or_skip(tp)
+    if skip:
+        return skip
+    mesh = sharding.make_mesh(tp)
+    llm = sharding.load_llm(name, mesh, max_seq_len=1024, decode_chunk=16, progress=False)
+    logits = {}
+    for i, ids in enumerate(prompts):
+        bucket = 1 << (len(ids) - 1).bit_length()
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :len(ids)] = ids
+        out, _ = llm.programs(engine.prefill, llm.params, init_cache(llm.config, 1, bucket),
+                              jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32),
+                              config=llm.config)
+        logits[str(i)] = np.asarray(out)[0]
+    np.savez(out_path, **logits)
+    greedy = llm.generate(prompts, max_new_tokens=new_tokens)
+    seeded = llm.generate(prompts, SEEDED, max_new_tokens=new_tokens)
+    return {"plan": llm.sharding_plan.describe(), "greedy": [c.token_ids for c in greedy],
+            "seeded": [c.token_ids for c in seeded]}
