@@ -109,7 +109,8 @@ class PrefillJob:
 
     Attributes:
       request: the Request; ids: the tokens to prefill (the prompt, then the
-        tokens generated before a preemption); done: tokens already in the cache.
+        tokens generated before a preemption; None: the prompt); done: tokens
+        already in the cache.
       prefix: after the last chunk, the one-row DecodeState to insert.
       first: after the last chunk, the first token's StepOutput with [1, 1]
         leaves (one step, one row), on the device.
@@ -121,7 +122,7 @@ class PrefillJob:
     request: Request
     cache: object
     inputs: engine.RowInputs
-    ids: tuple = ()
+    ids: Optional[tuple] = None       # None: the request's prompt
     draft_cache: object = None
     done: int = 0
     prefix: Optional[engine.DecodeState] = None
@@ -129,6 +130,10 @@ class PrefillJob:
     pages: list = dataclasses.field(default_factory=list)
     cached: int = 0
     hashes: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if self.ids is None:
+            self.ids = tuple(self.request.prompt_ids)
 
     @property
     def remaining(self) -> int:
