@@ -165,6 +165,27 @@ class GenerationConfig:
       decode_chunk: decode steps per compiled chunk (streaming granularity;
         shorter chunks admit waiting requests sooner).
       max_num_seqs: decode slots, the most requests decoding at once.
+      page_size: tokens per KV-cache page (16 is a good value): the
+        full-attention layers' K/V live in one pool of pages, each request
+        holding the pages it fills through a block table (PagedAttention);
+        null (the default) gives every slot a dense buffer instead (see
+        jaxinfer/runner.py). Dense stays the default because a paged decode
+        step measured slower than the dense one at batch 32 on CPU (the
+        block-table kernel walks one run per page; figures in
+        benchmarks/README.md), beyond the 1.15x the issue allows; paging
+        pays where memory or shared prefixes matter (more concurrent
+        requests per byte, prefix caching).
+      num_pages: pages in the pool (null: from kv_cache_memory).
+      kv_cache_memory: the paged KV cache's budget in bytes (the page pool
+        and the sliding-window rings of every slot); an int or a string such
+        as 512MiB or 2GiB. null: enough for max_num_seqs requests of
+        max_seq_len tokens, at most 2 GiB. Requests beyond it wait, and the
+        newest running one is preempted (recomputed later) when the pool
+        runs dry.
+      prefix_caching: requests reuse the KV pages of an equal prompt
+        prefix computed before (full pages only; a request's cache_salt
+        keeps its pages apart). Paged only; off for models with
+        sliding-window layers (Gemma 3) and with a draft model.
       prefill_chunk_size: the per-step prefill token budget while requests
         decode, and the largest piece of a prompt one call prefills; null
         prefills every prompt whole (see jaxinfer/scheduler.py).
@@ -203,6 +224,10 @@ class GenerationConfig:
     ignore_eos: bool = False
     decode_chunk: int = 16
     max_num_seqs: int = 256
+    page_size: Optional[int] = None
+    num_pages: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    prefix_caching: bool = True
     prefill_chunk_size: Optional[int] = 512
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
@@ -228,6 +253,14 @@ class GenerationConfig:
         for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
+        for name in ("page_size", "num_pages", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {value}")
+        if self.num_pages is not None and self.kv_cache_memory is not None:
+            raise ValueError("give num_pages or kv_cache_memory, not both")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1 or null, got {self.prefill_chunk_size}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
@@ -244,7 +277,7 @@ class GenerationConfig:
                  "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
-                 "ngram_min": int, "ngram_max": int, "warmup": bool}
+                 "ngram_min": int, "ngram_max": int, "warmup": bool, "prefix_caching": bool}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -253,10 +286,14 @@ class GenerationConfig:
             raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
-        for name in ("prefill_chunk_size", "max_waiting_requests"):
+        for name in ("prefill_chunk_size", "max_waiting_requests", "page_size", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be int or null, got {value!r}")
+        memory = self.kv_cache_memory
+        if memory is not None and (not isinstance(memory, (int, str)) or isinstance(memory, bool)):
+            raise ValueError(f"kv_cache_memory must be an int, a string such as 512MiB, or null, "
+                             f"got {memory!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -313,6 +350,27 @@ class GenerationConfig:
         `SamplingParams`'), for `jaxinfer generate --help`."""
         docs = {**attribute_docs(cls), **attribute_docs(SamplingParams)}
         return {k: docs[k] for k in cls.keys()}
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, name: str = "size") -> int:
+    """Bytes of "123", "512MiB", "1.5 GB" (SI units are powers of 1000, IEC
+    ones of 1024; case-insensitive).
+
+    Raises:
+      ValueError: naming `name`, for anything else.
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"{name} must be a number of bytes such as 536870912, 512MiB or 2GB, "
+                         f"got {text!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:

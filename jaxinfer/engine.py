@@ -139,12 +139,12 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     def attend(layer_type, q, k, v, kv):
         qg = group_heads(q, k.shape[2])
-        cached_k, cached_v = kv.dequantized()
+        cached_k, cached_v = kv_cache.layer_view(cache, layer_type, kv).dequantized()
         s_cached = attention_scores(qg, cached_k.astype(q.dtype), config.attn_logit_softcapping)
         s_new = attention_scores(qg, _keys_minor(k), config.attn_logit_softcapping)
         mask = jnp.concatenate(masks[layer_type], axis=-1)[:, None, :, None, :]
         weights = masked_softmax(jnp.concatenate([s_cached, s_new], axis=-1), mask)
-        s = kv.keys.shape[-1]
+        s = cached_k.shape[-1]
         out = (attention_output(weights[..., :s], cached_v.astype(v.dtype)) +
                attention_output(weights[..., s:], _heads_major(v)))
         return ungroup_heads(out), kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
@@ -158,7 +158,9 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     nothing), then its query attends [1, t] over the layer's whole buffer,
     which now holds its own key too. On CPU the attention runs in
     `cpu_kernels.decode_attention` where it applies (float32 K/V, no
-    soft-cap)."""
+    soft-cap), and a paged layer's in `cpu_kernels.paged_decode_attention`,
+    which reads the pages in place; other paged cases attend over the pages
+    gathered into rows (`cache.layer_view`)."""
     after = kv_cache.advance(cache, cache.layers, positions, valid)
     seen = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t, cache.window)
     masks = {layer_type: seen(layer_type)
@@ -167,18 +169,25 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     def attend(layer_type, q, k, v, kv):
         kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
-        if kv.key_scale is not None and not config.attn_logit_softcapping:   # int8, dequantized inside
+        f32 = q.dtype == kv.keys.dtype == kv.values.dtype == jnp.float32
+        if use_kernel and f32 and cache.paged and layer_type == FULL_ATTENTION:
+            qg = group_heads(q, kv.keys.shape[1])[:, :, 0]   # inactive rows (free slots) read nothing
+            out = cpu_kernels.paged_decode_attention(qg, kv.keys, kv.values, cache.block_tables,
+                                                     masks[layer_type][:, 0] & valid)
+            return ungroup_heads(out[:, :, None]), kv
+        view = kv_cache.layer_view(cache, layer_type, kv)
+        if view.key_scale is not None and not config.attn_logit_softcapping:   # int8 K/V, dequantized inside
             from jaxinfer.kv_quant import decode_attention_int8
 
-            qg = group_heads(q, kv.keys.shape[1])[:, :, 0].astype(jnp.float32)
-            out = decode_attention_int8(qg, kv.keys, kv.key_scale, kv.values, kv.value_scale,
+            qg = group_heads(q, view.keys.shape[1])[:, :, 0].astype(jnp.float32)
+            out = decode_attention_int8(qg, view.keys, view.key_scale, view.values, view.value_scale,
                                         masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None].astype(q.dtype)), kv
-        if use_kernel and q.dtype == kv.keys.dtype == kv.values.dtype == jnp.float32:
-            qg = group_heads(q, kv.keys.shape[1])[:, :, 0]
-            out = cpu_kernels.decode_attention(qg, kv.keys, kv.values, masks[layer_type][:, 0])
+        if use_kernel and f32:
+            qg = group_heads(q, view.keys.shape[1])[:, :, 0]
+            out = cpu_kernels.decode_attention(qg, view.keys, view.values, masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None]), kv
-        keys, values = kv.dequantized()
+        keys, values = view.dequantized()
         out = _grouped_attention(group_heads(q, keys.shape[1]), keys.astype(q.dtype),
                                  values.astype(q.dtype), masks[layer_type], config)
         return ungroup_heads(out), kv
@@ -270,7 +279,8 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     """Causal attention among the T prompt tokens only ([T, T] scores per
     head, banded to the window on sliding layers), then the K/V written
     from position 0 (full layers: one dynamic-update-slice, padding included,
-    which stays invisible beyond the row's length) or into the ring.
+    which stays invisible beyond the row's length), into the ring, or into
+    the row's pages.
 
     Long prompts attend block by block (`query_blocks`): the rows of block
     [a, b) read keys [lo, b) only, lo = 0 on full layers and a - W + 1 on
@@ -297,11 +307,11 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
                 outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
                                                masks[layer_type][:, a:b, lo:b], config))
             out = ungroup_heads(jnp.concatenate(outs, axis=2))
-        if layer_type == FULL_ATTENTION and kv.key_scale is None:
+        if layer_type == FULL_ATTENTION and kv.key_scale is None and not cache.paged:
             put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype),
                                                                 (0, 0, 0, 0))
             return out, LayerKV(put(kv.keys, keys), put(kv.values, values))
-        return out, kv_cache.write(cache, layer_type, kv, k, v, positions, valid)   # rings, int8 caches
+        return out, kv_cache.write(cache, layer_type, kv, k, v, positions, valid)   # rings, int8, pages
 
     return attend
 
@@ -406,7 +416,10 @@ class RowInputs:
     min_tokens int32, ignore_eos bool, seen bool [B, V] (the prompt's token
     set, for the repetition penalty), history int32 [B, S] and history_len
     [B] (the prompt's ids, for n-gram proposals), keys [B] PRNG keys,
-    sampling arrays."""
+    sampling arrays; num_generated int32 [B] and counts int32 [B, V]: the
+    tokens a request resumed after preemption had generated (0 and zeros
+    for a new one), so that it goes on exactly where it stopped (its PRNG
+    steps, budgets and penalties)."""
 
     max_new_tokens: jax.Array
     min_tokens: jax.Array
@@ -416,6 +429,8 @@ class RowInputs:
     history_len: jax.Array
     keys: jax.Array
     sampling: sampling.SamplingArrays
+    num_generated: jax.Array
+    counts: jax.Array
 
 
 @struct.dataclass
@@ -516,10 +531,10 @@ def start(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, i
     b = tokens.shape[0]
     rows = RowState(
         tokens=jnp.zeros((b,), jnp.int32), done=lengths <= 0,
-        num_generated=jnp.zeros((b,), jnp.int32),
+        num_generated=inputs.num_generated.astype(jnp.int32),
         max_new_tokens=inputs.max_new_tokens.astype(jnp.int32),
         min_tokens=inputs.min_tokens.astype(jnp.int32), ignore_eos=inputs.ignore_eos,
-        seen=inputs.seen, counts=jnp.zeros(inputs.seen.shape, jnp.int32), history=inputs.history,
+        seen=inputs.seen, counts=inputs.counts.astype(jnp.int32), history=inputs.history,
         history_len=inputs.history_len, keys=inputs.keys, sampling=inputs.sampling)
     rows, out = sample_step(logits, rows, stop, num_logprobs)
     return DecodeState(cache, rows), out

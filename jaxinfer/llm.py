@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer import engine, sampling
 from jaxinfer.buckets import Buckets, batch_bucket
-from jaxinfer.cache import KV_CACHE_DTYPES, init_cache
+from jaxinfer.cache import KV_CACHE_DTYPES, init_cache, pool_pages
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading import load_model
 from jaxinfer.params import prepare_params
@@ -84,23 +84,40 @@ class LLM:
       speculative: a `speculative.SpecConfig` for speculative decoding, or None.
       kv_cache_dtype: None (the params' dtype) or one of `cache.KV_CACHE_DTYPES`
         ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
+      page_size: tokens per KV page (PagedAttention: the full-attention
+        layers' K/V in one page pool with a block table per request), or
+        None (the default, see `GenerationConfig.page_size`) for one dense
+        buffer per slot (see `jaxinfer.runner`).
+      num_pages: pages in the pool; None derives it from kv_cache_memory.
+      kv_cache_memory: the KV cache's budget in bytes (the page pool plus the
+        sliding-window rings of every slot); None: what max_num_seqs slots of
+        max_seq_len tokens need, at most DEFAULT_KV_CACHE_MEMORY.
+      prefix_caching: requests share the cached pages of equal prompt
+        prefixes (paged only; off for models with sliding-window layers and
+        with a draft model).
     Raises:
-      ValueError: max_seq_len outside [2, the model's context length], or a
-        size below 1.
+      ValueError: max_seq_len outside [2, the model's context length], a
+        size below 1, or both num_pages and kv_cache_memory given.
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
                  decode_chunk: int = 16, max_num_seqs: int = 256,
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
                  min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
-                 speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None):
+                 speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
+                 page_size: Optional[int] = None, num_pages: Optional[int] = None,
+                 kv_cache_memory: Optional[int] = None, prefix_caching: bool = True):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
         for name, value in (("decode_chunk", decode_chunk), ("max_num_seqs", max_num_seqs),
-                            ("prefill_chunk_size", prefill_chunk_size or 1)):
+                            ("prefill_chunk_size", prefill_chunk_size or 1),
+                            ("page_size", page_size or 1), ("num_pages", num_pages or 1),
+                            ("kv_cache_memory", kv_cache_memory or 1)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_pages is not None and kv_cache_memory is not None:
+            raise ValueError("give num_pages or kv_cache_memory, not both")
         self.config = config
         self.params = prepare_params(params, config)
         self.tokenizer = tokenizer
@@ -116,6 +133,8 @@ class LLM:
         if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
+        self.page_size, self.num_pages, self.kv_cache_memory = page_size, num_pages, kv_cache_memory
+        self.prefix_caching = prefix_caching
         self.programs = ProgramCache()
         self.last_stats = RunStats()
 
@@ -170,7 +189,9 @@ class LLM:
         llm = cls(config, params, tokenizer, max_seq_len=cfg.max_seq_len,
                   decode_chunk=cfg.decode_chunk, max_num_seqs=cfg.max_num_seqs,
                   prefill_chunk_size=cfg.prefill_chunk_size, speculative=spec,
-                  kv_cache_dtype=cfg.kv_cache_dtype)
+                  kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
+                  num_pages=cfg.num_pages, kv_cache_memory=cfg.kv_cache_memory,
+                  prefix_caching=cfg.prefix_caching)
         llm.programs.progress = progress
         return llm
 
@@ -213,7 +234,26 @@ class LLM:
                            decode_chunk=self.decode_chunk, prefill_chunk_size=chunk,
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                            cache_dtype=self.cache_dtype, programs=self.programs,
-                           speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype)
+                           speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype,
+                           page_size=self.page_size, num_pages=self.pool_pages(max_num_seqs),
+                           prefix_caching=self.prefix_caching)
+
+    def pool_pages(self, max_num_seqs: int) -> Optional[int]:
+        """Pages in the KV page pool of a runner of `max_num_seqs` slots (None
+        without paging): num_pages, else what kv_cache_memory leaves after the
+        slots' sliding-window rings, else max_num_seqs full sequences capped
+        at DEFAULT_KV_CACHE_MEMORY (see `cache.pool_pages`).
+
+        Raises:
+          ValueError: kv_cache_memory does not cover the rings and one page.
+        """
+        if self.page_size is None:
+            return None
+        if self.num_pages is not None:
+            return self.num_pages
+        ring_extra = self.speculative.num_speculative_tokens if self.speculative else 0
+        return pool_pages(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype,
+                          max_num_seqs, self.max_seq_len, ring_extra, self.kv_cache_memory)
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
@@ -335,6 +375,12 @@ class LLM:
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
             [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
             decode_steps=steps, spec=[p["spec"] for p in parts])
+        pool = scheduler.runner.kv_pages
+        if pool is not None:
+            self.last_stats = dataclasses.replace(
+                self.last_stats, prefix_query_tokens=pool.query_tokens,
+                prefix_hit_tokens=pool.hit_tokens, num_pages=pool.num_pages)
+        self.last_stats = dataclasses.replace(self.last_stats, num_preempted=scheduler.num_preempted)
         return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
                            p["logprobs"] if r.logprobs is not None else None)
                 for r, p in zip(requests, parts)]

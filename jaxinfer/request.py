@@ -32,6 +32,9 @@ class Request:
       stop: stop strings; the matched text is excluded from the output.
       logprobs: None, or the number of top alternatives (0-20) to report
         with each generated token's log-probability.
+      cache_salt: with prefix caching, only requests with the same salt
+        share cached KV pages (None is a salt of its own): a tenant that
+        sets one never reuses, nor exposes timing of, another's prefixes.
     Raises:
       ValueError / TypeError: for a value out of range, checked on creation.
     """
@@ -43,6 +46,7 @@ class Request:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     logprobs: Optional[int] = None
+    cache_salt: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
@@ -60,6 +64,8 @@ class Request:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or
                                           not 0 <= int(self.logprobs) <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

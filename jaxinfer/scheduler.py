@@ -32,6 +32,19 @@ decode chunks); `prefill_chunk_size=None` prefills every prompt whole.
 batch waits for its longest row): the behaviour of a fixed batch, kept as
 the benchmark's baseline.
 
+Paged KV (a runner with `paged` set; see `jaxinfer.runner`). Admission also
+waits until the pool can hold the next request's prompt (beyond its cached
+prefix) and one more decode chunk of every running row (`can_begin`), first
+come first served. Before each decode chunk, while the pool cannot supply
+the running rows' next pages (`pages_short`), the newest request is
+preempted: a prompt being prefilled first, then the most recently admitted
+running request; its pages are freed (full pages of known tokens stay in the
+prefix cache), and it goes back to the front of the queue with the tokens it
+has generated, to be recomputed (prompt + those tokens, mostly from the
+prefix cache) and continued exactly where it stopped. The oldest running
+request is never preempted for a newer one, and every request fits the
+pool alone (`check`), so the queue always drains.
+
 The scheduler is single-threaded: `jaxinfer.serving.EngineThread` runs it on
 the one thread that owns the device and feeds it from other threads. It
 talks to the device through a runner (`jaxinfer.runner.ModelRunner`, or a
@@ -98,12 +111,17 @@ class Scheduler:
         self._pending: list = []    # dispatched device work whose outputs are not processed yet
         self._aborted: list[int] = []
         self.num_preempted = 0
+        self._paged = bool(getattr(runner, "paged", False))
+        self._admitted = itertools.count()          # admission order (the newest is preempted first)
+        self._order: dict[int, int] = {}
+        self._preempted: list[int] = []             # requests to requeue once their outputs are in
 
     # --- requests ------------------------------------------------------------------------
 
     def check(self, request: Request) -> None:
         """Raise ValueError when the request can never run here: an empty
-        prompt, or prompt + max_new_tokens beyond max_seq_len."""
+        prompt, prompt + max_new_tokens beyond max_seq_len, or (paged) more
+        pages than the whole pool."""
         n, limit = len(request.prompt_ids), self.runner.max_seq_len
         if n == 0:
             raise ValueError("empty prompt: a request needs at least one token")
@@ -111,6 +129,8 @@ class Scheduler:
             raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} = "
                              f"{n + request.max_new_tokens} exceeds max_seq_len {limit}; shorten "
                              "the prompt, lower max_new_tokens or raise max_seq_len")
+        if self._paged:
+            self.runner.check_fits(n + request.max_new_tokens)
 
     def add_request(self, request: Request) -> int:
         """Queue a request; returns its id.
@@ -141,9 +161,21 @@ class Scheduler:
         if request_id in self.waiting:
             self.waiting.remove(request_id)
         if self._prefilling is not None and self._prefilling[0] == request_id:
+            if self._paged:
+                self.runner.discard(self._prefilling[2])
             self._prefilling = None
-        self.slots = [None if r == request_id else r for r in self.slots]
+        for slot, r in enumerate(self.slots):
+            if r == request_id:
+                self._free_slot(slot, state)
         return True
+
+    def _free_slot(self, slot: int, state: RequestState) -> None:
+        """Empty a slot; paged, its pages go back to the pool (full pages of
+        the tokens whose K/V it holds, the prompt and all generated tokens but
+        the last, stay in the prefix cache)."""
+        self.slots[slot] = None
+        if self._paged:
+            self.runner.release(slot, state.request.prompt_ids + tuple(state.token_ids[:-1]))
 
     # --- state ---------------------------------------------------------------------------
 
@@ -173,6 +205,7 @@ class Scheduler:
         dispatched = self._dispatch_decode(ended)
         for item in fetched:
             events += self._process(*item)
+        self._requeue_preempted()
         self._pending = [dispatched] if dispatched else []
         self._admit_and_prefill()
         return events
@@ -181,6 +214,8 @@ class Scheduler:
         """Dispatch a decode chunk over the slots whose requests may still run
         (`ended`: requests whose rows the device has finished)."""
         occupied = np.array([r is not None and r not in ended for r in self.slots])
+        if self._paged:
+            self._make_room(occupied, ended)
         if not occupied.any():
             return None
         wanted = [self.states[r].request.logprobs for r, o in zip(self.slots, occupied) if o]
@@ -194,10 +229,48 @@ class Scheduler:
         out = self.runner.decode(occupied, num_logprobs, max_drafts)
         return out, tuple((slot, slot, r) for slot, r in enumerate(self.slots) if occupied[slot])
 
+    def _make_room(self, occupied: np.ndarray, ended: set) -> None:
+        """Make the pool able to give every occupied slot (bool [slots],
+        updated in place) the pages of its next chunk: first free the slots of
+        requests the device has finished (`ended`, outputs not processed yet),
+        then preempt the newest requests."""
+        if self.runner.pages_short(occupied) <= 0:
+            return
+        for slot, rid in enumerate(self.slots):
+            if rid in ended:
+                self._free_slot(slot, self.states[rid])
+        while self.runner.pages_short(occupied) > 0:
+            if self._prefilling is not None:
+                rid, _, job = self._prefilling
+                self.runner.discard(job)
+                self._prefilling = None
+                self.waiting.appendleft(rid)
+            else:
+                running = np.flatnonzero(occupied)
+                if len(running) <= 1:
+                    raise RuntimeError("the KV page pool cannot hold one request's next decode chunk "
+                                       f"({self.runner.pages_short(occupied)} pages short)")
+                slot = max(running, key=lambda s: self._order[self.slots[s]])
+                rid = self.slots[slot]
+                self._free_slot(slot, self.states[rid])
+                occupied[slot] = False
+                self._preempted.append(rid)
+            self.num_preempted += 1
+
+    def _requeue_preempted(self) -> None:
+        """Preempted requests that are still unfinished (their last outputs now
+        processed) go back to the front of the queue, oldest first."""
+        for rid in reversed(self._preempted):
+            state = self.states.get(rid)
+            if state is not None and not state.finished:
+                self.waiting.appendleft(rid)
+        self._preempted = []
+
     def _take_aborted(self) -> list[RequestOutput]:
         events = []
         for rid in self._aborted:
             state = self.states.pop(rid)
+            self._order.pop(rid, None)
             events.append(state.take_output(self.clock()))
         self._aborted = []
         return events
@@ -224,12 +297,13 @@ class Scheduler:
                     out.logprob[step, row], out.top_ids[step, row], out.top_logprobs[step, row])
                 state.add(token, lp)
             if state.finished and self.slots[slot] == rid:
-                self.slots[slot] = None
+                self._free_slot(slot, state)
             event = state.take_output(self.clock())
             if event is not None:
                 events.append(event)
             if state.finished:
                 del self.states[rid]
+                self._order.pop(rid, None)
         return events
 
     def _admit_and_prefill(self) -> None:
@@ -252,10 +326,19 @@ class Scheduler:
                 self._prefilling = None
 
     def _admit(self) -> bool:
-        """Start prefilling the next waiting request in a free slot, if any."""
+        """Start prefilling the next waiting request in a free slot, if any
+        (paged: and if the pool can take it now). A request resumed after
+        preemption prefills its prompt and the tokens it had generated."""
         free = [s for s, r in enumerate(self.slots) if r is None]
         if not self.waiting or not free:
             return False
-        rid = self.waiting.popleft()
-        self._prefilling = (rid, free[0], self.runner.begin(self.states[rid].request))
+        rid = self.waiting[0]
+        state = self.states[rid]
+        generated = tuple(state.token_ids)
+        if self._paged and not self.runner.can_begin(state.request, self._occupied(), generated):
+            return False
+        self.waiting.popleft()
+        job = self.runner.begin(state.request, generated) if generated else self.runner.begin(state.request)
+        self._prefilling = (rid, free[0], job)
+        self._order[rid] = next(self._admitted)
         return True

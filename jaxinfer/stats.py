@@ -28,6 +28,10 @@ class RunStats:
       decoded_tokens: tokens after each request's first.
       drafted, accepted, rounds: speculative decoding totals (tokens
         proposed and verified, accepted, verification rounds with a draft).
+      prefix_query_tokens, prefix_hit_tokens: paged KV with prefix caching:
+        prompt tokens looked up in the prefix cache, and served from it.
+      num_preempted: requests preempted (paged KV pool ran dry; recomputed).
+      num_pages: pages in the paged KV pool (0: dense KV cache).
     """
 
     prompt_tokens: int = 0
@@ -41,6 +45,15 @@ class RunStats:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preempted: int = 0
+    num_pages: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over prompt tokens looked up."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else math.nan
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -83,6 +96,11 @@ class RunStats:
         if self.drafted:
             line += (f" | speculative: {self.accepted}/{self.drafted} drafts accepted "
                      f"({self.acceptance_rate:.0%}), {self.mean_accepted:.2f} per round")
+        if self.prefix_query_tokens:
+            line += (f" | prefix cache: {self.prefix_hit_tokens}/{self.prefix_query_tokens} prompt "
+                     f"tokens ({self.prefix_hit_rate:.0%})")
+        if self.num_preempted:
+            line += f" | {self.num_preempted} preempted"
         return line
 
 

@@ -1,5 +1,6 @@
 // CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.cpu_kernels):
 //   JaxinferDecodeAttention  attention of one new token per row over its K/V cache buffer
+//   JaxinferPagedDecodeAttention  the same over a paged cache, pages read in place
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
@@ -20,6 +21,19 @@
 //
 // One work unit per (row, kv head); each reads its K and V blocks once, and only the span
 // [first visible, last visible] of positions.
+//
+// --- Paged decode attention ---
+// The same computation over a paged cache (PagedAttention, Kwon et al., SOSP 2023):
+//   q           f32  [B, K, G, H]
+//   k_pages     f32  [P, K, H, ps]  the pool of P pages of ps positions (keys minor)
+//   v_pages     f32  [P, K, ps, H]
+//   block_table s32  [B, M]         row b's position p lives in page block_table[b, p / ps]
+//   mask        pred [B, M * ps]    true = visible (index p = position p)
+//   out         f32  [B, K, G, H]
+// Each (row, kv head) unit reads the pages that overlap its visible span in place, as one
+// run of positions per page (`Run`): the dense kernel's loops over runs instead of one
+// contiguous span, so the sums are the dense kernel's, in the same order. Every
+// block-table entry of a visible position must name a page in [0, P).
 //
 // --- Packed matmul ---
 //   x      f32 [M, I]      M rows (tokens) of I input features
@@ -111,53 +125,74 @@ struct Dims {
   int64_t B, K, G, H, S;
 };
 
-// scores[g, s] = sum_h q[g, h] k[h, s] for s in [0, n), GN query heads at a time.
-// Rows of k are read front to back, kRows at once, so the block streams sequentially.
+// A run of consecutive cached positions stored contiguously: the key of its s-th position
+// is k[h * stride + s] (h = 0..H-1), its value v[s * H + h]. A dense row's visible span is
+// one run; a paged row's is one run per page it overlaps, in position order.
+struct Run {
+  const float* k;
+  const float* v;
+  int64_t stride;
+  int64_t n;
+};
+
+// scores[g, s] = sum_h q[g, h] k[h, s] for the positions s of the runs (n in all, in order),
+// GN query heads at a time. Each run's rows of k are read front to back, kRows at once, so
+// the run streams sequentially; every score sums over h in the same order whatever the runs
+// (a paged row's scores are the dense kernel's, bit for bit).
 template <int GN>
-void scores(const float* q, int64_t H, const float* k, int64_t S, float* sc, int64_t ld, int64_t n) {
+void scores(const float* q, int64_t H, const Run* runs, int64_t num_runs, float* sc, int64_t ld,
+            int64_t n) {
   constexpr int kRows = 8;
-  const int64_t nv = n / kLanes * kLanes;
   for (int g = 0; g < GN; ++g) std::fill(sc + g * ld, sc + g * ld + n, 0.0f);
-  int64_t h = 0;
-  for (; h + kRows <= H; h += kRows) {
-    const float* rows = k + h * S;
-    float qh[GN][kRows];
-    for (int g = 0; g < GN; ++g)
-      for (int r = 0; r < kRows; ++r) qh[g][r] = q[g * H + h + r];
-    for (int64_t s = 0; s < nv; s += kLanes) {
-      v16 kv[kRows];
-      for (int r = 0; r < kRows; ++r) kv[r] = load(rows + r * S + s);
-      for (int g = 0; g < GN; ++g) {
-        v16 acc = load(sc + g * ld + s);
-        for (int r = 0; r < kRows; ++r) acc += qh[g][r] * kv[r];
-        store(sc + g * ld + s, acc);
-      }
-    }
-    for (int64_t s = nv; s < n; ++s)
+  float* out = sc;
+  for (int64_t i = 0; i < num_runs; out += runs[i].n, ++i) {
+    const int64_t S = runs[i].stride, m = runs[i].n, nv = m / kLanes * kLanes;
+    int64_t h = 0;
+    for (; h + kRows <= H; h += kRows) {
+      const float* rows = runs[i].k + h * S;
+      float qh[GN][kRows];
       for (int g = 0; g < GN; ++g)
-        for (int r = 0; r < kRows; ++r) sc[g * ld + s] += qh[g][r] * rows[r * S + s];
+        for (int r = 0; r < kRows; ++r) qh[g][r] = q[g * H + h + r];
+      for (int64_t s = 0; s < nv; s += kLanes) {
+        v16 kv[kRows];
+        for (int r = 0; r < kRows; ++r) kv[r] = load(rows + r * S + s);
+        for (int g = 0; g < GN; ++g) {
+          v16 acc = load(out + g * ld + s);
+          for (int r = 0; r < kRows; ++r) acc += qh[g][r] * kv[r];
+          store(out + g * ld + s, acc);
+        }
+      }
+      for (int64_t s = nv; s < m; ++s)
+        for (int g = 0; g < GN; ++g)
+          for (int r = 0; r < kRows; ++r) out[g * ld + s] += qh[g][r] * rows[r * S + s];
+    }
+    for (; h < H; ++h)
+      for (int64_t s = 0; s < m; ++s)
+        for (int g = 0; g < GN; ++g) out[g * ld + s] += q[g * H + h] * runs[i].k[h * S + s];
   }
-  for (; h < H; ++h)
-    for (int64_t s = 0; s < n; ++s)
-      for (int g = 0; g < GN; ++g) sc[g * ld + s] += q[g * H + h] * k[h * S + s];
 }
 
-// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n), 4 vectors of columns of v at a time.
+// out[g, :] = sum_s w[g, s] v[s, :] over the positions s of the runs (in order), 4 vectors
+// of columns of v at a time.
 template <int GN>
-void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int64_t H, float* out) {
+void weighted_values(const float* w, int64_t ld, const Run* runs, int64_t num_runs, int64_t H,
+                     float* out) {
   int64_t c = 0;
   for (; c + 4 * kLanes <= H; c += 4 * kLanes) {
     v16 acc[GN][4] = {};
-    for (int64_t s = 0; s < n; ++s) {
-      const float* row = v + s * H + c;
-      const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
-                v3 = load(row + 3 * kLanes);
-      for (int g = 0; g < GN; ++g) {
-        const float ws = w[g * ld + s];
-        acc[g][0] += ws * v0;
-        acc[g][1] += ws * v1;
-        acc[g][2] += ws * v2;
-        acc[g][3] += ws * v3;
+    const float* wr = w;
+    for (int64_t i = 0; i < num_runs; wr += runs[i].n, ++i) {
+      for (int64_t s = 0; s < runs[i].n; ++s) {
+        const float* row = runs[i].v + s * H + c;
+        const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
+                  v3 = load(row + 3 * kLanes);
+        for (int g = 0; g < GN; ++g) {
+          const float ws = wr[g * ld + s];
+          acc[g][0] += ws * v0;
+          acc[g][1] += ws * v1;
+          acc[g][2] += ws * v2;
+          acc[g][3] += ws * v3;
+        }
       }
     }
     for (int g = 0; g < GN; ++g)
@@ -166,7 +201,9 @@ void weighted_values(const float* w, int64_t ld, int64_t n, const float* v, int6
   for (; c < H; ++c)
     for (int g = 0; g < GN; ++g) {
       float acc = 0.0f;
-      for (int64_t s = 0; s < n; ++s) acc += w[g * ld + s] * v[s * H + c];
+      const float* wr = w;
+      for (int64_t i = 0; i < num_runs; wr += runs[i].n, ++i)
+        for (int64_t s = 0; s < runs[i].n; ++s) acc += wr[g * ld + s] * runs[i].v[s * H + c];
       out[g * H + c] = acc;
     }
 }
@@ -189,38 +226,43 @@ void by_head_group(int64_t G, int64_t stride_first, int64_t stride_last, const f
 
 template <int GN>
 struct Scores {
-  static void run(const float* q, float* sc, int64_t H, const float* k, int64_t S, int64_t ld, int64_t n) {
-    scores<GN>(q, H, k, S, sc, ld, n);
+  static void run(const float* q, float* sc, int64_t H, const Run* runs, int64_t num_runs, int64_t ld,
+                  int64_t n) {
+    scores<GN>(q, H, runs, num_runs, sc, ld, n);
   }
 };
 
 template <int GN>
 struct WeightedValues {
-  static void run(const float* w, float* out, int64_t ld, int64_t n, const float* v, int64_t H) {
-    weighted_values<GN>(w, ld, n, v, H, out);
+  static void run(const float* w, float* out, int64_t ld, const Run* runs, int64_t num_runs,
+                  int64_t H) {
+    weighted_values<GN>(w, ld, runs, num_runs, H, out);
   }
 };
 
-// Attention of one (row, kv head) unit; scratch holds G + 1 rows of n rounded up to kLanes.
-void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
-                 const bool* mask, float* out, std::vector<float>& scratch) {
-  const int64_t G = d.G, H = d.H, S = d.S;
-  const bool* visible = mask + (unit / d.K) * S;
-  float* o = out + unit * G * H;
-  int64_t lo = 0, hi = S;
+// The visible span [lo, hi) of a row's mask of S entries (lo == hi: nothing visible).
+inline void visible_span(const bool* visible, int64_t S, int64_t& lo, int64_t& hi) {
+  lo = 0;
+  hi = S;
   while (lo < S && !visible[lo]) ++lo;
   while (hi > lo && !visible[hi - 1]) --hi;
-  if (lo == hi) {
-    std::fill(o, o + G * H, 0.0f);
-    return;
-  }
-  const int64_t n = hi - lo, ld = (n + kLanes - 1) / kLanes * kLanes;
-  scratch.resize((G + 1) * ld);
-  float* sc = scratch.data();
-  float* keep = sc + G * ld;  // 1 where visible, 0 elsewhere and in the padding
-  for (int64_t s = 0; s < ld; ++s) keep[s] = (s < n && visible[lo + s]) ? 1.0f : 0.0f;
+}
 
-  by_head_group<Scores>(G, H, ld, q + unit * G * H, sc, H, k + unit * H * S + lo, S, ld, n);
+// Scratch for a unit whose span is [lo, lo + n): G rows of scores and a keep row (1 where
+// visible, 0 elsewhere and in the padding), each ld = n rounded up to kLanes long.
+inline float* unit_scratch(std::vector<float>& scratch, const bool* visible, int64_t lo, int64_t n,
+                           int64_t G, int64_t& ld) {
+  ld = (n + kLanes - 1) / kLanes * kLanes;
+  scratch.resize((G + 1) * ld);
+  float* keep = scratch.data() + G * ld;
+  for (int64_t s = 0; s < ld; ++s) keep[s] = (s < n && visible[lo + s]) ? 1.0f : 0.0f;
+  return scratch.data();
+}
+
+// Masked softmax in place over each of the G score rows of sc (entries [n, ld) zeroed first),
+// with the keep row after them.
+void masked_softmax_rows(float* sc, int64_t G, int64_t n, int64_t ld) {
+  const float* keep = sc + G * ld;
   for (int64_t g = 0; g < G; ++g) {  // masked softmax in place, over [0, ld)
     float* row = sc + g * ld;
     std::fill(row + n, row + ld, 0.0f);
@@ -242,7 +284,59 @@ void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, co
     const v16 inv = splat(1.0f / total);  // total >= 1: the max itself contributes exp(0)
     for (int64_t s = 0; s < ld; s += kLanes) store(row + s, load(row + s) * inv);
   }
-  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, n, v + (unit * S + lo) * H, H);
+}
+
+// Attention of one (row, kv head) unit into o [G, H]: the visible span [lo, hi) of its mask
+// row (S entries), whose positions `runs_of(lo, hi, runs)` lists as runs, scored, softmaxed
+// and summed; scratch holds G + 1 rows of hi - lo rounded up to kLanes.
+template <typename RunsOf>
+void attend_span(int64_t G, int64_t H, const float* q, const bool* visible, int64_t S, float* o,
+                 std::vector<float>& scratch, RunsOf runs_of) {
+  int64_t lo, hi, ld;
+  visible_span(visible, S, lo, hi);
+  if (lo == hi) {
+    std::fill(o, o + G * H, 0.0f);
+    return;
+  }
+  const int64_t n = hi - lo;
+  float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
+  thread_local std::vector<Run> runs;
+  runs.clear();
+  runs_of(lo, hi, runs);
+  const int64_t num_runs = static_cast<int64_t>(runs.size());
+  by_head_group<Scores>(G, H, ld, q, sc, H, runs.data(), num_runs, ld, n);
+  masked_softmax_rows(sc, G, n, ld);
+  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, runs.data(), num_runs, H);
+}
+
+// One (row, kv head) unit of a dense cache: its span is one run.
+void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
+                 const bool* mask, float* out, std::vector<float>& scratch) {
+  const int64_t H = d.H, S = d.S;
+  attend_span(d.G, H, q + unit * d.G * H, mask + (unit / d.K) * S, S, out + unit * d.G * H, scratch,
+              [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
+                runs.push_back(Run{k + unit * H * S + lo, v + (unit * S + lo) * H, S, hi - lo});
+              });
+}
+
+struct PagedDims {
+  int64_t B, K, G, H, P, ps, M;
+};
+
+// One (row, kv head) unit of a paged cache: one run per page its span overlaps, read in place.
+void attend_paged_unit(const PagedDims& d, int64_t unit, const float* q, const float* kp,
+                       const float* vp, const int32_t* block_table, const bool* mask, float* out,
+                       std::vector<float>& scratch) {
+  const int64_t H = d.H, ps = d.ps, S = d.M * ps, b = unit / d.K, kh = unit % d.K;
+  const int32_t* pages = block_table + b * d.M;
+  attend_span(d.G, H, q + unit * d.G * H, mask + b * S, S, out + unit * d.G * H, scratch,
+              [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
+                for (int64_t i = lo / ps; i <= (hi - 1) / ps; ++i) {  // [a, z): the span in page i
+                  const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
+                  const int64_t base = pages[i] * d.K + kh, off = a - i * ps;
+                  runs.push_back(Run{kp + base * H * ps + off, vp + (base * ps + off) * H, ps, z - a});
+                }
+              });
 }
 
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
@@ -292,6 +386,37 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v
   parallel_units(pool, d.B * d.K, [=](int64_t unit) {
     thread_local std::vector<float> scratch;
     attend_unit(d, unit, qp, kp, vp, mp, op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+using Table2 = ffi::Buffer<ffi::S32, 2>;
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v, Table2 table,
+                                Mask2 mask, ffi::Result<Tensor4> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = table.dimensions(),
+             md = mask.dimensions();
+  const PagedDims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[1]};
+  if (kd[1] != d.K || kd[2] != d.H || vd[0] != d.P || vd[1] != d.K || vd[2] != d.ps ||
+      vd[3] != d.H || td[0] != d.B || md[0] != d.B || md[1] != d.M * d.ps)
+    return ffi::Error::InvalidArgument(
+        "paged_decode_attention: expected q [B,K,G,H], k [P,K,H,ps], v [P,K,ps,H], "
+        "block_table [B,M], mask [B,M*ps]");
+  const int32_t* tp = table.typed_data();
+  const bool* mp = mask.typed_data();
+  for (int64_t b = 0; b < d.B; ++b) {  // the pages each row's visible span reads must exist
+    int64_t lo, hi;
+    visible_span(mp + b * d.M * d.ps, d.M * d.ps, lo, hi);
+    for (int64_t i = lo / d.ps; lo < hi && i <= (hi - 1) / d.ps; ++i)
+      if (tp[b * d.M + i] < 0 || tp[b * d.M + i] >= d.P)
+        return ffi::Error::InvalidArgument(
+            "paged_decode_attention: a visible position's block-table entry is not a page");
+  }
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  float* op = out->typed_data();
+  parallel_units(pool, d.B * d.K, [=](int64_t unit) {
+    thread_local std::vector<float> scratch;
+    attend_paged_unit(d, unit, qp, kp, vp, tp, mp, op, scratch);
   });
   return ffi::Error::Success();
 }
@@ -580,6 +705,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttention, DecodeAttention,
                                   .Arg<Tensor4>()
                                   .Arg<Tensor4>()
                                   .Arg<Tensor4>()
+                                  .Arg<Mask2>()
+                                  .Ret<Tensor4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Table2>()
                                   .Arg<Mask2>()
                                   .Ret<Tensor4>());
 

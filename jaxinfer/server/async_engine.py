@@ -33,6 +33,12 @@ class EngineStats:
       cached_tokens: positions holding a running request's tokens (prompt
         + generated) over all slots.
       steps: scheduler steps so far. time: `time.monotonic()` of the snapshot.
+      num_pages, pages_used, pages_free, pages_cached: the paged KV pool
+        (all 0 for a dense cache): pages held by requests, on the free list,
+        and unreferenced but kept for prefix hits.
+      prefix_query_tokens, prefix_hit_tokens: prompt tokens looked up in the
+        prefix cache so far, and served from it.
+      num_preempted: requests preempted so far (the page pool ran dry).
     """
 
     running: int = 0
@@ -41,6 +47,13 @@ class EngineStats:
     cached_tokens: int = 0
     steps: int = 0
     time: float = 0.0
+    num_pages: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    pages_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preempted: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -57,9 +70,15 @@ def snapshot(engine: EngineThread) -> EngineStats:
         state = sched.states.get(rid) if rid is not None else None
         if state is not None:
             cached += state.num_prompt_tokens + len(state.token_ids)
+    pool = getattr(sched.runner, "kv_pages", None)
+    pages = {} if pool is None else dict(
+        num_pages=pool.num_pages, pages_used=pool.num_used, pages_free=pool.num_free,
+        pages_cached=pool.num_cached, prefix_query_tokens=pool.query_tokens,
+        prefix_hit_tokens=pool.hit_tokens)
     return EngineStats(running=sched.num_running, slots=len(sched.slots),
                        cache_capacity=sched.runner.cache_capacity, cached_tokens=cached,
-                       steps=engine.steps, time=time.monotonic())
+                       steps=engine.steps, time=time.monotonic(),
+                       num_preempted=getattr(sched, "num_preempted", 0), **pages)
 
 
 class RequestGroup:

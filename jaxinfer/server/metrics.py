@@ -67,6 +67,19 @@ class ServerMetrics:
                                  registry=r)
         self.kv_bytes = Gauge("jaxinfer_kv_cache_bytes", "Bytes of the decode state's KV cache", m,
                               registry=r)
+        self.kv_pages = Gauge("jaxinfer_kv_cache_pages", "Pages of the paged KV pool by state: used "
+                              "(held by requests), free, cached (kept for prefix hits)",
+                              m + ["state"], registry=r)
+        self.prefix_queries = Gauge("jaxinfer_prefix_cache_query_tokens",
+                                    "Prompt tokens looked up in the prefix cache so far", m,
+                                    registry=r)
+        self.prefix_hits = Gauge("jaxinfer_prefix_cache_hit_tokens",
+                                 "Prompt tokens served from the prefix cache so far", m, registry=r)
+        self.prefix_hit_rate = Gauge("jaxinfer_prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache over those "
+                                     "looked up, so far (0 before any)", m, registry=r)
+        self.preempted = Gauge("jaxinfer_num_preemptions", "Requests preempted so far (the KV "
+                               "page pool ran dry; they are recomputed)", m, registry=r)
         self.steps = Gauge("jaxinfer_engine_steps", "Scheduler steps so far", m, registry=r)
         self.compiles = Gauge("jaxinfer_programs_compiled", "Compiled programs so far", m, registry=r)
         self.compile_s = Gauge("jaxinfer_compile_seconds", "Seconds spent compiling so far", m,
@@ -111,6 +124,14 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
         self.kv_capacity.labels(m).set(stats.cache_capacity)
         self.kv_bytes.labels(m).set(stats.slots * stats.cache_capacity * self.kv_bytes_per_position)
+        if stats.num_pages:
+            for state in ("used", "free", "cached"):
+                self.kv_pages.labels(m, state).set(getattr(stats, f"pages_{state}"))
+            self.prefix_queries.labels(m).set(stats.prefix_query_tokens)
+            self.prefix_hits.labels(m).set(stats.prefix_hit_tokens)
+            self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / stats.prefix_query_tokens
+                                               if stats.prefix_query_tokens else 0.0)
+        self.preempted.labels(m).set(stats.num_preempted)
         self.steps.labels(m).set(stats.steps)
         self.compiles.labels(m).set(num_compiles)
         self.compile_s.labels(m).set(compile_s)

@@ -190,3 +190,22 @@ def write_results(results: dict, out_dir: str, stem: str, report: Optional[str] 
     with open(paths["md"], "w", encoding="utf-8") as f:
         f.write((report if report is not None else format_report(results)) + "\n")
     return paths
+
+
+def publish(results: dict, cfg, out_dir: str, kind: str, format_fn) -> int:
+    """Finish a sweep's results (model, CPU, timestamp), write them as
+    `<out_dir>/<kind>-<model>-<time>.json` / `.md` (the report from
+    `format_fn(results)`), print the report, and return 0 (the exit status)."""
+    import pathlib
+    import sys
+    import time
+
+    from jaxinfer.tools.bench.machine import cpu_info
+
+    results.update(model=cfg.model, cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
+    stem = f"{kind}-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    report = format_fn(results)
+    paths = write_results(results, out_dir, stem, report=report)
+    print(report)
+    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0

@@ -164,6 +164,12 @@ def cmd_bench(args) -> int:
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_speculative(args, cfg, QUICK_SPEC if args.quick else SpecSweep())
+    if args.paged:
+        from jaxinfer.config import GenerationConfig
+        from jaxinfer.tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
+
+        cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+        return cmd_paged(args, cfg, QUICK_PAGED if args.quick else PagedSweep())
     if args.serving:
         from jaxinfer.config import GenerationConfig
         from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
@@ -193,6 +199,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the serving benchmark instead: request traces through the scheduler "
                         "(continuous vs static batching, chunked prefill on/off, transformers' "
                         "continuous batching); see jaxinfer/tools/bench/serving.py")
+    p.add_argument("--paged", action="store_true",
+                   help="the paged KV cache sweep instead (capacity at a fixed KV budget, decode "
+                        "step cost, shared-prefix TTFT with the prefix cache on and off); see "
+                        "jaxinfer/tools/bench/paged.py")
     p.add_argument("--serve-load", action="store_true",
                    help="the HTTP load test instead: one request trace at several Poisson rates "
                         "against `jaxinfer serve`, llama.cpp's server and transformers' server "

@@ -25,7 +25,6 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
 from typing import Optional, Sequence
 
 from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
@@ -213,17 +212,9 @@ def format_speculative(results: dict) -> str:
 
 
 def cmd_speculative(args, cfg, sweep: SpecSweep) -> int:
-    from jaxinfer.tools.bench.machine import cpu_info
-    from jaxinfer.tools.bench.report import write_results
+    from jaxinfer.tools.bench.report import publish
 
     peers = [] if args.peers in ("none", "hf") else ["llamacpp"]
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[speculative] {msg}", file=sys.stderr, flush=True))
-    results = run_speculative(cfg, sweep, peers, log)
-    results.update(model=cfg.model, cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
-    stem = f"speculative-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = format_speculative(results)
-    paths = write_results(results, args.out, stem, report=report)
-    print(report)
-    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    return publish(run_speculative(cfg, sweep, peers, log), cfg, args.out, "speculative", format_speculative)
