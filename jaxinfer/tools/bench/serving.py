@@ -63,6 +63,16 @@ class ServingSweep:
     seed: int = 0
     timeout_s: float = 1800.0
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest prompt + output any of its traces holds, tokens."""
+        return max(self.prompt_len[1] + self.output_len[1],
+                   self.chat_prompt_len[1] + self.chat_output_len[1],
+                   self.long_prompt_len + LONG_OUTPUT)
+
+
+LONG_OUTPUT = 16          # new tokens of each long prompt in the mixed trace
+
 
 QUICK_SERVING = ServingSweep(num_requests=16, max_num_seqs=4, prompt_len=(16, 256),
                              output_len=(8, 64), rate=4.0, chat_requests=8, chat_output_len=(32, 48),
@@ -100,13 +110,14 @@ def make_trace(vocab: int, n: int, prompt_len, output_len, rate: float, seed: in
 
 def mixed_trace(vocab: int, sweep: ServingSweep) -> list[TraceRequest]:
     """Short chat requests at `chat_rate` with `long_prompts` long prompts
-    (`long_prompt_len` tokens, 16 new tokens) arriving evenly among them."""
+    (`long_prompt_len` tokens, LONG_OUTPUT new tokens) arriving evenly among them."""
     chat = make_trace(vocab, sweep.chat_requests, sweep.chat_prompt_len, sweep.chat_output_len,
                       sweep.chat_rate, sweep.seed + 1, "chat")
     span = chat[-1].arrival_s
     rng = np.random.default_rng(sweep.seed + 2)
     longs = [TraceRequest(span * (i + 1) / (sweep.long_prompts + 1),
-                          tuple(rng.integers(0, vocab, sweep.long_prompt_len).tolist()), 16, "long")
+                          tuple(rng.integers(0, vocab, sweep.long_prompt_len).tolist()), LONG_OUTPUT,
+                          "long")
              for i in range(sweep.long_prompts)]
     return sorted(chat + longs, key=lambda r: r.arrival_s)
 
@@ -380,6 +391,8 @@ def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     from jaxinfer.llm import LLM
     from jaxinfer.tools.bench.report import write_results
 
+    if cfg.max_seq_len < sweep.max_seq_len:      # every request must fit: raise it before loading
+        cfg = dataclasses.replace(cfg, max_seq_len=sweep.max_seq_len)
     llm = LLM.from_config(cfg)
     peers = [] if args.peers in ("none", "llamacpp") else ["hf"]
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"[serving] {msg}",
