@@ -21,11 +21,14 @@ llama.cpp's batch-1 decode; open-ended >= 0.95x plain.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pathlib
 import sys
 import tempfile
 from typing import Optional, Sequence
+
+import jax
 
 from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
 
@@ -123,6 +126,13 @@ def run_speculative(cfg, sweep: SpecSweep, peers: Sequence[str], log=print) -> d
                 row = run_config(llm, prompts, batch, sweep.new_tokens)
                 row.update(method=method, k=k, batch=batch, prompts=name)
                 results["runs"].append(row)
+        # Each configuration compiles its own programs; XLA:CPU maps every
+        # executable's code, and 13 configurations' worth once went past the
+        # kernel's vm.max_map_count (65,530 here): "LLVM compilation error:
+        # Cannot allocate memory", then a crash. Drop them before the next.
+        del llm
+        gc.collect()
+        jax.clear_caches()
     _check_greedy_equal(results["runs"])
     if "llamacpp" in peers:
         log("peer: llama.cpp batch-1 decode (subprocess)")
