@@ -126,10 +126,11 @@ def run_speculative(cfg, sweep: SpecSweep, peers: Sequence[str], log=print) -> d
                 row = run_config(llm, prompts, batch, sweep.new_tokens)
                 row.update(method=method, k=k, batch=batch, prompts=name)
                 results["runs"].append(row)
-        # Each configuration compiles its own programs; XLA:CPU maps every
-        # executable's code, and 13 configurations' worth once went past the
-        # kernel's vm.max_map_count (65,530 here): "LLVM compilation error:
-        # Cannot allocate memory", then a crash. Drop them before the next.
+        # Each configuration compiles its own programs, and XLA:CPU maps
+        # every executable's code: a full sweep once ended in "LLVM
+        # compilation error: Cannot allocate memory" and a crash with memory
+        # to spare, most likely vm.max_map_count (65,530 here; the serving
+        # bench held 23,700 maps mid-run). Drop them before the next.
         del llm
         gc.collect()
         jax.clear_caches()
