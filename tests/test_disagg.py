@@ -37,6 +37,7 @@ def test_two_prefill_workers_share_the_requests():
     assert r["workers_used"] == [0, 1] and r["held"] == 0 and not any(r["slots"])
 
 
+@pytest.mark.slow      # processes: jax.distributed start-up and a compile per process (~30 s each)
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gemma3", 1, 2), ("llama", 2, 1)])
 def test_processes_match_colocated(tmp_path, model, prefill_tp, decode_tp):
     """jax.distributed on 127.0.0.1, KV pulled with jax.experimental.transfer;
@@ -52,6 +53,7 @@ def test_processes_match_colocated(tmp_path, model, prefill_tp, decode_tp):
     assert not any(r["slots"])
 
 
+@pytest.mark.slow
 def test_killed_prefill_process_fails_only_its_request(tmp_path):
     """SIGKILL the prefill process while it prefills one request: that request
     fails with a clear error; the request queued behind it is prefilled by
@@ -104,6 +106,7 @@ def test_prefill_worker_interleaves_pieces_round_robin():
     assert [first[0], first[1]] == want
 
 
+@pytest.mark.slow
 def test_serve_with_a_prefill_worker_process(toy_folder, tmp_path):
     """`jaxinfer serve --prefill-workers 1`: the OpenAI server over a prefill
     process and this decode process answers as the toy does colocated
