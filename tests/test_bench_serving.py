@@ -21,3 +21,14 @@ def test_every_trace_request_fits_the_sweeps_max_seq_len(sweep, expected):
     longest = max(len(r.prompt_ids) + r.max_new_tokens for trace in traces for r in trace)
     assert longest <= sweep.max_seq_len
     assert sum(r.kind == "long" for r in traces[2]) == sweep.long_prompts
+
+
+def test_worker_error_tail_drops_progress_bars():
+    from jaxinfer.tools.bench.common import error_tail
+
+    stderr = ("Loading weights:   0%|          | 0/272 [00:00<?, ?it/s]\r"
+              "Loading weights: 100%|##########| 272/272 [00:00<00:00, 22271.37it/s]\n"
+              "Traceback (most recent call last):\n  ...\nMemoryError: out of memory\n"
+              "Converting: 90%|######### | 246/272 [00:01<00:00, 290.69it/s]\n")
+    assert error_tail(stderr) == "Traceback (most recent call last):\n  ...\nMemoryError: out of memory"
+    assert error_tail(stderr, chars=9) == "of memory"

@@ -62,6 +62,14 @@ def loadavg1() -> Optional[float]:
     return avg[0] if avg else None
 
 
+def error_tail(stderr: str, chars: int = 2000) -> str:
+    """The end of a worker's stderr without its progress bars (tqdm lines,
+    which otherwise fill the tail and hide the error)."""
+    lines = [line for line in stderr.replace("\r", "\n").splitlines()
+             if line.strip() and "it/s]" not in line and "%|" not in line]
+    return "\n".join(lines)[-chars:]
+
+
 def run_worker(args: Sequence[str], timeout: float) -> dict:
     """Run `python -m jaxinfer.tools.bench *args` in a fresh process and
     return the JSON object on its last stdout line.
@@ -73,5 +81,5 @@ def run_worker(args: Sequence[str], timeout: float) -> dict:
     cmd = [sys.executable, "-m", "jaxinfer.tools.bench", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
-        raise RuntimeError(f"worker {args[0]} failed ({p.returncode}): {p.stderr[-2000:]}")
+        raise RuntimeError(f"worker {args[0]} failed ({p.returncode}): {error_tail(p.stderr)}")
     return json.loads(p.stdout.strip().splitlines()[-1])

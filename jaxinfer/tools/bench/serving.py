@@ -261,7 +261,7 @@ def run_hf_peer(path, trace: Sequence[TraceRequest], max_num_seqs: int, timeout_
         return run_worker(["--serving-peer", "hf", "--model", str(path), "--spec", f.name],
                           timeout_s + 600)
     except Exception as e:  # noqa: BLE001 - a failed peer is reported, not fatal
-        return {"status": f"skipped: worker failed: {str(e)[-400:]}"}
+        return {"status": f"skipped: worker failed: {str(e)[-400:]}".replace("\n", " ")}
     finally:
         os.unlink(f.name)
 
