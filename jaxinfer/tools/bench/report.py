@@ -192,10 +192,11 @@ def write_results(results: dict, out_dir: str, stem: str, report: Optional[str] 
     return paths
 
 
-def publish(results: dict, cfg, out_dir: str, kind: str, format_fn) -> int:
+def publish(results: dict, cfg, out_dir: str, kind: str, format_fn, plot_fn=None) -> int:
     """Finish a sweep's results (model, CPU, timestamp), write them as
     `<out_dir>/<kind>-<model>-<time>.json` / `.md` (the report from
-    `format_fn(results)`), print the report, and return 0 (the exit status)."""
+    `format_fn(results)`) and, given `plot_fn(results, path)`, a `.png`;
+    print the report, and return 0 (the exit status)."""
     import pathlib
     import sys
     import time
@@ -206,6 +207,8 @@ def publish(results: dict, cfg, out_dir: str, kind: str, format_fn) -> int:
     stem = f"{kind}-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     report = format_fn(results)
     paths = write_results(results, out_dir, stem, report=report)
+    if plot_fn is not None:
+        paths["png"] = plot_fn(results, f"{out_dir}/{stem}.png")
     print(report)
     print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
     return 0

@@ -389,7 +389,7 @@ def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     """`jaxinfer bench --serving`: run, print the report, write JSON / Markdown / PNG."""
     from jaxinfer.checkpoint.sources import resolve_model
     from jaxinfer.llm import LLM
-    from jaxinfer.tools.bench.report import write_results
+    from jaxinfer.tools.bench.report import publish
 
     if cfg.max_seq_len < sweep.max_seq_len:      # every request must fit: raise it before loading
         cfg = dataclasses.replace(cfg, max_seq_len=sweep.max_seq_len)
@@ -398,16 +398,7 @@ def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(f"[serving] {msg}",
                                                                            file=sys.stderr))
     results = run_serving(llm, resolve_model(cfg.model), sweep, peers, log)
-    from jaxinfer.tools.bench.machine import cpu_info
-
-    results.update(model=cfg.model, dtype=cfg.dtype, decode_chunk=cfg.decode_chunk,
-                   prefill_chunk_size=cfg.prefill_chunk_size, cpu=cpu_info(),
-                   timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
-    stem = f"serving-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = format_serving(results)
-    paths = write_results(results, args.out, stem, report=report)
-    if not args.no_plot:
-        paths["png"] = plot_serving(results, os.path.join(args.out, f"{stem}.png"))
-    print(report)
-    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    results.update(dtype=cfg.dtype, decode_chunk=cfg.decode_chunk,
+                   prefill_chunk_size=cfg.prefill_chunk_size)
+    return publish(results, cfg, args.out, "serving", format_serving,
+                   None if args.no_plot else plot_serving)
