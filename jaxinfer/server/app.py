@@ -320,7 +320,7 @@ class OpenAIServer:
         out = []
         for ids in prompts:
             room = max_len - len(ids)
-            if limit is None and room < 1:
+            if room < 1:       # the prompt alone fills the context, whatever the limit asks
                 raise APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room to "
                                f"generate within max_seq_len {max_len}", param=prompt_param,
                                code="context_length_exceeded")

@@ -51,7 +51,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # allow_inf_nan=False: JSON numbers like 1e400 parse to inf; they are out of range, not values
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
