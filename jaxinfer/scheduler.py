@@ -5,15 +5,26 @@
     abort(request_id)                         finished with "abort" at the next step
 
 One iteration (`step`):
-  1. dispatch a decode chunk (`decode_chunk` steps, one compiled `lax.scan`)
-     over every slot holding a running request; free slots are marked done;
-  2. while the device runs it, process the previous chunk's tokens on the
+  1. wait for the previous decode chunk's tokens; the slots of rows the
+     device has finished are free from here on;
+  2. admission and prefill: waiting requests (first come, first served) get
+     free slots; their prompts are prefilled on their own (batch 1) and the
+     prefilled rows inserted into their slots;
+  3. dispatch a decode chunk (`decode_chunk` steps, one compiled `lax.scan`)
+     over every slot holding a running request, the rows inserted in step 2
+     included; free slots are marked done;
+  4. while the device runs it, process the previous chunk's tokens on the
      host: detokenize, match stop strings, emit events, free the slots of
      finished requests (JAX dispatch is asynchronous, so this host work
-     overlaps the device work);
-  3. admission and prefill: waiting requests (first come, first served) get
-     free slots; their prompts are prefilled on their own (batch 1) and the
-     prefilled rows inserted into their slots, ready for the next chunk.
+     overlaps the device work); then the first tokens of the rows prefilled
+     in step 2, which the device computed before the chunk.
+
+Prefill goes before the chunk because the device runs its work in order: a
+prefill dispatched after the chunk would wait for it, and its first token
+for the fetch after the next one. This way a new request's time to first
+token is its wait for the chunk in flight plus its own prefill, and it
+decodes in the very next chunk; running rows wait for the prefill either
+way.
 
 Prefill policy (chunked prefill). With requests decoding, each iteration
 prefills at most `prefill_chunk_size` prompt tokens (the per-step token
@@ -202,13 +213,29 @@ class Scheduler:
         events = self._take_aborted()
         fetched = [(self.runner.fetch(out), owners) for out, owners in self._pending]
         ended = {rid for out, owners in fetched for row, _, rid in owners if out.done[-1, row]}
+        self._free_ended(ended)
+        self._pending = []
+        self._admit_and_prefill()            # appends each inserted row's first token to _pending
+        firsts, self._pending = self._pending, []
         dispatched = self._dispatch_decode(ended)
         for item in fetched:
             events += self._process(*item)
+        for out, owners in firsts:           # computed before the chunk: no wait for it
+            events += self._process(self.runner.fetch(out), owners)
         self._requeue_preempted()
         self._pending = [dispatched] if dispatched else []
-        self._admit_and_prefill()
         return events
+
+    def _free_ended(self, ended: set) -> None:
+        """Free the slots of requests the device has finished (`ended`; their
+        last tokens are processed later in this step), so that waiting
+        requests can take them now. A request the host then finds unfinished
+        (it should not happen: device and host apply the same stop rule) goes
+        back to the queue with what it has generated, as a preempted one does."""
+        for slot, rid in enumerate(self.slots):
+            if rid is not None and rid in ended and rid in self.states:
+                self._free_slot(slot, self.states[rid])
+                self._preempted.append(rid)
 
     def _dispatch_decode(self, ended: set):
         """Dispatch a decode chunk over the slots whose requests may still run

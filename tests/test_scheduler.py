@@ -202,9 +202,11 @@ def test_long_prompt_is_prefilled_in_budgeted_chunks_between_decode_chunks():
     runner = FakeRunner(max_num_seqs=2, decode_chunk=2, prefill_chunk_size=4)
     s = sched(runner, prefill_chunk_size=4)
     short = s.add_request(req(13, n_prompt=2, max_new=12))   # its chain reaches STOP only at 17
-    s.step()                                   # nothing decoding: 13 is prefilled and inserted
+    first = s.step()              # nothing decoding: 13 is prefilled, inserted and its first token out
+    assert tokens_of(first) == chain(13, 1)
     long = s.add_request(req(20, n_prompt=10, max_new=3))
     events = run(s)
+    events[short] = first + events[short]
     kinds = [entry[0] if entry[0] != "prefill" else ("prefill", entry[1], entry[2])
              for entry in runner.log]
     # 20's 10 tokens go in pieces of 4, 4, 2, each after a decode chunk of the running request
@@ -221,7 +223,8 @@ def test_without_running_requests_prompts_are_prefilled_back_to_back():
     s.step()
     assert runner.log == [("prefill", 10, 4), ("prefill", 10, 4), ("prefill", 10, 1), ("insert", 10, 0),
                           ("prefill", 20, 4), ("prefill", 20, 4), ("prefill", 20, 1), ("insert", 20, 1),
-                          ("prefill", 30, 4), ("prefill", 30, 4), ("prefill", 30, 1), ("insert", 30, 2)]
+                          ("prefill", 30, 4), ("prefill", 30, 4), ("prefill", 30, 1), ("insert", 30, 2),
+                          ("decode", (True, True, True))]      # all three decode in the same step
 
 
 def test_whole_prompts_when_chunking_is_off():
