@@ -569,6 +569,49 @@ def decode_chunk(params: dict, state: DecodeState, stop: StopTokens, finished: j
     return jax.lax.scan(step, state, None, length=num_steps)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs", "rows"),
+                   donate_argnames=("state",))
+def decode_chunk_rows(params: dict, state: DecodeState, stop: StopTokens, finished: jax.Array, *,
+                      config: ModelConfig, num_steps: int, num_logprobs: int = -1,
+                      rows: int) -> tuple[DecodeState, StepOutput]:
+    """`decode_chunk` over the first `rows` slots only, for a batch whose
+    running rows all sit below slot `rows`: each step computes `rows` rows,
+    not all B. The other slots are left untouched and come out as done
+    rows do (token -1, done True, log-probs 0), so the outputs have the
+    same [num_steps, B] shapes as `decode_chunk`'s.
+
+    The first `rows` rows of the cache are copied out and back once per
+    chunk (2 * rows * the bytes of one row's K/V), which is what a chunk of
+    smaller steps pays. Dense caches without a draft model only: a paged
+    cache's pools are shared by every row.
+
+    Args:
+      finished: bool [B], as in `decode_chunk`; slots >= rows must be
+        finished (free), which the caller checks.
+      rows: static, 1 <= rows <= B.
+    Raises:
+      ValueError (when tracing): a paged cache, or a draft cache.
+    """
+    if state.cache.paged or state.draft is not None:
+        raise ValueError("decode_chunk_rows runs dense caches without a draft model only")
+    b = state.rows.done.shape[0]
+    head = jax.tree_util.tree_map(lambda x: x[:rows], state)
+    head, out = decode_chunk(params, head, stop, finished[:rows], config=config, num_steps=num_steps,
+                             num_logprobs=num_logprobs)
+    put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=0)
+    state = jax.tree_util.tree_map(put, state, head)
+
+    def widen(x, fill):
+        if x is None:
+            return None
+        pad = jnp.full((x.shape[0], b - rows) + x.shape[2:], fill, x.dtype)
+        return jnp.concatenate([x, pad], axis=1)
+
+    return state, out._replace(token=widen(out.token, -1), done=widen(out.done, True),
+                               logprob=widen(out.logprob, 0), top_ids=widen(out.top_ids, 0),
+                               top_logprobs=widen(out.top_logprobs, 0))
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert(state: DecodeState, prefix: DecodeState, slot: jax.Array) -> DecodeState:
     """Copy row 0 of `prefix` (a prefilled request from `start`: its K/V,

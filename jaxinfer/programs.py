@@ -41,9 +41,7 @@ class ProgramCache:
         """The compiled program of `fn` for these arguments' shapes and dtypes
         (arrays or `jax.ShapeDtypeStruct`s: abstract arguments compile
         without running anything), compiling it on the first request."""
-        shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
-        key = (fn.__name__, fn.__module__, tuple(sorted(static.items())),
-               jax.tree_util.tree_structure(args), tuple(jax.tree_util.tree_leaves(shapes)))
+        key = self._key(fn, args, static)
         program = self._compiled.get(key)
         if program is None:
             with self._lock:
@@ -56,6 +54,17 @@ class ProgramCache:
                     self.num_compiles += 1
                     self._compiled[key] = program
         return program
+
+    def has(self, fn, *args, **static) -> bool:
+        """Whether `compiled(fn, *args, **static)` would return a program
+        already compiled (nothing is compiled here)."""
+        return self._key(fn, args, static) in self._compiled
+
+    @staticmethod
+    def _key(fn, args, static) -> tuple:
+        shapes = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)
+        return (fn.__name__, fn.__module__, tuple(sorted(static.items())),
+                jax.tree_util.tree_structure(args), tuple(jax.tree_util.tree_leaves(shapes)))
 
     def clock(self) -> float:
         """Seconds of `time.perf_counter()` minus the seconds spent compiling:

@@ -40,6 +40,7 @@ chunk and preempts until it is 0, and admits a request only when
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Optional, Sequence
 
@@ -194,6 +195,7 @@ class ModelRunner:
         self._length = np.zeros(self.max_num_seqs, np.int64)
         self._inflight: list = []
         self.decode_steps = 0  # decode steps dispatched
+        self.row_chunks = collections.Counter()   # rows -> plain chunks run on fewer rows than slots
         self.page_size = page_size
         self.kv_pages: Optional[PagePool] = None
         self.prefix_caching = False
@@ -494,7 +496,10 @@ class ModelRunner:
     def decode(self, occupied: np.ndarray, num_logprobs: int = -1,
                max_drafts: Optional[np.ndarray] = None):
         """Dispatch one decode chunk over all slots; slots not `occupied`
-        (bool [max_num_seqs]) are marked done first. With speculation and a
+        (bool [max_num_seqs]) are marked done first. A plain chunk runs on
+        the first `_row_bucket(occupied)` rows only when that program was
+        compiled by `warmup` (the outputs keep their [steps, max_num_seqs]
+        shapes). With speculation and a
         `max_drafts` (int [max_num_seqs], each slot's cap of proposed tokens
         per round) above 0 for some occupied slot, the chunk is
         `decode_chunk` proposal + verification rounds instead of steps.
@@ -527,9 +532,17 @@ class ModelRunner:
                 num_steps=self.decode_chunk, k=cfg.num_speculative_tokens, ngram_min=cfg.ngram_min,
                 ngram_max=cfg.ngram_max, num_logprobs=num_logprobs)
         else:
-            self.state, out = self.programs(engine.decode_chunk, self.params, self.state, self.stop,
-                                            finished, config=self.config, num_steps=self.decode_chunk,
-                                            num_logprobs=num_logprobs)
+            kwargs = dict(config=self.config, num_steps=self.decode_chunk, num_logprobs=num_logprobs)
+            rows = self._row_bucket(occupied)
+            if rows < self.max_num_seqs and self.programs.has(
+                    engine.decode_chunk_rows, self.params, self.state, self.stop, finished, rows=rows,
+                    **kwargs):
+                self.state, out = self.programs(engine.decode_chunk_rows, self.params, self.state,
+                                                self.stop, finished, rows=rows, **kwargs)
+                self.row_chunks[rows] += 1
+            else:
+                self.state, out = self.programs(engine.decode_chunk, self.params, self.state, self.stop,
+                                                finished, **kwargs)
             growth = self.decode_chunk
         self.decode_steps += self.decode_chunk
         self._inflight.append((out, np.where(occupied, growth, 0)))
@@ -565,7 +578,9 @@ class ModelRunner:
         max_seq_len - 1) can need, so that no request waits for a compile:
         `start` for each whole-prompt bucket and its prefix cache sizes,
         `extend` / `start` for the pieces of chunked prompts, the decode chunk
-        (speculative too, when on) and `insert` for each decode cache bucket,
+        (speculative too, when on; dense, also on 1, 2, 4, ... rows below
+        max_num_seqs, which `decode` uses only once compiled) and `insert`
+        for each decode cache bucket,
         and every cache growth. Log-prob counts other than `num_logprobs`
         still compile on first use. Returns the programs compiled now.
         """
@@ -655,11 +670,29 @@ class ModelRunner:
         self.programs.compiled(phase, draft.params, cache, jax.ShapeDtypeStruct((1, width), jnp.int32),
                                jax.ShapeDtypeStruct((1,), jnp.int32), config=draft.config)
 
+    def _row_bucket(self, occupied: np.ndarray) -> int:
+        """The rows a plain decode chunk computes: the smallest power of two
+        (at most max_num_seqs) above the highest occupied slot. Admission
+        takes the lowest free slot, so a lightly loaded server decodes a
+        few rows rather than all its slots."""
+        top = int(np.flatnonzero(occupied).max(initial=0)) + 1
+        return min(1 << (top - 1).bit_length(), self.max_num_seqs)
+
+    def _row_buckets(self) -> list[int]:
+        """The row counts below max_num_seqs that `warmup` compiles (dense, no draft model)."""
+        if self.paged or self._draft is not None:
+            return []
+        return [1 << i for i in range(self.max_num_seqs.bit_length()) if 1 << i < self.max_num_seqs]
+
     def _compile_decode(self, state, num_logprobs: int) -> None:
         finished = jax.ShapeDtypeStruct((self.max_num_seqs,), bool)
         self.programs.compiled(engine.decode_chunk, self.params, state, self.stop, finished,
                                config=self.config, num_steps=self.decode_chunk,
                                num_logprobs=num_logprobs)
+        for rows in self._row_buckets():   # used only once compiled: plain runs never compile them
+            self.programs.compiled(engine.decode_chunk_rows, self.params, state, self.stop, finished,
+                                   config=self.config, num_steps=self.decode_chunk,
+                                   num_logprobs=num_logprobs, rows=rows)
         spec = self.speculative
         if spec is None:
             return

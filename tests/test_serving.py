@@ -63,6 +63,22 @@ def test_request_is_invariant_to_arrival_slot_and_neighbours(llm, params):
     assert len(alone.token_ids) == 14
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_warmed_runner_decodes_few_rows_with_the_same_tokens(llm, params):
+    """After `warmup`, a chunk whose running rows all sit in slots below 1
+    (or 2) computes 1 (or 2) rows, not all 4 slots: each request's tokens
+    equal its run alone, and the narrow programs were the ones that ran."""
+    v = llm.config.vocab_size
+    reqs = [Request(_ids(n, v, 30 + n), params, max_new_tokens=m) for n, m in ((6, 12), (9, 5), (4, 9))]
+    alone = [llm.generate([list(r.prompt_ids)], params, max_new_tokens=r.max_new_tokens)[0].token_ids
+             for r in reqs]
+    sched = llm.scheduler(4)
+    sched.runner.warmup(max_prompt_len=9)
+    outs = _run(sched, {0: reqs[:1], 2: reqs[1:2], 4: reqs[2:]})
+    assert outs == alone
+    assert sched.runner.row_chunks[1] >= 1 and sched.runner.row_chunks[2] >= 1
+
+
 def test_greedy_tokens_follow_the_reference(llm):
     """The continuous-batching run of a request inserted beside others gives
     the float64 reference's greedy tokens."""
