@@ -217,7 +217,7 @@ class Scheduler:
         self._pending = []
         self._admit_and_prefill()            # appends each inserted row's first token to _pending
         firsts, self._pending = self._pending, []
-        dispatched = self._dispatch_decode(ended)
+        dispatched = self._dispatch_decode()
         for item in fetched:
             events += self._process(*item)
         for out, owners in firsts:           # computed before the chunk: no wait for it
@@ -237,12 +237,12 @@ class Scheduler:
                 self._free_slot(slot, self.states[rid])
                 self._preempted.append(rid)
 
-    def _dispatch_decode(self, ended: set):
-        """Dispatch a decode chunk over the slots whose requests may still run
-        (`ended`: requests whose rows the device has finished)."""
-        occupied = np.array([r is not None and r not in ended for r in self.slots])
+    def _dispatch_decode(self):
+        """Dispatch a decode chunk over the occupied slots (the slots of rows
+        the device has finished were freed by `_free_ended`)."""
+        occupied = self._occupied()
         if self._paged:
-            self._make_room(occupied, ended)
+            self._make_room(occupied)
         if not occupied.any():
             return None
         wanted = [self.states[r].request.logprobs for r, o in zip(self.slots, occupied) if o]
@@ -256,16 +256,10 @@ class Scheduler:
         out = self.runner.decode(occupied, num_logprobs, max_drafts)
         return out, tuple((slot, slot, r) for slot, r in enumerate(self.slots) if occupied[slot])
 
-    def _make_room(self, occupied: np.ndarray, ended: set) -> None:
+    def _make_room(self, occupied: np.ndarray) -> None:
         """Make the pool able to give every occupied slot (bool [slots],
-        updated in place) the pages of its next chunk: first free the slots of
-        requests the device has finished (`ended`, outputs not processed yet),
-        then preempt the newest requests."""
-        if self.runner.pages_short(occupied) <= 0:
-            return
-        for slot, rid in enumerate(self.slots):
-            if rid in ended:
-                self._free_slot(slot, self.states[rid])
+        updated in place) the pages of its next chunk by preempting the
+        newest requests (finished rows' slots are already free)."""
         while self.runner.pages_short(occupied) > 0:
             if self._prefilling is not None:
                 rid, _, job = self._prefilling
