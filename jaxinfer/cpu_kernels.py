@@ -5,6 +5,8 @@
   read each layer's K/V buffers well below the machine's memory bandwidth,
   one of them on a single core. The kernel does the same math in one pass
   over K and V per (row, kv head).
+- `chunk_attention`: T new tokens per row, each with its own mask, over
+  the row's buffer (an `extend` chunk such as k drafted tokens to verify).
 - `paged_decode_attention`: the same over a paged KV cache, reading each
   row's pages in place through its block table.
 - `packed_matmul`: x @ W with W packed once (`pack_weight`) into column
@@ -58,6 +60,7 @@ SOURCE_DIR = pathlib.Path(__file__).parent / "kernels"
 PACK_VERSION = 1
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_paged_decode_attention": "JaxinferPagedDecodeAttention",
+            "jaxinfer_chunk_attention": "JaxinferChunkAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
             "jaxinfer_read_sum": "JaxinferReadSum"}
@@ -291,6 +294,37 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     check_operands("decode_attention", expected)
     _require_enabled()
     return jax.ffi.ffi_call("jaxinfer_decode_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, mask)
+
+
+def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """T query tokens per row attend over the row's K/V buffer, each under
+    its own mask row: `decode_attention` per (row, query token).
+
+    Same function as `layers.attention_scores` (no soft-cap) ->
+    `layers.masked_softmax` -> `layers.attention_output` over the buffer,
+    all-zero output for a query that sees no position. The chunk's own keys
+    must already be in the buffer (the caller writes them first).
+
+    Args:
+      q: float32 [B, K, T, G, H], grouped queries already multiplied by the
+        query scale (query head k*G + g reads kv head k).
+      k: float32 [B, K, H, S]; v: float32 [B, K, S, H].
+      mask: bool [B, T, S], True where query t of the row may attend.
+    Returns:
+      float32 [B, K, T, G, H].
+    Raises:
+      ValueError: shapes or dtypes that do not match the above (at trace time).
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    b, kv_heads, t, g, h = q.shape
+    s = k.shape[-1]
+    expected = {"q": (q, (b, kv_heads, t, g, h), jnp.float32),
+                "k": (k, (b, kv_heads, h, s), jnp.float32),
+                "v": (v, (b, kv_heads, s, h), jnp.float32), "mask": (mask, (b, t, s), jnp.bool_)}
+    check_operands("chunk_attention", expected)
+    _require_enabled()
+    return jax.ffi.ffi_call("jaxinfer_chunk_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, mask)
 
 

@@ -125,19 +125,62 @@ def _heads_major(v: jax.Array) -> jax.Array:
 # --- extend: a chunk after the cached keys -----------------------------------------------------
 
 
+# Chunks of up to CHUNK_KERNEL_TOKENS new tokens per row attend through
+# `cpu_kernels.chunk_attention` where it applies (verification blocks, short
+# pieces); XLA:CPU's batched dots over the cached keys cost more than the
+# whole decode step at these shapes (benchmarks/README.md).
+CHUNK_KERNEL_TOKENS = 16
+
+
+def _write_first_is_exact(cache: KVCache, layer_type: str, chunk: int) -> bool:
+    """Whether a chunk of `chunk` tokens may write its K/V before attending:
+    always on full layers; on rings only when no write can overwrite a key
+    that the chunk's first query still sees (R >= W + C - 1, or R holding
+    every position)."""
+    if layer_type == FULL_ATTENTION:
+        return True
+    r = cache.ring_size
+    return r >= cache.window + chunk - 1 or r >= cache.max_seq_len
+
+
+def _chunk_kernel_applies(config: ModelConfig, cache: KVCache, layer_type: str, chunk: int,
+                          q_dtype, kv: LayerKV) -> bool:
+    """The C++ chunk kernel serves this layer: CPU kernels on, float32 dense
+    K/V (not paged, not int8), no soft-cap, a short chunk, and writing first
+    exact (`_write_first_is_exact`)."""
+    return (chunk <= CHUNK_KERNEL_TOKENS and not config.attn_logit_softcapping
+            and not cache.paged and kv.key_scale is None
+            and q_dtype == kv.keys.dtype == kv.values.dtype == jnp.float32
+            and _write_first_is_exact(cache, layer_type, chunk) and cpu_kernels.enabled())
+
+
 def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
                   valid: jax.Array) -> Attend:
-    """C > 1 new tokens per row after the row's cached keys: one softmax over
-    [cached keys | the chunk's own keys], then the chunk's K/V are written.
-    Reading before writing keeps sliding layers exact when the chunk
-    overwrites ring slots that its own earlier queries still need."""
+    """C > 1 new tokens per row after the row's cached keys.
+
+    XLA path: one softmax over [cached keys | the chunk's own keys], then
+    the chunk's K/V are written. Reading before writing keeps sliding layers
+    exact when the chunk overwrites ring slots that its own earlier queries
+    still need.
+
+    Kernel path (`_chunk_kernel_applies`): the chunk's K/V are written first,
+    then each query attends over the whole buffer under its own mask
+    (`cpu_kernels.chunk_attention`), as a decode step does for one token."""
     new_pos = jnp.where(valid, positions, -1)
     seen = lambda t: kv_cache.visible(kv_cache.key_positions(cache, t), positions, t, cache.window)
     masks = {layer_type: (seen(layer_type),
                           kv_cache.visible(new_pos, positions, layer_type, cache.window))
              for layer_type in set(cache.layer_types)}
+    after = kv_cache.advance(cache, cache.layers, positions, valid)
+    written = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t,
+                                         cache.window)
 
     def attend(layer_type, q, k, v, kv):
+        if _chunk_kernel_applies(config, cache, layer_type, q.shape[1], q.dtype, kv):
+            kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
+            out = cpu_kernels.chunk_attention(group_heads(q, k.shape[2]), kv.keys, kv.values,
+                                              written(layer_type))
+            return ungroup_heads(out), kv
         qg = group_heads(q, k.shape[2])
         cached_k, cached_v = kv_cache.layer_view(cache, layer_type, kv).dequantized()
         s_cached = attention_scores(qg, cached_k.astype(q.dtype), config.attn_logit_softcapping)

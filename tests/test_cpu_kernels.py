@@ -92,6 +92,35 @@ def test_row_that_sees_nothing_is_zero():
     np.testing.assert_allclose(out[1], reference_attention(q, k, v, mask)[1], atol=ATOL, rtol=0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("b, kv_heads, t, g, h, s", [
+    (1, 3, 5, 3, 64, 1280),   # SmolLM2 heads, k = 4 drafts to verify, a long cache
+    (3, 2, 7, 3, 64, 40),     # vector body plus scalar tail
+    (2, 1, 4, 4, 256, 37),    # Gemma 3 270M heads
+    (2, 2, 2, 5, 8, 19),      # G = 5, head_dim 8: scalar paths
+])
+def test_chunk_attention_matches_reference_per_query(b, kv_heads, t, g, h, s):
+    """Each query token of the chunk is a decode query under its own mask row
+    (causal prefixes of different lengths, a ring with holes, nothing visible)."""
+    rng = np.random.default_rng(1)
+    q = (rng.standard_normal((b, kv_heads, t, g, h)) / np.sqrt(h)).astype(np.float32)
+    _, k, v = _inputs(b, kv_heads, g, h, s, 1.0)
+    mask = np.stack([_masks(b, s, seed=i) for i in range(t)], axis=1)   # [B, T, S]
+    out = np.asarray(jax.jit(cpu_kernels.chunk_attention)(q, k, v, mask))
+    assert out.shape == (b, kv_heads, t, g, h)
+    for i in range(t):
+        np.testing.assert_allclose(out[:, :, i], reference_attention(q[:, :, i], k, v, mask[:, i]),
+                                   atol=ATOL, rtol=0)
+
+
+def test_chunk_attention_rejects_mismatched_shapes():
+    q = np.zeros((2, 2, 3, 3, 64), np.float32)
+    _, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
+    with pytest.raises(ValueError, match=r"chunk_attention: mask is bool\[2, 48\], "
+                                         r"expected bool\[2, 3, 48\]"):
+        cpu_kernels.chunk_attention(q, k, v, np.ones((2, 48), bool))
+
+
 def test_decode_attention_rejects_mismatched_shapes():
     q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
     with pytest.raises(ValueError, match=r"decode_attention: v is float32\[2, 2, 47, 64\], "

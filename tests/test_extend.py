@@ -15,6 +15,7 @@ import pytest
 
 import reference
 from jaxinfer import cache as kv_cache
+from jaxinfer import cpu_kernels, engine
 from jaxinfer.cache import init_cache, insert, resize, truncate
 from jaxinfer.engine import decode_step, extend, prefill
 from jaxinfer.params import prepare_params
@@ -143,6 +144,40 @@ def test_ring_after_a_long_chunk_holds_the_last_positions():
     _, cache = _extend_in_pieces(params, config, _ids(13, config), [3, 9, 1])
     # ring of W = 4 slots: positions 9..12 at p % 4
     assert np.asarray(cache.ring_pos)[0].tolist() == [12, 9, 10, 11]
+
+
+def _kernel_calls(params, config, cache, chunk):
+    """How many layers of an `extend` chunk of `chunk` tokens run the C++ chunk kernel."""
+    tokens, lengths = jnp.zeros((1, chunk), jnp.int32), jnp.array([chunk], jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, c: extend(p, c, tokens, lengths, config=config,
+                                               all_logits=True))(params, cache)
+    return str(jaxpr).count("jaxinfer_chunk_attention")
+
+
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
+@pytest.mark.parametrize("ring_extra", [0, 3])
+def test_chunk_kernel_serves_exact_layers_only(model, ring_extra):
+    """Chunks of 4 across the window edge: full layers always write first
+    and attend through `cpu_kernels.chunk_attention`; a ring of W slots
+    (ring_extra 0) would lose keys the chunk's first query still sees, so
+    sliding layers keep the read-then-write XLA path there, and take the
+    kernel once the ring has W + 3 slots. Logits equal the reference
+    either way. Chunks longer than CHUNK_KERNEL_TOKENS stay on XLA."""
+    config, np_params, params = model
+    ids = _ids(14, config, seed=7)
+    cache = init_cache(config, 1, 32, ring_extra=ring_extra)
+    sliding = len(config.sliding_layers)
+    expected = config.num_layers - (sliding if ring_extra < 3 else 0)
+    assert _kernel_calls(params, config, cache, 4) == expected
+    assert _kernel_calls(params, config, cache, engine.CHUNK_KERNEL_TOKENS + 1) == 0
+    out, tokens = [], jnp.asarray(ids[None])
+    for start in (0, 2, 6, 10):       # pieces of 2, 4, 4, 4: the last two cross the window edge
+        n = 2 if start == 0 else 4
+        logits, cache = extend(params, cache, tokens[:, start:start + n], jnp.array([n], jnp.int32),
+                               config=config, all_logits=True)
+        out.append(np.asarray(logits)[0])
+    np.testing.assert_allclose(np.concatenate(out), reference.forward(np_params, ids, config),
+                               atol=ATOL, rtol=0)
 
 
 # --- cache operations -----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.cpu_kernels):
 //   JaxinferDecodeAttention  attention of one new token per row over its K/V cache buffer
 //   JaxinferPagedDecodeAttention  the same over a paged cache, pages read in place
+//   JaxinferChunkAttention   T new tokens per row, each with its own mask, over the buffer
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
@@ -21,6 +22,17 @@
 //
 // One work unit per (row, kv head); each reads its K and V blocks once, and only the span
 // [first visible, last visible] of positions.
+//
+// --- Chunk attention ---
+// T new query tokens per row (an `extend` chunk: k drafted tokens to verify, a short
+// prompt piece) attend over the row's K/V buffer, which already holds their own K/V:
+//   q    f32  [B, K, T, G, H]  grouped queries, pre-scaled
+//   k, v as for decode attention
+//   mask pred [B, T, S]        true = query t may see position s (causal inside the chunk)
+//   out  f32  [B, K, T, G, H]
+// One work unit per (row, kv head, query token), each exactly a decode-attention unit with
+// its own mask row: the T units of a (row, kv head) read the same K/V span, from cache
+// after the first.
 //
 // --- Paged decode attention ---
 // The same computation over a paged cache (PagedAttention, Kwon et al., SOSP 2023):
@@ -390,6 +402,31 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v
   return ffi::Error::Success();
 }
 
+using Tensor5 = ffi::Buffer<ffi::F32, 5>;
+using Mask3 = ffi::Buffer<ffi::PRED, 3>;
+
+ffi::Error ChunkAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v, Mask3 mask,
+                          ffi::Result<Tensor5> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  const int64_t B = qd[0], K = qd[1], T = qd[2], G = qd[3], H = qd[4], S = kd[3];
+  if (kd[0] != B || kd[1] != K || kd[2] != H || vd[0] != B || vd[1] != K || vd[2] != S ||
+      vd[3] != H || md[0] != B || md[1] != T || md[2] != S)
+    return ffi::Error::InvalidArgument(
+        "chunk_attention: expected q [B,K,T,G,H], k [B,K,H,S], v [B,K,S,H], mask [B,T,S]");
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  parallel_units(pool, B * K * T, [=](int64_t unit) {  // unit = (b * K + kh) * T + t
+    thread_local std::vector<float> scratch;
+    const int64_t t = unit % T, bk = unit / T, b = bk / K;
+    attend_span(G, H, qp + unit * G * H, mp + (b * T + t) * S, S, op + unit * G * H, scratch,
+                [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
+                  runs.push_back(Run{kp + bk * H * S + lo, vp + (bk * S + lo) * H, S, hi - lo});
+                });
+  });
+  return ffi::Error::Success();
+}
+
 using Table2 = ffi::Buffer<ffi::S32, 2>;
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v, Table2 table,
@@ -707,6 +744,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttention, DecodeAttention,
                                   .Arg<Tensor4>()
                                   .Arg<Mask2>()
                                   .Ret<Tensor4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferChunkAttention, ChunkAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor5>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Mask3>()
+                                  .Ret<Tensor5>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention,
                               ffi::Ffi::Bind()
