@@ -603,13 +603,40 @@ def decode_chunk(params: dict, state: DecodeState, stop: StopTokens, finished: j
     if finished is not None:
         state = state.replace(rows=state.rows.replace(done=state.rows.done | finished))
 
-    def step(state, _):
+    def step(state):
         rows = state.rows
         logits, cache = decode_step(params, state.cache, rows.tokens, ~rows.done, config=config)
         rows, out = sample_step(logits, rows, stop, num_logprobs)
         return state.replace(cache=cache, rows=rows), out
 
-    return jax.lax.scan(step, state, None, length=num_steps)
+    return jax.lax.scan(lambda s, _: idle_when_done(s, step), state, None, length=num_steps)
+
+
+def idle_when_done(state, *steps, index=None):
+    """Run one of `steps` (each state -> (state, out), the same shapes)
+    unless every row of state is done; then return the state unchanged with
+    the outputs of rows already done (token -1, done True, zeros elsewhere).
+
+    A done row writes nothing and keeps its bookkeeping, so skipping the
+    step changes nothing but its cost: the steps of a chunk after its last
+    row finished (a request ending mid-chunk, a speculative chunk that
+    reached max_new_tokens in a few rounds) no longer run the model.
+
+    Args:
+      steps: one step, or several with `index` (int32 scalar) choosing
+        which: one `lax.switch`, not a conditional inside another (nested
+        conditionals over the cache cost XLA:CPU a copy of it per step).
+    """
+
+    def idle(state):
+        shapes = jax.eval_shape(steps[0], state)[1]
+        fill = {"token": -1, "done": True}
+        return state, type(shapes)(*(None if x is None else jnp.full(x.shape, fill.get(name, 0), x.dtype)
+                                     for name, x in zip(shapes._fields, shapes)))
+
+    chosen = 0 if index is None else index
+    branch = jnp.where(jnp.all(state.rows.done), 0, 1 + chosen)
+    return jax.lax.switch(branch, (idle, *steps), state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "num_logprobs", "rows"),

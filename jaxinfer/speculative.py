@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jaxinfer import cache as kv_cache
 from jaxinfer import sampling
 from jaxinfer.engine import (DecodeState, RowState, StopTokens, _mask_early_stops, decode_step,
-                             extend, record_tokens, sample_step)
+                             extend, idle_when_done, record_tokens, sample_step)
 from jaxinfer.config import ModelConfig
 
 NO_TOKEN = -2   # an output position a row did not fill (its block ended earlier)
@@ -292,17 +292,17 @@ def ngram_chunk(params: dict, state: DecodeState, stop: StopTokens, finished: ja
     """
     state = state.replace(rows=state.rows.replace(done=state.rows.done | finished))
 
-    def step(state, _):
+    def step(state):
         rows = state.rows
         drafts, num = ngram_propose(rows.history, rows.history_len, k, ngram_min, ngram_max)
         num = jnp.where(rows.done, 0, jnp.minimum(num, max_drafts))
-        return jax.lax.cond(
-            jnp.any(num > 0),
+        return idle_when_done(
+            state, lambda s: _decode_round(params, s, stop, k, config, num_logprobs),
             lambda s: verify(params, s, stop, drafts, num, None, config=config,
                              num_logprobs=num_logprobs),
-            lambda s: _decode_round(params, s, stop, k, config, num_logprobs), state)
+            index=jnp.any(num > 0).astype(jnp.int32))
 
-    return jax.lax.scan(step, state, None, length=num_steps)
+    return jax.lax.scan(lambda s, _: step(s), state, None, length=num_steps)
 
 
 # --- the draft-model proposer -------------------------------------------------------------------
@@ -408,7 +408,7 @@ def draft_chunk(params: dict, draft_params: dict, state: DecodeState, stop: Stop
     accepted drafts it holds (d_k, never written to it, is caught up next round)."""
     state = state.replace(rows=state.rows.replace(done=state.rows.done | finished))
 
-    def step(state, _):
+    def step(state):
         rows = state.rows
         active = ~rows.done
         drafts, q, draft = draft_propose(draft_params, draft_config, state.draft, rows, stop, k)
@@ -419,4 +419,4 @@ def draft_chunk(params: dict, draft_params: dict, state: DecodeState, stop: Stop
         keep = start + 1 + jnp.minimum(out.accepted, k - 1)
         return state.replace(draft=kv_cache.truncate(state.draft, jnp.where(active, keep, draft.lengths))), out
 
-    return jax.lax.scan(step, state, None, length=num_steps)
+    return jax.lax.scan(lambda s, _: idle_when_done(s, step), state, None, length=num_steps)
