@@ -20,6 +20,10 @@ Three attention implementations serve it, chosen from static shapes:
     against the chunk's own keys, one softmax over both, then the write. On
     sliding layers the ring is read before it is overwritten, so a chunk that
     crosses the window edge (or is longer than the window) stays exact.
+    Chunks of up to CHUNK_KERNEL_TOKENS on CPU write first and attend per
+    query through `cpu_kernels.chunk_attention` instead, on the layers where
+    writing first is exact (full layers; rings of at least W + C - 1 slots,
+    as speculative decoding's W + k).
   * `prefill`, a chunk on an empty cache: [T, T] causal scores only, long
     prompts in blocks of query rows (`query_blocks`), RoPE tables as
     compile-time constants.
