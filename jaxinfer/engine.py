@@ -628,8 +628,9 @@ def idle_when_done(state, *steps, index=None):
 
     Args:
       steps: one step, or several with `index` (int32 scalar) choosing
-        which: one `lax.switch`, not a conditional inside another (nested
-        conditionals over the cache cost XLA:CPU a copy of it per step).
+        which: one `lax.switch`, not a conditional inside another (nested,
+        a no-draft n-gram round took 28-29 ms against 19-21 ms here,
+        SmolLM2 B=1; not traced further).
     """
 
     def idle(state):
