@@ -38,10 +38,12 @@ OPEN_ENDED = ("Write a short story about a lighthouse keeper who finds a message
               "Describe a busy market in a small town on a summer morning.",
               "Write a letter to a friend about learning to play the violin.")
 # Correction tasks whose answer is the passage itself with few changes.
-# SmolLM2-135M answers these by copying (3-gram overlap with the prompt of
-# 0.6-0.95 in a check of 16 prompts); "Copy the following passage word for
-# word" and "Repeat this text" made it summarise or ramble instead (overlap
-# 0.01-0.3), which is not copy-heavy work whatever the prompt says.
+# SmolLM2-135M answers these by copying (3-gram overlap of its answer with
+# the prompt 0.6-0.95 where the passage starts at a chapter or a narrative
+# paragraph, in a check of 16 prompts; lower from mid-dialogue). "Copy the
+# following passage word for word" made it summarise instead (overlap
+# 0.01-0.02) and "Repeat this text" ramble (read in its answers): not
+# copy-heavy work, whatever the prompt asks.
 INSTRUCTIONS = ("Correct the spelling mistakes in the following passage and write it out in full:",
                 "Fix any typos in this text and output the whole text:",
                 "Correct the grammar of the following passage and write it out in full:",
