@@ -135,6 +135,7 @@ inline v16 exp_nonpositive(v16 x) {
 
 struct Dims {
   int64_t B, K, G, H, S;
+  int64_t T = 1;  // query tokens per row (chunk attention; 1 for decode)
 };
 
 // A run of consecutive cached positions stored contiguously: the key of its s-th position
@@ -321,13 +322,14 @@ void attend_span(int64_t G, int64_t H, const float* q, const bool* visible, int6
   by_head_group<WeightedValues>(G, ld, H, sc, o, ld, runs.data(), num_runs, H);
 }
 
-// One (row, kv head) unit of a dense cache: its span is one run.
+// One (row, kv head, query token) unit of a dense cache, unit = (b * K + kh) * T + t, with
+// q and out [B, K, T, G, H] and mask [B, T, S] (T = 1: decode): its span is one run.
 void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
                  const bool* mask, float* out, std::vector<float>& scratch) {
-  const int64_t H = d.H, S = d.S;
-  attend_span(d.G, H, q + unit * d.G * H, mask + (unit / d.K) * S, S, out + unit * d.G * H, scratch,
+  const int64_t H = d.H, S = d.S, t = unit % d.T, bk = unit / d.T, b = bk / d.K;
+  attend_span(d.G, H, q + unit * d.G * H, mask + (b * d.T + t) * S, S, out + unit * d.G * H, scratch,
               [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
-                runs.push_back(Run{k + unit * H * S + lo, v + (unit * S + lo) * H, S, hi - lo});
+                runs.push_back(Run{k + bk * H * S + lo, v + (bk * S + lo) * H, S, hi - lo});
               });
 }
 
@@ -408,21 +410,17 @@ using Mask3 = ffi::Buffer<ffi::PRED, 3>;
 ffi::Error ChunkAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v, Mask3 mask,
                           ffi::Result<Tensor5> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
-  const int64_t B = qd[0], K = qd[1], T = qd[2], G = qd[3], H = qd[4], S = kd[3];
-  if (kd[0] != B || kd[1] != K || kd[2] != H || vd[0] != B || vd[1] != K || vd[2] != S ||
-      vd[3] != H || md[0] != B || md[1] != T || md[2] != S)
+  const Dims d{qd[0], qd[1], qd[3], qd[4], kd[3], qd[2]};
+  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
+      vd[2] != d.S || vd[3] != d.H || md[0] != d.B || md[1] != d.T || md[2] != d.S)
     return ffi::Error::InvalidArgument(
         "chunk_attention: expected q [B,K,T,G,H], k [B,K,H,S], v [B,K,S,H], mask [B,T,S]");
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  parallel_units(pool, B * K * T, [=](int64_t unit) {  // unit = (b * K + kh) * T + t
+  parallel_units(pool, d.B * d.K * d.T, [=](int64_t unit) {
     thread_local std::vector<float> scratch;
-    const int64_t t = unit % T, bk = unit / T, b = bk / K;
-    attend_span(G, H, qp + unit * G * H, mp + (b * T + t) * S, S, op + unit * G * H, scratch,
-                [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
-                  runs.push_back(Run{kp + bk * H * S + lo, vp + (bk * S + lo) * H, S, hi - lo});
-                });
+    attend_unit(d, unit, qp, kp, vp, mp, op, scratch);
   });
   return ffi::Error::Success();
 }
