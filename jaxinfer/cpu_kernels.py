@@ -7,6 +7,9 @@
   over K and V per (row, kv head).
 - `chunk_attention`: T new tokens per row, each with its own mask, over
   the row's buffer (an `extend` chunk such as k drafted tokens to verify).
+- `causal_attention`: a prompt's queries over its own keys (prefill), or a
+  chunk's over a full layer's buffer, flash-style: register-blocked products
+  over key blocks with an online softmax, key blocks nobody sees skipped.
 - `paged_decode_attention`: the same over a paged KV cache, reading each
   row's pages in place through its block table.
 - `packed_matmul`: x @ W with W packed once (`pack_weight`) into column
@@ -61,6 +64,7 @@ PACK_VERSION = 1
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_paged_decode_attention": "JaxinferPagedDecodeAttention",
             "jaxinfer_chunk_attention": "JaxinferChunkAttention",
+            "jaxinfer_causal_attention": "JaxinferCausalAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
             "jaxinfer_read_sum": "JaxinferReadSum"}
@@ -326,6 +330,51 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     _require_enabled()
     return jax.ffi.ffi_call("jaxinfer_chunk_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, mask)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,
+                     counts: jax.Array, window: int | None = None) -> jax.Array:
+    """Causal attention by position, flash-style (online softmax over key
+    blocks; Dao et al. 2022, arXiv:2205.14135): a prompt's queries over its
+    own keys (prefill), or a chunk's over a full layer's buffer that already
+    holds the chunk's keys.
+
+    Key slot s holds position s. Query t of row b (t < counts[b]) sits at
+    position p = starts[b] + t and sees slots [p - window + 1, p] (all of
+    [0, p] without a window); queries t >= counts[b] output zeros. The same
+    function as `layers.attention_scores` (no soft-cap) ->
+    `layers.masked_softmax` (mask from `layers.visible_keys`) ->
+    `layers.attention_output`, up to float32 rounding; memory O(block) per
+    unit, key blocks no query of a unit sees are never read.
+
+    Args:
+      q: float32 [B, K, T, G, H], grouped queries already multiplied by the
+        query scale.
+      k: float32 [B, K, H, S]; v: float32 [B, K, S, H].
+      starts, counts: int32 [B], with 0 <= counts[b] <= T and
+        starts[b] + counts[b] <= S (checked in the kernel: a row that breaks
+        this fails the call with an XLA error, nothing is clamped).
+      window: None, or the sliding window W >= 1.
+    Returns:
+      float32 [B, K, T, G, H].
+    Raises:
+      ValueError: shapes or dtypes that do not match the above, or a window
+        below 1 (at trace time).
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    b, kv_heads, t, g, h = q.shape
+    s = k.shape[-1]
+    expected = {"q": (q, (b, kv_heads, t, g, h), jnp.float32),
+                "k": (k, (b, kv_heads, h, s), jnp.float32),
+                "v": (v, (b, kv_heads, s, h), jnp.float32),
+                "starts": (starts, (b,), jnp.int32), "counts": (counts, (b,), jnp.int32)}
+    check_operands("causal_attention", expected)
+    if window is not None and window < 1:
+        raise ValueError(f"causal_attention: window={window} must be None or >= 1")
+    _require_enabled()
+    return jax.ffi.ffi_call("jaxinfer_causal_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, starts, counts, window=np.int64(window or 0))
 
 
 def check_operands(fn: str, expected: dict) -> None:

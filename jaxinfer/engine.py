@@ -23,9 +23,12 @@ Three attention implementations serve it, chosen from static shapes:
     Chunks of up to CHUNK_KERNEL_TOKENS on CPU write first and attend per
     query through `cpu_kernels.chunk_attention` instead, on the layers where
     writing first is exact (full layers; rings of at least W + C - 1 slots,
-    as speculative decoding's W + k).
-  * `prefill`, a chunk on an empty cache: [T, T] causal scores only, long
-    prompts in blocks of query rows (`query_blocks`), RoPE tables as
+    as speculative decoding's W + k); longer chunks write first and attend
+    through `cpu_kernels.causal_attention` on layers whose slot s holds
+    position s (full layers; rings as long as the cache).
+  * `prefill`, a chunk on an empty cache: [T, T] causal scores only, through
+    `cpu_kernels.causal_attention` (flash-style) on CPU, else on XLA with
+    long prompts in blocks of query rows (`query_blocks`); RoPE tables as
     compile-time constants.
 
 All are `jax.jit`-compiled with the `ModelConfig` static and the cache
@@ -158,6 +161,16 @@ def _chunk_kernel_applies(config: ModelConfig, cache: KVCache, layer_type: str, 
             and _write_first_is_exact(cache, layer_type, chunk) and cpu_kernels.enabled())
 
 
+def _causal_chunk_applies(config: ModelConfig, cache: KVCache, layer_type: str, q_dtype,
+                          kv: LayerKV) -> bool:
+    """The C++ causal kernel serves a longer chunk on this layer: its buffer
+    slot s holds position s (full layers, and rings that hold every
+    position), float32 dense K/V (not paged, not int8), no soft-cap."""
+    return ((layer_type == FULL_ATTENTION or cache.ring_size >= cache.max_seq_len)
+            and not config.attn_logit_softcapping and not cache.paged and kv.key_scale is None
+            and q_dtype == kv.keys.dtype == kv.values.dtype == jnp.float32 and cpu_kernels.enabled())
+
+
 def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
                   valid: jax.Array) -> Attend:
     """C > 1 new tokens per row after the row's cached keys.
@@ -167,9 +180,12 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     exact when the chunk overwrites ring slots that its own earlier queries
     still need.
 
-    Kernel path (`_chunk_kernel_applies`): the chunk's K/V are written first,
-    then each query attends over the whole buffer under its own mask
-    (`cpu_kernels.chunk_attention`), as a decode step does for one token."""
+    Kernel paths: the chunk's K/V are written first. A short chunk
+    (`_chunk_kernel_applies`) then attends per query over the whole buffer
+    under its own mask (`cpu_kernels.chunk_attention`), as a decode step
+    does for one token; a longer one on a layer whose slot s holds position
+    s (`_causal_chunk_applies`) attends flash-style by position
+    (`cpu_kernels.causal_attention`, the kernel prefill uses)."""
     new_pos = jnp.where(valid, positions, -1)
     seen = lambda t: kv_cache.visible(kv_cache.key_positions(cache, t), positions, t, cache.window)
     masks = {layer_type: (seen(layer_type),
@@ -178,12 +194,19 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     after = kv_cache.advance(cache, cache.layers, positions, valid)
     written = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t,
                                          cache.window)
+    counts = jnp.sum(valid, axis=1, dtype=jnp.int32)
 
     def attend(layer_type, q, k, v, kv):
         if _chunk_kernel_applies(config, cache, layer_type, q.shape[1], q.dtype, kv):
             kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
             out = cpu_kernels.chunk_attention(group_heads(q, k.shape[2]), kv.keys, kv.values,
                                               written(layer_type))
+            return ungroup_heads(out), kv
+        if _causal_chunk_applies(config, cache, layer_type, q.dtype, kv):
+            kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
+            out = cpu_kernels.causal_attention(
+                group_heads(q, k.shape[2]), kv.keys, kv.values, cache.lengths, counts,
+                cache.window if layer_type == SLIDING_ATTENTION else None)
             return ungroup_heads(out), kv
         qg = group_heads(q, k.shape[2])
         cached_k, cached_v = kv_cache.layer_view(cache, layer_type, kv).dequantized()
@@ -313,6 +336,12 @@ MIN_BLOCKED_PROMPT = 256
 FLASH_PROMPT = 1024
 
 
+def _causal_kernel_applies(config: ModelConfig, q: jax.Array) -> bool:
+    """The C++ causal kernel (`cpu_kernels.causal_attention`) serves this
+    prompt's attention: CPU kernels on, float32 queries, no soft-cap."""
+    return not config.attn_logit_softcapping and q.dtype == jnp.float32 and cpu_kernels.enabled()
+
+
 def query_blocks(t: int) -> tuple[tuple[int, int], ...]:
     """Static [start, stop) query-row blocks for a prompt bucket of t tokens."""
     if t < MIN_BLOCKED_PROMPT or t % PREFILL_QUERY_BLOCKS:
@@ -329,7 +358,11 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     which stays invisible beyond the row's length), into the ring, or into
     the row's pages.
 
-    Long prompts attend block by block (`query_blocks`): the rows of block
+    On CPU with the kernels on (`_causal_kernel_applies`: float32, no
+    soft-cap) every prompt attends through `cpu_kernels.causal_attention`:
+    flash-style, register-blocked, O(block) scores per unit, key blocks
+    outside the causal band (and the window) never read. Otherwise (XLA):
+    long prompts attend block by block (`query_blocks`): the rows of block
     [a, b) read keys [lo, b) only, lo = 0 on full layers and a - W + 1 on
     sliding ones; the keys left out are masked for those rows anyway. From
     FLASH_PROMPT tokens on, `layers.blocked_attention` runs instead: an
@@ -339,10 +372,15 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     new_pos = jnp.where(valid, positions, -1)
     masks = {layer_type: kv_cache.visible(new_pos, positions, layer_type, window)
              for layer_type in set(cache.layer_types)}
+    counts = jnp.sum(valid, axis=1, dtype=jnp.int32)
 
     def attend(layer_type, q, k, v, kv):
         keys, values, qg = _keys_minor(k), _heads_major(v), group_heads(q, k.shape[2])
-        if t >= FLASH_PROMPT:
+        if _causal_kernel_applies(config, q):
+            out = ungroup_heads(cpu_kernels.causal_attention(
+                qg, keys, values, jnp.zeros_like(counts), counts,
+                window if layer_type == SLIDING_ATTENTION else None))
+        elif t >= FLASH_PROMPT:
             out = ungroup_heads(blocked_attention(
                 qg, keys, values, new_pos, new_pos,
                 window if layer_type == SLIDING_ATTENTION else None,

@@ -1,4 +1,5 @@
-"""The native decode-attention kernel against a float64 numpy reference.
+"""The native kernels (decode, chunk and causal attention, packed matmul,
+read probe) against float64 numpy references.
 
 Tolerance: atol 2e-6 on outputs of magnitude ~1 for scores of size ~1
 (float32 sums in another order; the kernel's polynomial exp has a relative
@@ -111,6 +112,82 @@ def test_chunk_attention_matches_reference_per_query(b, kv_heads, t, g, h, s):
     for i in range(t):
         np.testing.assert_allclose(out[:, :, i], reference_attention(q[:, :, i], k, v, mask[:, i]),
                                    atol=ATOL, rtol=0)
+
+
+def reference_causal(q, k, v, starts, counts, window):
+    """Causal attention by position in float64: query t < counts[b] of row b at
+    position starts[b] + t over key slots s (slot s holds position s) with
+    s <= p and, with a window, p - s < W; other queries give zeros.
+    q [B, K, T, G, H], k [B, K, H, S], v [B, K, S, H] -> [B, K, T, G, H]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, kv_heads, t, g, h = q.shape
+    out = np.zeros_like(q)
+    s = np.arange(k.shape[-1])
+    for row in range(b):
+        pos = starts[row] + np.arange(counts[row])                       # [T']
+        visible = s[None, :] <= pos[:, None]
+        if window is not None:
+            visible &= pos[:, None] - s[None, :] < window
+        for kh in range(kv_heads):
+            scores = np.einsum("tgh,hs->tgs", q[row, kh, :counts[row]], k[row, kh])
+            scores = np.where(visible[:, None, :], scores, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            out[row, kh, :counts[row]] = np.einsum("tgs,sh->tgh", w, v[row, kh])
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("b, kv_heads, t, g, h, s, starts, counts", [
+    (1, 3, 1, 3, 64, 1, [0], [1]),                     # a one-token prompt
+    (2, 3, 511, 3, 64, 511, [0, 0], [511, 474]),        # SmolLM2 heads; row 1 padded
+    (1, 2, 1024, 3, 64, 1024, [0], [1024]),             # 16 key blocks, query blocks of 32
+    (1, 1, 2049, 2, 64, 2049, [0], [2049]),             # partial last query and key blocks
+    (2, 3, 40, 3, 64, 300, [250, 13], [40, 27]),        # extend chunks after cached keys
+    (2, 1, 70, 4, 256, 70, [0, 0], [70, 3]),            # Gemma 3 270M heads
+    (1, 2, 37, 5, 40, 90, [9], [37]),                   # G = 5, head_dim 40: vector + scalar columns
+    (2, 2, 9, 2, 8, 9, [0, 0], [9, 0]),                 # head_dim 8; a row with no queries
+])
+def test_causal_attention_matches_reference(b, kv_heads, t, g, h, s, starts, counts, window):
+    """Flash-style causal kernel (prefill, and chunks of full layers) against
+    float64 dense attention, with and without a sliding window; queries past
+    a row's count are exact zeros."""
+    rng = np.random.default_rng(2)
+    q = (rng.standard_normal((b, kv_heads, t, g, h)) / np.sqrt(h)).astype(np.float32)
+    k = rng.standard_normal((b, kv_heads, h, s)).astype(np.float32)
+    v = rng.standard_normal((b, kv_heads, s, h)).astype(np.float32)
+    run = jax.jit(lambda *a: cpu_kernels.causal_attention(*a, window=window))
+    out = np.asarray(run(q, k, v, np.array(starts, np.int32), np.array(counts, np.int32)))
+    assert out.shape == (b, kv_heads, t, g, h) and out.dtype == np.float32
+    np.testing.assert_allclose(out, reference_causal(q, k, v, starts, counts, window),
+                               atol=ATOL, rtol=0)
+    for row, n in enumerate(counts):
+        assert np.all(out[row, :, n:] == 0.0)
+
+
+def test_causal_attention_rejects_bad_input():
+    q = np.zeros((2, 1, 4, 3, 16), np.float32)
+    k, v = np.zeros((2, 1, 16, 8), np.float32), np.zeros((2, 1, 8, 16), np.float32)
+    ok = np.zeros(2, np.int32), np.full(2, 4, np.int32)
+    with pytest.raises(ValueError, match=r"causal_attention: counts is int32\[3\], "
+                                         r"expected int32\[2\]"):
+        cpu_kernels.causal_attention(q, k, v, ok[0], np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"causal_attention: window=0 must be None or >= 1"):
+        cpu_kernels.causal_attention(q, k, v, *ok, window=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("starts, counts", [([5, 0], [4, 4]),    # 5 + 4 > S = 8: past the buffer
+                                            ([0, 0], [5, 4]),    # more queries than T = 4
+                                            ([-1, 0], [4, 4])])  # a negative start
+def test_causal_attention_refuses_rows_that_do_not_fit(starts, counts):
+    """Nothing is clamped: a row whose queries would read past the buffer fails the call."""
+    q = np.zeros((2, 1, 4, 3, 16), np.float32)
+    k, v = np.zeros((2, 1, 16, 8), np.float32), np.zeros((2, 1, 8, 16), np.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="do not fit its T and S"):
+        jax.block_until_ready(jax.jit(cpu_kernels.causal_attention)(
+            q, k, v, np.array(starts, np.int32), np.array(counts, np.int32)))
 
 
 def test_chunk_attention_rejects_mismatched_shapes():

@@ -2,6 +2,7 @@
 //   JaxinferDecodeAttention  attention of one new token per row over its K/V cache buffer
 //   JaxinferPagedDecodeAttention  the same over a paged cache, pages read in place
 //   JaxinferChunkAttention   T new tokens per row, each with its own mask, over the buffer
+//   JaxinferCausalAttention  T tokens per row, causal by position, flash-style (prefill)
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
@@ -34,6 +35,19 @@
 // its own mask row: the T units of a (row, kv head) read the same K/V span, from cache
 // after the first.
 //
+// --- Causal attention ---
+// T query tokens per row at consecutive positions over a buffer whose slot s holds position
+// s: a prompt over its own keys (prefill), or an extend chunk over a full layer's buffer
+// that already holds the chunk's keys:
+//   q      f32 [B, K, T, G, H]  grouped queries, pre-scaled
+//   k, v   as for decode attention
+//   starts s32 [B]              position of row b's query 0
+//   counts s32 [B]              row b's real queries: t < counts[b], at starts[b] + t
+//   window attribute            0, or W: query p sees slots [p - W + 1, p], else [0, p]
+//   out    f32 [B, K, T, G, H]  zeros for t >= counts[b]
+// Flash-style (online softmax over key blocks), so the scores of a unit never exceed one
+// block, and key blocks outside every query's band are never read; see causal_unit.
+//
 // --- Paged decode attention ---
 // The same computation over a paged cache (PagedAttention, Kwon et al., SOSP 2023):
 //   q           f32  [B, K, G, H]
@@ -62,6 +76,7 @@
 // are (panel, block of up to 64 rows).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -131,6 +146,35 @@ inline v16 exp_nonpositive(v16 x) {
   v16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// Horizontal max and sum of the lanes of x.
+inline float reduce_max(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(x);
+#else
+  float m = x[0];
+  for (int j = 1; j < kLanes; ++j) m = std::max(m, x[j]);
+  return m;
+#endif
+}
+
+inline float reduce_add(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(x);
+#else
+  float total = 0.0f;
+  for (int j = 0; j < kLanes; ++j) total += x[j];
+  return total;
+#endif
+}
+
+// Lane indices 0 .. kLanes - 1.
+alignas(64) constexpr int32_t kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+inline vi16 load_i32(const int32_t* p) {
+  vi16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
 }
 
 struct Dims {
@@ -421,6 +465,228 @@ ffi::Error ChunkAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v,
   parallel_units(pool, d.B * d.K * d.T, [=](int64_t unit) {
     thread_local std::vector<float> scratch;
     attend_unit(d, unit, qp, kp, vp, mp, op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+// --- Causal attention (prefill; chunks of full layers) ---
+// Flash-style: per (row, kv head, block of query tokens) unit, the unit's queries go over
+// the key blocks they can see with a running max, normalizer and output per query row
+// (online softmax: Milakov and Gimelshein 2018, arXiv:1805.02867; Dao et al. 2022,
+// "FlashAttention", arXiv:2205.14135, Algorithm 1), so scores never exceed one
+// [rows, kKeyBlock] block and key blocks no query of the unit sees are never read.
+// Both products are register-blocked (kAttnRows query rows x 4 vectors of accumulators):
+//   scores [rows, kKeyBlock] = q [rows, H] k [H, kKeyBlock]  (K block copied contiguous)
+//   out    [rows, H]        += p [rows, kKeyBlock] v [kKeyBlock, H]
+constexpr int kAttnRows = kLanes == 16 ? 6 : 3;
+constexpr int kAttnVectors = 4;
+constexpr int64_t kKeyBlock = kAttnVectors * kLanes;
+
+// sc[r, 0:kKeyBlock] = q[r, :] . kb[:, 0:kKeyBlock] for R rows of q (row stride H).
+template <int R>
+void block_scores(const float* __restrict q, int64_t H, const float* __restrict kb,
+                  float* __restrict sc) {
+  v16 acc[R][kAttnVectors] = {};
+  for (int64_t h = 0; h < H; ++h) {
+    const float* row = kb + h * kKeyBlock;
+    v16 kv[kAttnVectors];
+    for (int j = 0; j < kAttnVectors; ++j) kv[j] = load(row + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const v16 qs = splat(q[r * H + h]);
+      for (int j = 0; j < kAttnVectors; ++j) acc[r][j] += qs * kv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kAttnVectors; ++j) store(sc + r * kKeyBlock + j * kLanes, acc[r][j]);
+}
+
+// o[r, c:c+NV vectors] = o[r, c:...] * corr[r] + sum_s p[r, s] v[s, c:...] over the n keys of
+// the block, for R rows.
+template <int R, int NV>
+void block_values(const float* __restrict p, const float* __restrict v, int64_t H, int64_t n,
+                  const float* __restrict corr, float* __restrict o, int64_t c) {
+  v16 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * H + c + j * kLanes) * corr[r];
+  for (int64_t s = 0; s < n; ++s) {
+    v16 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load(v + s * H + c + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const v16 ps = splat(p[r * kKeyBlock + s]);
+      for (int j = 0; j < NV; ++j) acc[r][j] += ps * vv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) store(o + r * H + c + j * kLanes, acc[r][j]);
+}
+
+template <int R>
+void block_values_all(const float* p, const float* v, int64_t H, int64_t n, const float* corr,
+                      float* o) {
+  int64_t c = 0;
+  for (; c + kAttnVectors * kLanes <= H; c += kAttnVectors * kLanes)
+    block_values<R, kAttnVectors>(p, v, H, n, corr, o, c);
+  switch ((H - c) / kLanes) {
+    case 1: block_values<R, 1>(p, v, H, n, corr, o, c); break;
+    case 2: block_values<R, 2>(p, v, H, n, corr, o, c); break;
+    case 3: block_values<R, 3>(p, v, H, n, corr, o, c); break;
+    default: break;
+  }
+  for (c += (H - c) / kLanes * kLanes; c < H; ++c)  // columns past the last whole vector
+    for (int r = 0; r < R; ++r) {
+      float acc = o[r * H + c] * corr[r];
+      for (int64_t s = 0; s < n; ++s) acc += p[r * kKeyBlock + s] * v[s * H + c];
+      o[r * H + c] = acc;
+    }
+}
+
+// Runs F<R>(row offset) over `rows` rows in blocks of kAttnRows, the last block smaller.
+template <template <int> class F, typename... Args>
+void by_row_block(int64_t rows, Args... args) {
+  int64_t r = 0;
+  for (; r + kAttnRows <= rows; r += kAttnRows) F<kAttnRows>::run(r, args...);
+  switch (rows - r) {
+    case 1: F<1>::run(r, args...); break;
+    case 2: F<2>::run(r, args...); break;
+    case 3: F<3>::run(r, args...); break;
+    case 4: F<4 < kAttnRows ? 4 : 1>::run(r, args...); break;
+    case 5: F<5 < kAttnRows ? 5 : 1>::run(r, args...); break;
+    default: break;
+  }
+}
+
+template <int R>
+struct BlockScores {
+  static void run(int64_t r, const float* q, int64_t H, const float* kb, float* sc) {
+    block_scores<R>(q + r * H, H, kb, sc + r * kKeyBlock);
+  }
+};
+
+template <int R>
+struct BlockValues {
+  static void run(int64_t r, const float* p, const float* v, int64_t H, int64_t n,
+                  const float* corr, float* o) {
+    block_values_all<R>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
+  }
+};
+
+struct CausalDims {
+  int64_t B, K, T, G, H, S, window;  // window 0: full attention
+  int64_t Tq;                         // query tokens per unit
+};
+
+struct CausalScratch {
+  std::vector<float> kb, sc, o, m, l, corr;
+};
+
+// One (row, kv head, query block) unit: query tokens [t0, t1) of row b (t < counts[b]) at
+// positions starts[b] + t, over keys s in [max(0, p - window + 1), p]; the other tokens'
+// output rows are zero.
+void causal_unit(const CausalDims& d, int64_t b, int64_t kh, int64_t t0, const float* q,
+                 const float* k, const float* v, int64_t start, int64_t count, float* out,
+                 CausalScratch& w) {
+  const int64_t G = d.G, H = d.H, S = d.S, bk = b * d.K + kh;
+  const int64_t t_end = std::min(t0 + d.Tq, d.T), t1 = std::min(t_end, std::max(t0, count));
+  float* o_out = out + (bk * d.T + t0) * G * H;
+  std::fill(o_out + (t1 - t0) * G * H, o_out + (t_end - t0) * G * H, 0.0f);
+  if (t1 <= t0) return;
+  const int64_t rows = (t1 - t0) * G;
+  const float* qb = q + (bk * d.T + t0) * G * H;
+  const float* keys = k + bk * H * S;
+  const float* values = v + bk * S * H;
+  w.kb.resize(H * kKeyBlock);
+  w.sc.resize(rows * kKeyBlock);
+  w.o.assign(rows * H, 0.0f);
+  w.m.assign(rows, -3.0e38f);
+  w.l.assign(rows, 0.0f);
+  w.corr.resize(rows);
+  const int64_t p_first = start + t0, p_last = start + t1 - 1;
+  const int64_t lo = d.window ? std::max<int64_t>(0, p_first - d.window + 1) : 0;
+  const int64_t hi = std::min(p_last, S - 1);  // keys [lo, hi]
+  for (int64_t s0 = lo / kKeyBlock * kKeyBlock; s0 <= hi; s0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, S - s0);
+    for (int64_t h = 0; h < H; ++h) {  // K block [H, kKeyBlock], zero-padded past S
+      std::memcpy(w.kb.data() + h * kKeyBlock, keys + h * S + s0, n * sizeof(float));
+      std::fill(w.kb.data() + h * kKeyBlock + n, w.kb.data() + (h + 1) * kKeyBlock, 0.0f);
+    }
+    by_row_block<BlockScores>(rows, qb, H, static_cast<const float*>(w.kb.data()), w.sc.data());
+    int64_t n_used = 0;  // keys of the block any row sees: [0, n_used)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t p = start + t0 + r / G;
+      const int64_t a = std::max<int64_t>(d.window ? p - d.window + 1 : 0, s0) - s0;
+      const int64_t z = std::min<int64_t>(p + 1, s0 + n) - s0;  // visible [a, z) of the block
+      float* row = w.sc.data() + r * kKeyBlock;
+      if (a >= z) {
+        std::fill(row, row + kKeyBlock, 0.0f);
+        w.corr[r] = 1.0f;
+        continue;
+      }
+      n_used = std::max(n_used, z);
+      // Softmax of the row's visible [a, z) against its running max: one pass for the max,
+      // one for exp and sum; a partial row (the diagonal block, the window's edge) masked in
+      // registers.
+      const bool full = a == 0 && z == kKeyBlock;
+      const auto keep = [&](int64_t s) {
+        const vi16 key = load_i32(kIota) + static_cast<int32_t>(s);
+        return (key >= static_cast<int32_t>(a)) & (key < static_cast<int32_t>(z));
+      };
+      v16 vm = splat(w.m[r]);
+      for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
+        const v16 x = full ? load(row + s) : (keep(s) ? load(row + s) : splat(-3.0e38f));
+        vm = x > vm ? x : vm;
+      }
+      const float mx = reduce_max(vm);
+      const float corr = std::exp(w.m[r] - mx);  // 0 on the first block a row sees
+      v16 sum = {};
+      for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
+        v16 e = exp_nonpositive(load(row + s) - mx);
+        if (!full) e = keep(s) ? e : splat(0.0f);
+        store(row + s, e);
+        sum += e;
+      }
+      const float total = reduce_add(sum);
+      w.l[r] = w.l[r] * corr + total;
+      w.m[r] = mx;
+      w.corr[r] = corr;
+    }
+    by_row_block<BlockValues>(rows, static_cast<const float*>(w.sc.data()), values + s0 * H, H,
+                              n_used, static_cast<const float*>(w.corr.data()), w.o.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+    for (int64_t h = 0; h < H; ++h) o_out[r * H + h] = w.o[r * H + h] * inv;
+  }
+}
+
+using Vector1i = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error CausalAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v, Vector1i starts,
+                           Vector1i counts, int64_t window, ffi::Result<Tensor5> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  CausalDims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[3], window, 1};
+  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
+      vd[2] != d.S || vd[3] != d.H || starts.dimensions()[0] != d.B ||
+      counts.dimensions()[0] != d.B)
+    return ffi::Error::InvalidArgument(
+        "causal_attention: expected q [B,K,T,G,H], k [B,K,H,S], v [B,K,S,H], starts [B], "
+        "counts [B]");
+  if (window < 0) return ffi::Error::InvalidArgument("causal_attention: window must be >= 0");
+  const int32_t *sp = starts.typed_data(), *cp = counts.typed_data();
+  for (int64_t b = 0; b < d.B; ++b)
+    if (sp[b] < 0 || cp[b] < 0 || cp[b] > d.T || (cp[b] > 0 && sp[b] + cp[b] > d.S))
+      return ffi::Error::InvalidArgument(
+          "causal_attention: a row's queries [start, start + count) do not fit its T and S");
+  // About 96 query rows (tokens x G heads) per unit: enough rows to reuse each K/V block,
+  // few enough that the unit's scores and output stay in L2.
+  d.Tq = std::max<int64_t>(1, 96 / d.G);
+  const int64_t nq = (d.T + d.Tq - 1) / d.Tq, rows_kv = d.B * d.K;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  float* op = out->typed_data();
+  // Latest query blocks first: they see the most keys, so the pool's threads end together.
+  parallel_units(pool, rows_kv * nq, [=](int64_t u) {
+    thread_local CausalScratch scratch;
+    const int64_t qblock = nq - 1 - u / rows_kv, bk = u % rows_kv, b = bk / d.K;
+    causal_unit(d, b, bk % d.K, qblock * d.Tq, qp, kp, vp, sp[b], cp[b], op, scratch);
   });
   return ffi::Error::Success();
 }
@@ -750,6 +1016,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferChunkAttention, ChunkAttention,
                                   .Arg<Tensor4>()
                                   .Arg<Tensor4>()
                                   .Arg<Mask3>()
+                                  .Ret<Tensor5>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCausalAttention, CausalAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor5>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Attr<int64_t>("window")
                                   .Ret<Tensor5>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention,
