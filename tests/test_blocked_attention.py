@@ -109,3 +109,17 @@ def test_bad_shapes_and_blocks_are_errors():
         layers.blocked_attention(qg, k, v, q_pos, np.zeros((1, 9), np.int32))
     with pytest.raises(ValueError, match="key_block=0 and window=None must be >= 1"):
         layers.blocked_attention(qg, k, v, q_pos, k_pos, key_block=0)
+
+
+def test_attention_bench_prints_one_row_per_length(capsys):
+    """`python -m jaxinfer.tools.bench.attention` runs and reports each length
+    (the kernel's columns filled where the CPU kernels run)."""
+    from jaxinfer import cpu_kernels
+    from jaxinfer.tools.bench.attention import main
+
+    assert main(["--lengths", "16,40", "--repeats", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| 16 |", "| 40 |"))]
+    assert [int(r[0]) for r in rows] == [16, 40] and all(len(r) == 9 for r in rows)
+    kernel_ms = [r[4].strip() for r in rows]
+    assert all((float(ms) > 0) if cpu_kernels.enabled() else ms == "-" for ms in kernel_ms)

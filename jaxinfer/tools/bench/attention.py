@@ -1,12 +1,14 @@
-"""Micro-benchmark: `layers.blocked_attention` against dense masked attention
-on one causal prompt, at SmolLM2's head shapes by default (9 query heads, 3 kv
-heads, head_dim 64), one layer.
+"""Micro-benchmark: `layers.blocked_attention` and, where the CPU kernels run,
+`cpu_kernels.causal_attention` (what prefill uses on CPU) against dense
+masked attention on one causal prompt, at SmolLM2's head shapes by default
+(9 query heads, 3 kv heads, head_dim 64), one layer.
 
     python -m jaxinfer.tools.bench.attention [--lengths 512,1024,2048] [--batch 1]
 
 Prints, per prompt length T, the best-of-N seconds of each (compile apart),
-their ratio, and the float32 bytes of the scores each holds at once (dense:
-B*N*T*T; blocked: B*N*query_block*key_block).
+the ratios to dense, the kernel's GFLOP/s (causal FLOPs, 4*H per visible
+query-key pair and head), and the float32 bytes of the scores dense and
+blocked hold at once (dense: B*N*T*T; blocked: B*N*query_block*key_block).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ def _best_seconds(fn, args, repeats: int) -> float:
 
 def compare(t: int, batch: int = 1, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
             window: Optional[int] = None, block: int = 256, repeats: int = 5) -> dict:
-    """Dense vs blocked attention of one causal prompt of `t` tokens; seconds and score bytes."""
+    """Dense vs blocked attention (and the C++ causal kernel where it runs) of
+    one causal prompt of `t` tokens; seconds and score bytes."""
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer import layers
+    from jaxinfer import cpu_kernels, layers
 
     g = num_heads // num_kv_heads
     rng = np.random.default_rng(0)
@@ -57,9 +60,18 @@ def compare(t: int, batch: int = 1, num_heads: int = 9, num_kv_heads: int = 3, h
     args = (qg, k, v, pos)
     dense_s = _best_seconds(jax.jit(dense), args, repeats)
     blocked_s = _best_seconds(jax.jit(blocked), args, repeats)
+    kernel_s = None
+    if cpu_kernels.enabled():
+        lengths = jnp.full((batch,), t, jnp.int32)
+        kernel_s = _best_seconds(jax.jit(lambda qg, k, v, n: cpu_kernels.causal_attention(
+            qg, k, v, jnp.zeros_like(n), n, window)), (qg, k, v, lengths), repeats)
+    pairs = sum(min(p + 1, window or p + 1) for p in range(t))   # visible (query, key) pairs
     qb, kb = min(block, t), min(block, t)
     return {"prompt_len": t, "batch": batch, "window": window, "block": block,
             "dense_s": dense_s, "blocked_s": blocked_s, "blocked_over_dense": blocked_s / dense_s,
+            "kernel_s": kernel_s, "kernel_over_dense": kernel_s / dense_s if kernel_s else None,
+            "kernel_gflops": (4 * head_dim * num_heads * batch * pairs / kernel_s / 1e9
+                              if kernel_s else None),
             "dense_score_bytes": 4 * batch * num_heads * t * t,
             "blocked_score_bytes": 4 * batch * num_heads * qb * kb}
 
@@ -78,15 +90,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     print(f"# loadavg {loadavg()}")
     if not a.json:
-        print("| T | dense ms | blocked ms | blocked/dense | dense scores MiB | blocked scores MiB |")
-        print("|---|---|---|---|---|---|")
+        print("| T | dense ms | blocked ms | blocked/dense | kernel ms | kernel/dense | kernel GFLOP/s "
+              "| dense scores MiB | blocked scores MiB |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for t in (int(x) for x in a.lengths.split(",")):
         r = compare(t, a.batch, window=a.window, block=a.block, repeats=a.repeats)
         if a.json:
             print(json.dumps(r))
         else:
+            kernel = (f"{r['kernel_s'] * 1e3:.1f} | {r['kernel_over_dense']:.2f} | "
+                      f"{r['kernel_gflops']:.0f}" if r["kernel_s"] else "- | - | -")
             print(f"| {t} | {r['dense_s'] * 1e3:.1f} | {r['blocked_s'] * 1e3:.1f} | "
-                  f"{r['blocked_over_dense']:.2f} | {r['dense_score_bytes'] / 2**20:.1f} | "
+                  f"{r['blocked_over_dense']:.2f} | {kernel} | {r['dense_score_bytes'] / 2**20:.1f} | "
                   f"{r['blocked_score_bytes'] / 2**20:.2f} |")
     return 0
 
