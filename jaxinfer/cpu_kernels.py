@@ -345,7 +345,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array
     function as `layers.attention_scores` (no soft-cap) ->
     `layers.masked_softmax` (mask from `layers.visible_keys`) ->
     `layers.attention_output`, up to float32 rounding; memory O(block) per
-    unit, key blocks no query of a unit sees are never read.
+    unit, key blocks no query of a unit sees are never read. Differentiable:
+    the backward pass is `causal_attention_xla`'s (the same function on XLA).
 
     Args:
       q: float32 [B, K, T, G, H], grouped queries already multiplied by the
@@ -372,9 +373,41 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array
     if window is not None and window < 1:
         raise ValueError(f"causal_attention: window={window} must be None or >= 1")
     _require_enabled()
+    return _causal_attention(q, k, v, starts, counts, window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _causal_attention(q, k, v, starts, counts, window):
     return jax.ffi.ffi_call("jaxinfer_causal_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k, v, starts, counts, window=np.int64(window or 0))
+
+
+def causal_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,
+                         counts: jax.Array, window: int | None = None) -> jax.Array:
+    """`causal_attention`'s function in pure JAX (`layers.blocked_attention`
+    with the positions it implies); differentiable, and the kernel's
+    backward pass."""
+    from jaxinfer.layers import blocked_attention
+
+    t, s = q.shape[2], k.shape[-1]
+    q_pos = jnp.arange(t, dtype=jnp.int32)[None] + starts[:, None]
+    q_pos = jnp.where(jnp.arange(t)[None] < counts[:, None], q_pos, -1)
+    k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (q.shape[0], s))
+    return blocked_attention(q, k, v, q_pos, k_pos, window)
+
+
+def _causal_attention_fwd(q, k, v, starts, counts, window):
+    return _causal_attention(q, k, v, starts, counts, window), (q, k, v, starts, counts)
+
+
+def _causal_attention_bwd(window, residuals, grad):
+    q, k, v, starts, counts = residuals
+    _, vjp = jax.vjp(lambda q, k, v: causal_attention_xla(q, k, v, starts, counts, window), q, k, v)
+    return (*vjp(grad), None, None)
+
+
+_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def check_operands(fn: str, expected: dict) -> None:
