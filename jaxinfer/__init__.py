@@ -9,14 +9,14 @@ Public API:
   Request, RequestOutput, Scheduler  the serving engine (continuous batching)
 """
 
-from jaxinfer.cache import KVCache, init_cache
-from jaxinfer.config import GenerationConfig, ModelConfig
-from jaxinfer.engine import decode_step, extend, prefill
-from jaxinfer.llm import LLM, Completion
-from jaxinfer.request import Request, RequestOutput
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Scheduler
-from jaxinfer.stats import RunStats
+from jaxinfer.cache.kv import KVCache, init_cache
+from jaxinfer.config.settings import GenerationConfig, ModelConfig
+from jaxinfer.engine.phases import decode_step, extend, prefill
+from jaxinfer.serving.llm import LLM, Completion
+from jaxinfer.serving.request import Request, RequestOutput
+from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.serving.scheduler import Scheduler
+from jaxinfer.serving.stats import RunStats
 
 __all__ = ["LLM", "Completion", "RunStats", "SamplingParams", "ModelConfig", "GenerationConfig",
            "KVCache", "init_cache", "extend", "prefill", "decode_step", "Request", "RequestOutput",

@@ -7,13 +7,13 @@ import time
 
 import jax
 
-from jaxinfer import sharding
-from jaxinfer.disagg import make_scheduler
-from jaxinfer.disagg.local import ThreadPrefillClient
-from jaxinfer.llm import LLM
-from jaxinfer.params import prepare_params
-from jaxinfer.request import Request
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.parallel import sharding
+from jaxinfer.parallel.disagg import make_scheduler
+from jaxinfer.parallel.disagg.local import ThreadPrefillClient
+from jaxinfer.serving.llm import LLM
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling.sample import SamplingParams
 from tiny import random_params
 from tp_cases import CONFIGS
 
@@ -151,8 +151,8 @@ def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, model: 
     import os
     import signal
 
-    from jaxinfer.disagg.engine import start_process_engine
-    from jaxinfer.disagg.process import WorkerSpec, _kv, _try_get
+    from jaxinfer.parallel.disagg.engine import start_process_engine
+    from jaxinfer.parallel.disagg.process import WorkerSpec, _kv, _try_get
 
     deadline = time.monotonic() + timeout_s
     common = dict(factory=f"disagg_cases:tiny_{model}", llm_kwargs=tuple(LLM_KWARGS.items()))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.stop import StopMatcher
+from jaxinfer.serving.llm import LLM
+from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.tokenizer.stop import StopMatcher
 from tiny import TINY_LLAMA, random_params
 
 GREEDY = SamplingParams(temperature=0.0)

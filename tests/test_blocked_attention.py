@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import layers
+from jaxinfer.nn import layers
 
 ATOL = 2e-5
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64  # SmolLM2: 9 query heads, 3 kv heads, head_dim 64
@@ -114,7 +114,7 @@ def test_bad_shapes_and_blocks_are_errors():
 def test_attention_bench_prints_one_row_per_length(capsys):
     """`python -m jaxinfer.tools.bench.attention` runs and reports each length
     (the kernel's columns filled where the CPU kernels run)."""
-    from jaxinfer import cpu_kernels
+    from jaxinfer.kernels import cpu as cpu_kernels
     from jaxinfer.tools.bench.attention import main
 
     assert main(["--lengths", "16,40", "--repeats", "1"]) == 0

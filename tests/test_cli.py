@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxinfer import loading
+from jaxinfer.checkpoint import loading
 from jaxinfer.cli import main
-from jaxinfer.config import GenerationConfig
+from jaxinfer.config.settings import GenerationConfig
 from jaxinfer.progress import Progress
 
 PREFIX = "jaxinfer generate: error: "
@@ -138,7 +138,7 @@ def test_exit_code_of_the_installed_command():
 
 
 def test_progress_reports_load_and_compile_when_enabled(toy_folder, toy_cache):
-    from jaxinfer.llm import LLM
+    from jaxinfer.serving.llm import LLM
 
     out = io.StringIO()
     llm = LLM.load(str(toy_folder), max_seq_len=16, decode_chunk=2,
@@ -182,7 +182,7 @@ def test_disagg_cpu_lists_are_checked_before_any_process_starts(capsys):
     the CLI), not a failure inside the worker's preexec_fn."""
     import os
 
-    from jaxinfer.disagg.cli import parse_cpus
+    from jaxinfer.cli.disagg import parse_cpus
 
     assert parse_cpus("") is None
     first = min(os.sched_getaffinity(0))

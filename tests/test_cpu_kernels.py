@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import cpu_kernels
+from jaxinfer.kernels import cpu as cpu_kernels
 from packing import unpack_weight
 
 ATOL = 2e-6

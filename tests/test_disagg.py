@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (`jaxinfer.disagg`) against the colocated
+"""Prefill/decode disaggregation (`jaxinfer.parallel.disagg`) against the colocated
 engine: identical greedy and seeded tokens (prompts longer than the tiny
 Gemma's window, a request arriving while others decode), nothing left held
 or reserved afterwards; on one host with separate device sets (different
@@ -77,10 +77,10 @@ def test_prefill_worker_interleaves_pieces_round_robin():
     """A short prompt added while a long one is being prefilled finishes
     after one piece of the long one, not after all of it; the first tokens
     are the colocated engine's (same pieces of prefill_chunk_size)."""
-    from jaxinfer.disagg.transfer import LocalTransport
-    from jaxinfer.disagg.worker import PrefillWorker
-    from jaxinfer.llm import LLM
-    from jaxinfer.request import Request
+    from jaxinfer.parallel.disagg.transfer import LocalTransport
+    from jaxinfer.parallel.disagg.worker import PrefillWorker
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.serving.request import Request
     from tiny import TINY_GEMMA3, random_params
 
     kwargs = dict(max_seq_len=64, min_kv_bucket=32, decode_chunk=4, prefill_chunk_size=8)

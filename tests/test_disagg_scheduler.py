@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from jaxinfer.disagg.scheduler import DisaggScheduler, FailedOutput, PrefillResult
-from jaxinfer.disagg.transfer import Ticket, TransferError
+from jaxinfer.parallel.disagg.scheduler import DisaggScheduler, FailedOutput, PrefillResult
+from jaxinfer.parallel.disagg.transfer import Ticket, TransferError
 from test_scheduler import STOP, FakeRunner, chain, req, run, sched, tokens_of
 
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer import cpu_kernels
-from jaxinfer.cache import cache_nbytes, grow_cache, init_cache
-from jaxinfer.buckets import cache_buckets
-from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
-from jaxinfer.engine import (FLASH_PROMPT, MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step,
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.cache.kv import cache_nbytes, grow_cache, init_cache
+from jaxinfer.serving.buckets import cache_buckets
+from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION
+from jaxinfer.engine.phases import (FLASH_PROMPT, MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step,
                              prefill, query_blocks)
-from jaxinfer.params import prepare_params
-from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.serving.llm import LLM
+from jaxinfer.sampling.sample import SamplingParams
 from packing import unpack_weight
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
@@ -323,7 +323,7 @@ def test_idle_when_done_skips_the_step_once_every_row_is_done():
     (token -1, done True, zeros), whatever the step would have done."""
     from flax import struct
 
-    from jaxinfer.engine import StepOutput, idle_when_done
+    from jaxinfer.engine.phases import StepOutput, idle_when_done
 
     @struct.dataclass
     class Rows:

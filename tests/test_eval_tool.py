@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.params import prepare_params
+from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.tools.eval import accuracy
 from jaxinfer.tools.eval.run import TEXT, format_report
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params

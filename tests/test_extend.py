@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer import cache as kv_cache
-from jaxinfer import cpu_kernels, engine
-from jaxinfer.cache import init_cache, insert, resize, truncate
-from jaxinfer.engine import decode_step, extend, prefill
-from jaxinfer.params import prepare_params
+from jaxinfer.cache import kv as kv_cache
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.engine import phases as engine
+from jaxinfer.cache.kv import init_cache, insert, resize, truncate
+from jaxinfer.engine.phases import decode_step, extend, prefill
+from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 ATOL = 1e-5
@@ -321,7 +322,7 @@ def test_int8_ring_keeps_each_positions_scale_through_wraparound():
     """Ten positions written one at a time into a ring of 4 (window 4): the
     ring holds positions 6..9 at p % 4, each with the scale max|k| / 127 of
     its own key and codes within half a step of it."""
-    from jaxinfer import cache as kv_cache
+    from jaxinfer.cache import kv as kv_cache
 
     config = TINY_GEMMA3
     cache = init_cache(config, 1, 16, kv_cache_dtype="int8")
@@ -369,7 +370,7 @@ def test_int8_attention_equals_float_attention_on_the_dequantized_values(model):
 
 def cache_layer_float(kv):
     """An int8 layer's dequantized float32 buffers (scales dropped)."""
-    from jaxinfer.cache import LayerKV
+    from jaxinfer.cache.kv import LayerKV
 
     keys, values = kv.dequantized()
     return LayerKV(keys, values)

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.cache import cache_nbytes, init_cache
-from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.engine import prefill
-from jaxinfer.params import prepare_params
-from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.cache.kv import cache_nbytes, init_cache
+from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.engine.phases import prefill
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.serving.llm import LLM
+from jaxinfer.sampling.sample import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 32
@@ -105,7 +105,7 @@ def test_tiny_gemma_softcaps_and_query_scalar_match_reference():
     query_pre_attn_scalar != head_dim: prefill of 10 tokens (window 4) vs the
     float64 reference, and serial decode_step vs parallel prefill; atol 1e-4."""
     import reference
-    from jaxinfer.engine import decode_step
+    from jaxinfer.engine.phases import decode_step
     from tiny import TINY_GEMMA3, random_params
 
     config = TINY_GEMMA3.replace(query_pre_attn_scalar=24.0, attn_logit_softcapping=1.5,
@@ -336,9 +336,9 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> float:
 @pytest.mark.slow
 def test_hf_folder_matches_gguf_load(llm, hf_folder, prompts):
     from jaxinfer.checkpoint.safetensors import load_hf_folder
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.tokenizer.tokenizer import Tokenizer
 
-    from jaxinfer.cpu_kernels import PackedWeight
+    from jaxinfer.kernels.cpu import PackedWeight
     from packing import unpack_weight
 
     config, params = load_hf_folder(hf_folder)

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.cache import init_cache
-from jaxinfer.engine import decode_step, extend, prefill
-from jaxinfer.llm import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.engine.phases import decode_step, extend, prefill
+from jaxinfer.serving.llm import LLM
+from jaxinfer.sampling.sample import SamplingParams
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")

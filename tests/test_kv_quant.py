@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from test_cpu_kernels import _masks, reference_attention
 
-from jaxinfer import cpu_kernels, kv_quant, quant_kernels
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.cache import int8 as kv_quant
+from jaxinfer.kernels import quant as quant_kernels
 
 ATOL = 1e-5
 needs_kernels = pytest.mark.skipif(not quant_kernels.enabled(), reason="CPU kernels not enabled")

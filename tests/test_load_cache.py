@@ -1,4 +1,4 @@
-"""The load cache of prepared params (jaxinfer/load_cache.py).
+"""The load cache of prepared params (jaxinfer/checkpoint/prepared.py).
 
 Hits and misses are checked with `load_cache.STATS`, never with timings.
 Fast tests use a tiny Hugging Face folder; the slow one the real SmolLM2 GGUF.
@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import cpu_kernels, load_cache
-from jaxinfer.loading import load_params
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.checkpoint import prepared as load_cache
+from jaxinfer.checkpoint.loading import load_params
 from tiny import tiny_llama_folder
 
 

@@ -1,4 +1,4 @@
-"""Performance arithmetic (jaxinfer.metrics) on hand-computed tiny configs,
+"""Performance arithmetic (jaxinfer.models.roofline) on hand-computed tiny configs,
 the percentile helper, and the benchmark's writers on fake results.
 No timing, no compiled programs."""
 
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxinfer import metrics
-from jaxinfer.config import ModelConfig
+from jaxinfer.models import roofline as metrics
+from jaxinfer.config.settings import ModelConfig
 
 def attainable_flops(intensity, peak_flops, bandwidth):
     """Roofline: min(peak FLOP/s, intensity * bandwidth) (Williams et al. 2009)."""

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxinfer import cpu_kernels
-from jaxinfer.cache import init_cache, init_paged_cache, pages_per_seq
-from jaxinfer.engine import extend, prefill
-from jaxinfer.llm import LLM
-from jaxinfer.paging import PagePool, PoolExhaustedError, page_hashes
-from jaxinfer.params import prepare_params
-from jaxinfer.request import Request
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.cache.kv import init_cache, init_paged_cache, pages_per_seq
+from jaxinfer.engine.phases import extend, prefill
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.pages import PagePool, PoolExhaustedError, page_hashes
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling.sample import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 ATOL = 1e-5
@@ -465,7 +465,7 @@ def test_run_stats_and_server_metrics_report_pages_and_hits(prefix_llms):
     assert stats.prefix_hit_rate == 0.5 and stats.num_pages > 0 and "prefix cache: 24/48" in stats.summary()
     pytest.importorskip("prometheus_client")
     from jaxinfer.server.async_engine import EngineStats
-    from jaxinfer.server.metrics import ServerMetrics
+    from jaxinfer.server.prometheus import ServerMetrics
 
     text = ServerMetrics("m").render(
         EngineStats(num_pages=10, pages_used=3, pages_free=5, pages_cached=2, prefix_query_tokens=48,
@@ -526,8 +526,8 @@ def test_config_keys_and_errors():
     """kv_cache_memory takes bytes or a size string; num_pages and
     kv_cache_memory exclude each other; a budget sets the pool's pages; a
     request that could never fit the whole pool is refused when added."""
-    from jaxinfer.cache import page_nbytes
-    from jaxinfer.config import GenerationConfig, parse_bytes
+    from jaxinfer.cache.kv import page_nbytes
+    from jaxinfer.config.settings import GenerationConfig, parse_bytes
 
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2 * 10**9
     assert parse_bytes("1.5 kib") == 1536

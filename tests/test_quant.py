@@ -19,7 +19,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from jaxinfer import quant, quant_kernels
+from jaxinfer.weights import quant
+from jaxinfer.kernels import quant as quant_kernels
 from jaxinfer.checkpoint.convert import CheckpointError
 from jaxinfer.checkpoint.gguf import BLOCK_TYPES, gguf_block_codes
 

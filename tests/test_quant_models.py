@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer import quant
-from jaxinfer.cache import init_cache
-from jaxinfer.engine import decode_step, prefill
-from jaxinfer.params import prepare_params
+from jaxinfer.weights import quant
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.engine.phases import decode_step, prefill
+from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 ATOL = 1e-4

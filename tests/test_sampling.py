@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import sampling as S
+from jaxinfer.sampling import sample as S
 
 
 def arrays_for(n, **kw):

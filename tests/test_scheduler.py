@@ -1,7 +1,7 @@
 """The scheduler without a real model: a fake runner whose next token is a
 function of the previous one, computed by hand (JetStream's mock-engine idea).
 
-The fake follows the runner contract of `jaxinfer.runner.ModelRunner`:
+The fake follows the runner contract of `jaxinfer.serving.runner.ModelRunner`:
 `begin` / `prefill` (at most `budget` and `prefill_chunk_size` tokens per
 call) / `insert` / `decode` (a chunk of `decode_chunk` steps over all slots,
 free slots marked done) / `fetch`, and logs every call so the tests can
@@ -13,10 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxinfer.engine import StepOutput
-from jaxinfer.request import Request
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import QueueFullError, Scheduler
+from jaxinfer.engine.phases import StepOutput
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.serving.scheduler import QueueFullError, Scheduler
 
 V = 50
 STOP = 0

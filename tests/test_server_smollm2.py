@@ -26,7 +26,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm(real_model_path):
-    from jaxinfer.llm import LLM
+    from jaxinfer.serving.llm import LLM
 
     real_model_path(MODEL)
     return LLM.load(MODEL, max_seq_len=512, max_num_seqs=4, decode_chunk=8, progress=False)
@@ -42,7 +42,7 @@ def client(llm):
 
 
 def test_chat_equals_the_library(client, llm):
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sample import SamplingParams
 
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, logprobs=True,
                                            top_logprobs=3)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer.llm import LLM
-from jaxinfer.request import Request
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling.sample import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -156,8 +156,8 @@ def test_engine_thread_serves_concurrent_submitters(llm):
     ends with "abort"; a full queue is refused at submit; stop() ends the thread."""
     import threading
 
-    from jaxinfer.scheduler import QueueFullError
-    from jaxinfer.serving import EngineThread
+    from jaxinfer.serving.scheduler import QueueFullError
+    from jaxinfer.serving.thread import EngineThread
 
     v = llm.config.vocab_size
     requests = [Request(_ids(3 + 4 * i, v, 50 + i), SamplingParams(temperature=0.9, seed=i),

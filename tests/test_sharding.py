@@ -1,4 +1,4 @@
-"""Tensor parallelism (`jaxinfer.sharding`): the sharding plan, the per-shard
+"""Tensor parallelism (`jaxinfer.parallel.sharding`): the sharding plan, the per-shard
 layout of the fused projections, and tp = 1, 2, 3 against the single-device
 run on forced CPU devices (in subprocesses: `multidevice.run_case`).
 
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import sharding
-from jaxinfer.config import ModelConfig
-from jaxinfer.layers import gated_mlp, project_qkv
-from jaxinfer.params import prepare_params
+from jaxinfer.parallel import sharding
+from jaxinfer.config.settings import ModelConfig
+from jaxinfer.nn.layers import gated_mlp, project_qkv
+from jaxinfer.weights.prepare import prepare_params
 from multidevice import run_case
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
@@ -179,8 +179,8 @@ def test_dp_replicas_match_one_device():
 def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
     """The tp run in a subprocess first, then HF, then our single-device
     run, one model in this process at a time."""
-    from jaxinfer.llm import LLM
-    from jaxinfer.loading import load_tokenizer
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.checkpoint.loading import load_tokenizer
     from tp_cases import SEEDED
 
     torch = pytest.importorskip("torch")

@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import engine, sampling
-from jaxinfer.llm import LLM
-from jaxinfer.params import prepare_params
-from jaxinfer.request import Request, RequestState
-from jaxinfer.runner import row_inputs, stop_tokens
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.speculative import NO_TOKEN, DraftModel, SpecConfig, accept_drafts, ngram_propose
+from jaxinfer.engine import phases as engine
+from jaxinfer.sampling import sample as sampling
+from jaxinfer.serving.llm import LLM
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.serving.request import Request, RequestState
+from jaxinfer.serving.runner import row_inputs, stop_tokens
+from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.speculative.verify import NO_TOKEN, DraftModel, SpecConfig, accept_drafts, ngram_propose
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -165,7 +166,7 @@ def test_first_token_distribution_matches_the_target(params):
     seed) with speculation, from a draft model whose distribution q differs
     from the target's p on purpose, and without: both pass a chi-square
     test against the target's processed distribution p at significance 0.001."""
-    from jaxinfer.cache import init_cache
+    from jaxinfer.cache.kv import init_cache
 
     config = TINY_LLAMA.replace(vocab_size=16)
     n, v = 40_000, 16

@@ -5,10 +5,10 @@ that speculation runs across its 512-token sliding window."""
 
 import pytest
 
-from jaxinfer.llm import LLM
-from jaxinfer.params import prepare_params
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.speculative import DraftModel, SpecConfig
+from jaxinfer.serving.llm import LLM
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.speculative.verify import DraftModel, SpecConfig
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0)

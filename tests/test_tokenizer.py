@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.tokenizer: ids vs Hugging Face, chat templates, BOS, EOS,
+"""Tests for jaxinfer.tokenizer.tokenizer: ids vs Hugging Face, chat templates, BOS, EOS,
 the converted-tokenizer cache, and exact streaming detokenization.
 
 Fast tests use tiny tokenizers trained here (a byte-level BPE, a
@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxinfer.checkpoint.gguf_tokenizer import read_gguf_tokenizer_scalars
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.tokenizer.gguf import read_gguf_tokenizer_scalars
+from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -444,7 +444,7 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
     assert scalars["tokenizer.chat_template"] == CHAT_TEMPLATE
     assert "tokenizer.ggml.tokens" not in scalars              # arrays are skipped
 
-    from jaxinfer.checkpoint import gguf_tokenizer
+    from jaxinfer.tokenizer import gguf as gguf_tokenizer
 
     cache = tmp_path / "cache"
     conversions, loads = [], []
@@ -479,7 +479,7 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
     assert Tokenizer.from_source(gguf_path, cache_dir=cache).encode("Hi") == fresh.encode("Hi")
     assert Tokenizer.from_source(tmp_path, cache_dir=cache).encode("Hi") == fresh.encode("Hi")
     # A damaged cache entry is replaced, with a warning.
-    from jaxinfer.tokenizer import _cache_slot
+    from jaxinfer.tokenizer.tokenizer import _cache_slot
     slot = _cache_slot(gguf_path.resolve(), cache)
     assert (slot / "jaxinfer_tokenizer.json").is_file()
     (slot / "tokenizer.json").write_text("{broken")
@@ -492,7 +492,7 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
-    from jaxinfer.tokenizer import _cache_root
+    from jaxinfer.tokenizer.tokenizer import _cache_root
 
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "a"))
     assert _cache_root(None) == tmp_path / "a"
@@ -522,7 +522,7 @@ def test_bad_sources(tmp_path):
 def test_gguf_tokenizer_metadata(tmp_path):
     """The values the conversion reads come from gguf.GGUFReader as Python values."""
     from jaxinfer.checkpoint.gguf import open_reader
-    from jaxinfer.checkpoint.gguf_tokenizer import eos_token_ids, tokenizer_metadata, tokenizer_scalars
+    from jaxinfer.tokenizer.gguf import eos_token_ids, tokenizer_metadata, tokenizer_scalars
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, eot_token_id=5)
@@ -560,7 +560,7 @@ def assert_same_hf_tokenizer(ours, hf) -> None:
 TORCH_BLOCKED = r"""
 import hashlib, json, sys
 sys.modules["torch"] = None
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.tokenizer import Tokenizer
 tok = Tokenizer.from_gguf(sys.argv[1], cache=False)
 texts = json.load(sys.stdin)
 hf = tok.hf_tokenizer

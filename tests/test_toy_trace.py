@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import reference
-from jaxinfer import engine
-from jaxinfer.cache import init_cache
-from jaxinfer.params import prepare_params
+from jaxinfer.engine import phases as engine
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.tools import toy
 from jaxinfer.tools.trace import run as trace
 
@@ -134,8 +134,8 @@ def test_hf_tensor_layout_round_trips(trained):
 
 
 def test_llm_load_generates_the_target(folder):
-    from jaxinfer.llm import LLM
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.sampling.sample import SamplingParams
 
     llm = LLM.load(str(folder), max_seq_len=16)
     [c] = llm.generate(["你好"], SamplingParams(temperature=0.0), max_new_tokens=4)

@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import engine, sharding
-from jaxinfer.cache import init_cache
-from jaxinfer.llm import LLM
-from jaxinfer.params import prepare_params
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine import phases as engine
+from jaxinfer.parallel import sharding
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.serving.llm import LLM
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.sampling.sample import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 # Tiny configs that cover every plan: TINY_LLAMA (N=4, K=2, V=97 prime:
@@ -86,7 +87,7 @@ def equivalence(model: str, tps: list, dp: int = 1) -> dict:
             "collectives": sharding.collectives(hlo),
             "expected_collectives": sharding.expected_collectives(config, plan),
             "kernel_in_decode": "jaxinfer_decode_attention" in hlo,
-            "kernels_enabled": bool(__import__("jaxinfer.cpu_kernels").cpu_kernels.enabled()),
+            "kernels_enabled": bool(__import__("importlib").import_module("jaxinfer.kernels.cpu").enabled()),
         }
     return out
 

@@ -7,7 +7,7 @@
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
 // --- Quantized matmuls ---
-// W [K, N] is packed, like jaxinfer.cpu_kernels.PackedWeight, into P = ceil(N / 48) column
+// W [K, N] is packed, like jaxinfer.kernels.cpu.PackedWeight, into P = ceil(N / 48) column
 // panels (the last one zero-padded), and cut along K into blocks of `bs` rows; every
 // (block, column) has its own scale (and min). jaxinfer/quant.py makes these layouts:
 //   int8:  codes s8 [P, K, 48];     w[k, n] = scale[b, n] * codes[k, n] (+ min[b, n])

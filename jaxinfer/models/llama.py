@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.layers import embed_rows, gated_mlp, lm_head, output_projection, project_qkv, rms_norm
+from jaxinfer.config.settings import ModelConfig
+from jaxinfer.nn.layers import embed_rows, gated_mlp, lm_head, output_projection, project_qkv, rms_norm
 
 
 def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:

@@ -36,16 +36,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxinfer import metrics as model_metrics
-from jaxinfer.request import Request, Timings
-from jaxinfer.sampling import MAX_SEED, SamplingParams
-from jaxinfer.scheduler import QueueFullError
+from jaxinfer.models import roofline as model_metrics
+from jaxinfer.serving.request import Request, Timings
+from jaxinfer.sampling.sample import MAX_SEED, SamplingParams
+from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
-from jaxinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, error_body)
 from jaxinfer.server.responses import Choice, Formatter, TokenText
-from jaxinfer.serving import EngineError
+from jaxinfer.serving.thread import EngineError
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
           "/tokenize", "/detokenize")

@@ -1,6 +1,6 @@
 """The engine thread seen from an asyncio event loop.
 
-`jaxinfer.serving.EngineThread` runs the scheduler on the one thread that
+`jaxinfer.serving.thread.EngineThread` runs the scheduler on the one thread that
 owns the device. Here each submitted group of requests (the n choices of
 one HTTP request) gets an `asyncio.Queue`; the engine thread's `on_event`
 callback hands every event to the loop with `loop.call_soon_threadsafe`,
@@ -18,8 +18,8 @@ import dataclasses
 import time
 from typing import AsyncIterator, Optional, Sequence
 
-from jaxinfer.request import Request, RequestOutput
-from jaxinfer.serving import EngineError, EngineThread, RequestHandle
+from jaxinfer.serving.request import Request, RequestOutput
+from jaxinfer.serving.thread import EngineError, EngineThread, RequestHandle
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Optional
 
-from jaxinfer.request import RequestOutput, Timings
+from jaxinfer.serving.request import RequestOutput, Timings
 
 
 class TokenText:

@@ -27,8 +27,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from jaxinfer.request import Request
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling.sample import SamplingParams
 
 API_KEY_ENV = "JAXINFER_API_KEY"
 
@@ -45,7 +45,7 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     """
     from jaxinfer.server.app import OpenAIServer, ServerSettings
     from jaxinfer.server.async_engine import AsyncEngine
-    from jaxinfer.serving import EngineThread
+    from jaxinfer.serving.thread import EngineThread
 
     if max_num_seqs < 1 or max_request_bytes < 1:
         raise ValueError(f"max_num_seqs and max_request_bytes must be >= 1, got {max_num_seqs} "
@@ -69,7 +69,7 @@ def build_disaggregated_server(cfg, args, *, model_name: str, api_key: Optional[
 
     Must run before JAX starts its backend in this process.
     """
-    from jaxinfer.disagg.cli import start_engine
+    from jaxinfer.cli.disagg import start_engine
     from jaxinfer.server.app import OpenAIServer, ServerSettings
     from jaxinfer.server.async_engine import AsyncEngine
 
@@ -203,7 +203,7 @@ def add_serve_parser(subparsers):
     """Register `serve` on a `jaxinfer` subparsers object."""
     import argparse
 
-    from jaxinfer.disagg.cli import add_worker_args
+    from jaxinfer.cli.disagg import add_worker_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)",
                               description=__doc__.split("\n\n")[0],
@@ -228,9 +228,9 @@ def add_serve_parser(subparsers):
 
 
 def cmd_serve(args) -> int:
-    from jaxinfer.config import GenerationConfig
-    from jaxinfer.llm import LLM
-    from jaxinfer.loading import enable_compilation_cache
+    from jaxinfer.config.settings import GenerationConfig
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.checkpoint.loading import enable_compilation_cache
     from jaxinfer.progress import Progress
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))

@@ -17,7 +17,7 @@ give bitwise-identical params on the same platform and JAX version (the
 initialisation is numpy's PCG64; training is one compiled step, checked on CPU).
 
 The result is saved as a Hugging Face Llama folder, readable by the normal
-loader (`jaxinfer.llm.LLM.load(folder)`) and by transformers:
+loader (`jaxinfer.serving.llm.LLM.load(folder)`) and by transformers:
 
     config.json          model_type "llama", HF field names
     model.safetensors    HF tensor names and layouts (`nn.Linear.weight` is [out, in])
@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import engine
-from jaxinfer.cache import init_cache
-from jaxinfer.config import ModelConfig, check_keys, read_yaml_mapping
-from jaxinfer.params import prepare_params
+from jaxinfer.engine import phases as engine
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.config.settings import ModelConfig, check_keys, read_yaml_mapping
+from jaxinfer.weights.prepare import prepare_params
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
@@ -290,8 +290,8 @@ def greedy_continuation(config: ModelConfig, params: dict, ids: Sequence[int],
                         max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
     """Greedy ids after prompt `ids` (`LLM.generate`), ending with (and
     including) the first stop id, at most max_new_tokens."""
-    from jaxinfer.llm import LLM
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.sampling.sample import SamplingParams
 
     llm = LLM(config, params, max_seq_len=min(config.max_position_embeddings,
                                               max(len(ids) + max_new_tokens, 2)),
@@ -376,8 +376,8 @@ def save_hf_folder(folder: str | os.PathLike, result: TrainResult, toy: ToyConfi
 
 def load_folder(folder: str | os.PathLike, dtype=jnp.float32):
     """(config, params in the checkpoint layout, Tokenizer) of an HF folder,
-    through the normal loader (`jaxinfer.loading.load_model`)."""
-    from jaxinfer.loading import load_model
+    through the normal loader (`jaxinfer.checkpoint.loading.load_model`)."""
+    from jaxinfer.checkpoint.loading import load_model
 
     return load_model(str(folder), dtype=dtype)
 

@@ -40,7 +40,8 @@ def compare(t: int, batch: int = 1, num_heads: int = 9, num_kv_heads: int = 3, h
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer import cpu_kernels, layers
+    from jaxinfer.kernels import cpu as cpu_kernels
+    from jaxinfer.nn import layers
 
     g = num_heads // num_kv_heads
     rng = np.random.default_rng(0)

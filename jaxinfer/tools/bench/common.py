@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxinfer import metrics
+from jaxinfer.models import roofline as metrics
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> np.ndarray:

@@ -90,10 +90,11 @@ def part_tp(spec: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer import engine, sharding
-    from jaxinfer.cache import init_cache
-    from jaxinfer.loading import load_model
-    from jaxinfer.request import Request
+    from jaxinfer.engine import phases as engine
+    from jaxinfer.parallel import sharding
+    from jaxinfer.cache.kv import init_cache
+    from jaxinfer.checkpoint.loading import load_model
+    from jaxinfer.serving.request import Request
 
     config, params, tokenizer = load_model(spec["model"], jnp.float32, progress=False)
     out = {"kernels": os.environ.get("JAXINFER_CPU_KERNELS", "1") != "0", "rows": []}
@@ -152,7 +153,7 @@ def _mlp_probe(mesh, config, repeats: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxinfer.sharding import TP
+    from jaxinfer.parallel.sharding import TP
 
     d, f, n = config.hidden_size, config.intermediate_size, config.num_layers
     w1 = jax.device_put(jnp.full((n, d, f), 1e-3), NamedSharding(mesh, P(None, None, TP)))
@@ -210,7 +211,7 @@ def _collective_cost(mesh, b: int, config, counts: dict, chunk: int) -> float:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxinfer.sharding import TP
+    from jaxinfer.parallel.sharding import TP
 
     n = 64
     shapes = {"all-reduce": (b, config.hidden_size), "all-gather": (b, config.vocab_size)}
@@ -244,9 +245,9 @@ def part_transfer(spec: dict) -> dict:
     prefill seconds of each request (after one warm-up request per length)."""
     import numpy as np
 
-    from jaxinfer.disagg.engine import start_process_engine
-    from jaxinfer.disagg.process import WorkerSpec
-    from jaxinfer.request import Request
+    from jaxinfer.parallel.disagg.engine import start_process_engine
+    from jaxinfer.parallel.disagg.process import WorkerSpec
+    from jaxinfer.serving.request import Request
 
     common = dict(source=spec["model"], llm_kwargs=tuple(spec["llm_kwargs"].items()))
     engine = start_process_engine([WorkerSpec(cpus=tuple(spec["prefill_cpus"]), **common)],
@@ -325,7 +326,7 @@ def _serve_traces(llm, make_scheduler, sweep) -> dict:
 
 def part_colocated(spec: dict) -> dict:
     """The colocated engine (this process, all its cores) on both traces."""
-    from jaxinfer.llm import LLM
+    from jaxinfer.serving.llm import LLM
 
     llm = LLM.load(spec["model"], max_seq_len=spec["max_seq_len"], decode_chunk=spec["decode_chunk"],
                    prefill_chunk_size=spec["prefill_chunk_size"], progress=False)
@@ -336,8 +337,8 @@ def part_disaggregated(spec: dict) -> dict:
     """Prefill process on spec["prefill_cpus"], this process decoding on
     spec["decode_cpus"], through `serving.run_jaxinfer` (it drives the
     `DisaggScheduler` on this thread, arrivals on the decode clock)."""
-    from jaxinfer.disagg import make_scheduler
-    from jaxinfer.disagg.process import ProcessPrefillClient, WorkerSpec, build_llm, configure_host
+    from jaxinfer.parallel.disagg import make_scheduler
+    from jaxinfer.parallel.disagg.process import ProcessPrefillClient, WorkerSpec, build_llm, configure_host
 
     common = dict(source=spec["model"], llm_kwargs=tuple(spec["llm_kwargs"].items()))
     configure_host(1, spec["decode_cpus"])
@@ -477,7 +478,7 @@ def main(argv=None) -> int:
     if a.part:
         print(MARKER + json.dumps(PARTS[a.part](json.loads(a.spec))), flush=True)
         return 0
-    from jaxinfer.config import GenerationConfig
+    from jaxinfer.config.settings import GenerationConfig
     from jaxinfer.tools.bench.machine import cpu_info
     from jaxinfer.tools.bench.report import write_results
 

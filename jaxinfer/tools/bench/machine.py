@@ -22,7 +22,7 @@ import subprocess
 import time
 from typing import Optional
 
-from jaxinfer import cpu_kernels
+from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.tools.bench.common import run_worker
 
 # /proc/cpuinfo flags worth reporting: what the kernels, XLA, oneDNN and llama.cpp may use.

@@ -19,7 +19,7 @@ greedy, with no stop tokens so every row generates exactly the asked count:
   TPOT percentiles.
 * compile: prefill + decode programs compiled in two fresh subprocesses
   sharing an empty persistent compilation cache (first vs second start).
-* roofline: FLOPs and bytes of each call (`jaxinfer.metrics`), achieved
+* roofline: FLOPs and bytes of each call (`jaxinfer.models.roofline`), achieved
   GFLOP/s and GB/s, the bound that applies, and the fraction reached.
 * peers (optional, each in its own subprocess): Hugging Face transformers
   (PyTorch, float32, same GGUF) and llama.cpp (llama-cpp-python, same GGUF at
@@ -49,7 +49,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from jaxinfer import cpu_kernels
+from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.tools.bench.machine import cpu_info, measure_machine, torch_matmul_probe
 from jaxinfer.tools.bench.peers import peer_worker, run_peers
@@ -94,8 +94,8 @@ def run_bench(args) -> dict:
     from tqdm import tqdm
 
     from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.config import GenerationConfig
-    from jaxinfer.llm import LLM
+    from jaxinfer.config.settings import GenerationConfig
+    from jaxinfer.serving.llm import LLM
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     sweep = _sweep_from_args(args)
@@ -153,25 +153,25 @@ def _load_sweep_from_args(args):
 
 def cmd_bench(args) -> int:
     if args.serve_load:
-        from jaxinfer.config import GenerationConfig
+        from jaxinfer.config.settings import GenerationConfig
         from jaxinfer.tools.bench.serve_compare import cmd_serve_load
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_serve_load(args, cfg, _load_sweep_from_args(args))
     if args.speculative:
-        from jaxinfer.config import GenerationConfig
+        from jaxinfer.config.settings import GenerationConfig
         from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_speculative(args, cfg, QUICK_SPEC if args.quick else SpecSweep())
     if args.paged:
-        from jaxinfer.config import GenerationConfig
+        from jaxinfer.config.settings import GenerationConfig
         from jaxinfer.tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_paged(args, cfg, QUICK_PAGED if args.quick else PagedSweep())
     if args.serving:
-        from jaxinfer.config import GenerationConfig
+        from jaxinfer.config.settings import GenerationConfig
         from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))

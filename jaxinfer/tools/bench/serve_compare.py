@@ -348,8 +348,8 @@ def plot_load(results: dict, path: str) -> str:
 def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
     """Run the comparison; print the table; write JSON, Markdown and PNG."""
     from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.config import GenerationConfig
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.config.settings import GenerationConfig
+    from jaxinfer.tokenizer.tokenizer import Tokenizer
     from jaxinfer.tools.bench.machine import cpu_info
     from jaxinfer.tools.bench.report import write_results
 

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxinfer import metrics
+from jaxinfer.models import roofline as metrics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxinfer import metrics
+from jaxinfer.models import roofline as metrics
 from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
 
 
@@ -130,8 +130,8 @@ def run_jaxinfer(llm, trace: Sequence[TraceRequest], *, max_num_seqs: int, polic
     """Drive a `Scheduler` through the trace on this thread: requests are
     added when the clock passes their arrival; returns `summarize_run`'s
     figures plus the per-request timings."""
-    from jaxinfer.request import Request
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.serving.request import Request
+    from jaxinfer.sampling.sample import SamplingParams
 
     scheduler = llm.scheduler(max_num_seqs, policy=policy, prefill_chunk_size=prefill_chunk_size)
     clock = llm.programs.clock
@@ -218,7 +218,7 @@ def hf_serving_worker(path: str, spec: dict) -> dict:
     with torch.inference_mode():
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
-        from jaxinfer.request import Timings
+        from jaxinfer.serving.request import Timings
 
         timings, tokens, ids = {}, {}, {}
         start, nxt = time.perf_counter(), 0
@@ -388,7 +388,7 @@ def plot_serving(results: dict, path: str) -> str:
 def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     """`jaxinfer bench --serving`: run, print the report, write JSON / Markdown / PNG."""
     from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.llm import LLM
+    from jaxinfer.serving.llm import LLM
     from jaxinfer.tools.bench.report import publish
 
     if cfg.max_seq_len < sweep.max_seq_len:      # every request must fit: raise it before loading

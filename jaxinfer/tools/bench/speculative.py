@@ -102,7 +102,7 @@ def copy_prompts(tokenizer, sweep: SpecSweep) -> list[str]:
 def run_config(llm, prompts: Sequence[str], batch: int, new_tokens: int) -> dict:
     """Greedy generation of every prompt, `batch` at a time (one warm-up
     batch first); decode tokens/s and speculation counts over the timed batches."""
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sample import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     llm.generate(prompts[:batch], greedy, max_new_tokens=new_tokens, chat=True)    # compiles
@@ -125,8 +125,8 @@ def run_config(llm, prompts: Sequence[str], batch: int, new_tokens: int) -> dict
 def run_speculative(cfg, sweep: SpecSweep, peers: Sequence[str], log=print) -> dict:
     """Every configuration of the module docstring; returns the results dict."""
     from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.llm import LLM
-    from jaxinfer.speculative import SpecConfig
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.speculative.verify import SpecConfig
 
     base = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=sweep.max_seq_len,
                     decode_chunk=cfg.decode_chunk)
@@ -136,7 +136,7 @@ def run_speculative(cfg, sweep: SpecSweep, peers: Sequence[str], log=print) -> d
                                  for k, v in sets.items()}}
     draft = None
     if "draft" in sweep.methods:
-        from jaxinfer.speculative import DraftModel
+        from jaxinfer.speculative.verify import DraftModel
 
         draft = DraftModel.load(cfg.model, base.config, base.tokenizer, weights="q4")
     configs = [("none", 0)] + [(m, k) for m in sweep.methods for k in sweep.ks]

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from jaxinfer import metrics
+from jaxinfer.models import roofline as metrics
 from jaxinfer.tools.bench.common import (headline, loadavg1, peak_rss_bytes, random_prompts,
                                          run_worker)
 
@@ -53,8 +53,8 @@ QUICK = Sweep(prefill_lengths=(32, 128), prefill_batches=(1, 4), decode_batches=
 
 def enable_persistent_cache(path: Optional[str] = None) -> str:
     """The persistent compilation cache of `jaxinfer generate` (see
-    `jaxinfer.loading.enable_compilation_cache`); returns its directory."""
-    from jaxinfer.loading import enable_compilation_cache
+    `jaxinfer.checkpoint.loading.enable_compilation_cache`); returns its directory."""
+    from jaxinfer.checkpoint.loading import enable_compilation_cache
 
     return enable_compilation_cache(path)
 
@@ -66,7 +66,7 @@ class Runner:
     `ModelRunner`'s slots; compile seconds are counted apart (`LLM.programs`)."""
 
     def __init__(self, config, params, *, chunk: int = 16, max_seq_len: int = 2048):
-        from jaxinfer.llm import LLM
+        from jaxinfer.serving.llm import LLM
 
         self.config = config
         self.chunk = chunk
@@ -81,10 +81,10 @@ class Runner:
         import jax
         import jax.numpy as jnp
 
-        from jaxinfer import engine
-        from jaxinfer.cache import init_cache
-        from jaxinfer.request import Request
-        from jaxinfer.runner import row_inputs, stop_tokens
+        from jaxinfer.engine import phases as engine
+        from jaxinfer.cache.kv import init_cache
+        from jaxinfer.serving.request import Request
+        from jaxinfer.serving.runner import row_inputs, stop_tokens
 
         b, t = tokens.shape
         inputs = row_inputs([Request(row, max_new_tokens=1) for row in tokens], self.config.vocab_size,
@@ -103,7 +103,7 @@ class Runner:
         prompt `tokens` [1, T] (decode cost does not depend on the cache's
         contents, so one prefill stands in for B) with `budget` new tokens;
         its cache is at least `cache_len` positions."""
-        from jaxinfer.request import Request
+        from jaxinfer.serving.request import Request
 
         runner = self.llm.runner(batch)
         runner.min_capacity = cache_len
@@ -164,7 +164,7 @@ def measure_decode(runner: Runner, batch: int, sweep: Sweep, machine: dict,
     mean_ctx = ctx + chunk + (n_chunks * chunk - 1) / 2  # cached tokens, mean over timed steps
     cost = metrics.decode_cost(runner.config, batch, mean_ctx, runner.dtype_bytes)
     engine_cost = metrics.decode_cost(runner.config, batch, mean_ctx, runner.dtype_bytes, cache_len)
-    from jaxinfer.cache import cache_nbytes
+    from jaxinfer.cache.kv import cache_nbytes
 
     row = {"batch": batch, "context": mean_ctx, "prompt_len": ctx, "steps": n_chunks * chunk,
            "cache_len": cache_len, "kv_cache_bytes": cache_nbytes(runner.config, batch, cache_len,
@@ -192,8 +192,8 @@ def measure_e2e(config, params, sweep: Sweep, chunk: int, max_seq_len: int) -> d
     of `sweep.e2e_batch`, all arriving at t=0; one warm-up pass (compiles),
     one timed pass. Per request: TTFT queued (wait for earlier batches +
     own TTFT), TTFT of its own batch, TPOT of its batch."""
-    from jaxinfer.llm import LLM
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.sampling.sample import SamplingParams
 
     prompts = e2e_prompts(config.vocab_size, sweep, max_seq_len - sweep.e2e_new_tokens)
     need = max(map(len, prompts)) + sweep.e2e_new_tokens
@@ -235,7 +235,7 @@ def compile_probe(source: str, dtype: str, max_seq_len: int, prompt_len: int, ch
     (B=1, one prompt bucket) and `decode_chunk` (B=1). Returns seconds."""
     if xla_cache:
         enable_persistent_cache(xla_cache)
-    from jaxinfer.llm import LLM
+    from jaxinfer.serving.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM.load(source, dtype=dtype, max_seq_len=max_seq_len, decode_chunk=chunk)
@@ -286,7 +286,7 @@ def model_facts(llm, max_seq_len: int) -> dict:
     """Config, parameter counts, weight bytes and KV-cache bytes of a loaded model."""
     import jax
 
-    from jaxinfer.cache import cache_nbytes
+    from jaxinfer.cache.kv import cache_nbytes
 
     config, dtype_bytes = llm.config, np.dtype(llm.cache_dtype).itemsize
     return {

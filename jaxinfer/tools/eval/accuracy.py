@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import engine
-from jaxinfer.cache import init_cache
-from jaxinfer.config import ModelConfig
+from jaxinfer.engine import phases as engine
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.config.settings import ModelConfig
 
 
 def text_chunks(ids: Sequence[int], chunk: int, bos_id: Optional[int]) -> list[np.ndarray]:

@@ -51,8 +51,8 @@ def load_variants(source: str, weights: Sequence[str]):
     """
     from jaxinfer.checkpoint.gguf import load_gguf
     from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.loading import load_model
-    from jaxinfer.params import WEIGHT_FORMATS, prepare_params
+    from jaxinfer.checkpoint.loading import load_model
+    from jaxinfer.weights.prepare import WEIGHT_FORMATS, prepare_params
 
     bad = [w for w in weights if w not in WEIGHT_FORMATS]
     if bad:
@@ -171,8 +171,8 @@ def format_report(result: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from jaxinfer.config import GenerationConfig
-    from jaxinfer.loading import enable_compilation_cache
+    from jaxinfer.config.settings import GenerationConfig
+    from jaxinfer.checkpoint.loading import enable_compilation_cache
 
     model = args.model or GenerationConfig.load(args.config).model
     enable_compilation_cache()

@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import engine, metrics, sampling
-from jaxinfer.runner import stop_tokens
-from jaxinfer.cache import init_cache
-from jaxinfer.config import ModelConfig
+from jaxinfer.engine import phases as engine
+from jaxinfer.models import roofline as metrics
+from jaxinfer.sampling import sample as sampling
+from jaxinfer.serving.runner import stop_tokens
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.config.settings import ModelConfig
 
 
 def weight_bytes_read(params: dict) -> int:
@@ -55,8 +57,8 @@ def decode_step_bytes(config: ModelConfig, params: dict, batch: int, context: fl
 def _start_inputs(tokens: np.ndarray, budget: int, vocab_size: int):
     """`engine.start`'s arguments after the cache for greedy rows of
     `tokens` [B, T] with `budget` new tokens each and no stop tokens."""
-    from jaxinfer.request import Request
-    from jaxinfer.runner import row_inputs
+    from jaxinfer.serving.request import Request
+    from jaxinfer.serving.runner import row_inputs
 
     b, t = tokens.shape
     requests = [Request(row.tolist(), sampling.SamplingParams(temperature=0.0), max_new_tokens=budget)
@@ -256,8 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.llamacpp_worker:
         print(json.dumps(_llamacpp_worker(json.loads(args.llamacpp_worker))))
         return 0
-    from jaxinfer.config import GenerationConfig
-    from jaxinfer.loading import enable_compilation_cache
+    from jaxinfer.config.settings import GenerationConfig
+    from jaxinfer.checkpoint.loading import enable_compilation_cache
     from jaxinfer.tools.eval.run import load_variants
 
     enable_compilation_cache()

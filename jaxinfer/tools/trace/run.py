@@ -33,7 +33,7 @@ from jaxinfer.tools.trace.tracer import run_trace
 def load_trace_config(path: str | os.PathLike):
     """("toy", ToyConfig) for a YAML with `kind: toy`, else ("generation",
     GenerationConfig). Raises ValueError for unknown keys or an unknown kind."""
-    from jaxinfer.config import GenerationConfig, read_yaml_mapping
+    from jaxinfer.config.settings import GenerationConfig, read_yaml_mapping
     from jaxinfer.tools.toy import ToyConfig
 
     values = read_yaml_mapping(path)
@@ -57,7 +57,7 @@ def load_for_trace(config_path: str | os.PathLike, model: Optional[str] = None,
         folder = toy.ensure_model(cfg, model, log=log)
         config, params, tokenizer = toy.load_folder(folder)
         return config, params, tokenizer, str(folder)
-    from jaxinfer.loading import load_model
+    from jaxinfer.checkpoint.loading import load_model
 
     source = model or cfg.model
     config, params, tokenizer = load_model(source, dtype=jnp.dtype(cfg.dtype))

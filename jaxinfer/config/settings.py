@@ -1,0 +1,433 @@
+"""Frozen, hashable configuration objects.
+
+`ModelConfig` describes an architecture's static shape. It is hashable so it
+can be passed to `jax.jit` as a static argument. Field names follow the usual
+Hugging Face `config.json` meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+from jaxinfer.sampling.sample import SamplingParams
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+ARCHITECTURES = ("llama", "gemma3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a decoder-only transformer.
+
+    Attributes:
+      arch: model family, one of `ARCHITECTURES` ("llama" covers Llama,
+        Mistral and Qwen2; "gemma3" covers Gemma 3 text models).
+      vocab_size: V, number of token ids.
+      num_layers: L.
+      hidden_size: D.
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads (GQA when K < N; N % K == 0).
+      head_dim: H.
+      intermediate_size: F, MLP hidden size.
+      rope_theta: RoPE base for full-attention layers (Su et al. 2021,
+        "RoFormer", arXiv:2104.09864).
+      rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
+      max_position_embeddings: the model's trained context length, tokens.
+      tie_word_embeddings: LM head reuses the embedding matrix.
+      hidden_act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, tanh GELU).
+      attention_bias: q/k/v projections carry a bias (Qwen2).
+      sliding_window: window size in tokens for sliding layers, or None. A
+        key at position p is visible from a query at position q when
+        0 <= q - p < sliding_window.
+      layer_types: per-layer FULL_ATTENTION / SLIDING_ATTENTION, length L.
+      rope_local_theta: RoPE base for sliding layers (Gemma 3: 10_000), or
+        None to use `rope_theta`.
+      rope_scaling: sorted (key, value) pairs of an HF `rope_scaling` dict
+        of type "llama3", or None.
+      query_pre_attn_scalar: queries scale by this ** -0.5; None means
+        head_dim.
+      attn_logit_softcapping / final_logit_softcapping: tanh soft-cap value,
+        or None (Gemma 2 style).
+      qk_norm: RMSNorm on each query and key head (Gemma 3).
+      sandwich_norm: norms after attention and around the MLP (Gemma 2/3).
+      scale_embeddings: multiply embeddings by sqrt(hidden_size), the scale
+        rounded to the activation dtype (Gemma).
+    """
+
+    arch: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None
+    rope_local_theta: Optional[float] = None
+    rope_scaling: Optional[tuple[tuple[str, float], ...]] = None
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown arch {self.arch!r}; expected one of {ARCHITECTURES}")
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_heads",
+                     "num_kv_heads", "head_dim", "intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if bad:
+                raise ValueError(f"unknown layer types {sorted(bad)}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need sliding_window > 0")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
+
+    # Derived, static facts -------------------------------------------------
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Per-layer attention type, length L (all full when unset)."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.attention_types) if t == SLIDING_ATTENTION)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.attention_types) if t == FULL_ATTENTION)
+
+    @property
+    def query_scale(self) -> float:
+        """Multiplier applied to q before q.k (1/sqrt(H) unless overridden)."""
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        return float(scalar) ** -0.5
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """What `jaxinfer generate` reads from a YAML file plus key=value overrides.
+
+    The YAML is flat: the keys are these attributes (except `sampling`) and
+    the fields of `jaxinfer.sampling.sample.SamplingParams` (temperature, top_k,
+    top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+    seed), which go into `sampling` and are validated there, once.
+
+    Attributes:
+      model: a named model ("smollm2-135m-instruct", "gemma3-270m"), a .gguf
+        path or a Hugging Face checkpoint folder.
+      dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
+      kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
+        "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
+        head, a quarter of float32's bytes; see jaxinfer/cache/int8.py).
+      weights: how matmul weights are kept: "float32", "bfloat16", "int8"
+        (per output channel) or "q4" (4-bit blocks; a GGUF file's own blocks
+        where it has them); see jaxinfer/weights/quant.py and docs/quantization.md.
+      max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
+      max_new_tokens: generated tokens per prompt, at most.
+      chat: render the prompt as a user turn with the model's chat template.
+      system_prompt: a system turn before chat prompts; null keeps the
+        template's default.
+      stop: stop strings; a match ends the row and is cut from the text.
+      min_tokens: stop tokens and stop strings are ignored until this many
+        tokens were generated.
+      ignore_eos: the tokenizer's EOS does not end a row (fixed-length runs).
+      decode_chunk: decode steps per compiled chunk (streaming granularity;
+        shorter chunks admit waiting requests sooner).
+      max_num_seqs: decode slots, the most requests decoding at once.
+      page_size: tokens per KV-cache page (16 is a good value): the
+        full-attention layers' K/V live in one pool of pages, each request
+        holding the pages it fills through a block table (PagedAttention);
+        null (the default) gives every slot a dense buffer instead (see
+        jaxinfer/serving/runner.py). Dense stays the default because a paged decode
+        step measured slower than the dense one at batch 32 on CPU (the
+        block-table kernel walks one run per page; figures in
+        benchmarks/README.md), beyond the 1.15x the issue allows; paging
+        pays where memory or shared prefixes matter (more concurrent
+        requests per byte, prefix caching).
+      num_pages: pages in the pool (null: from kv_cache_memory).
+      kv_cache_memory: the paged KV cache's budget in bytes (the page pool
+        and the sliding-window rings of every slot); an int or a string such
+        as 512MiB or 2GiB. null: enough for max_num_seqs requests of
+        max_seq_len tokens, at most 2 GiB. Requests beyond it wait, and the
+        newest running one is preempted (recomputed later) when the pool
+        runs dry.
+      prefix_caching: requests reuse the KV pages of an equal prompt
+        prefix computed before (full pages only; a request's cache_salt
+        keeps its pages apart). Paged only; off for models with
+        sliding-window layers (Gemma 3) and with a draft model.
+      prefill_chunk_size: the per-step prefill token budget while requests
+        decode, and the largest piece of a prompt one call prefills; null
+        prefills every prompt whole (see jaxinfer/serving/scheduler.py).
+      speculative: null (off), "ngram" (prompt lookup) or "draft" (a draft
+        model): speculative decoding (see jaxinfer/speculative/verify.py).
+      num_speculative_tokens: k, tokens proposed per verification round.
+      ngram_min, ngram_max: n-gram lengths the ngram proposer matches.
+      draft_model: the draft for speculative: draft, a model sharing the
+        target's tokenizer (a name, .gguf path or folder).
+      draft_weights: the draft model's weight format (as `weights`; "q4"
+        makes a quantized copy of the target a cheap draft).
+      max_waiting_requests: `jaxinfer serve` only: requests accepted but
+        not yet decoding, at most; past it the server answers HTTP 503
+        (null: unbounded).
+      warmup: `jaxinfer serve` only: before serving, compile ahead of time
+        every program requests can need (every prompt-length and KV-cache
+        bucket; see ModelRunner.warmup), so that no request waits for a compile.
+      sampling: the sampling parameters (`SamplingParams`; greedy unless the
+        YAML sets temperature > 0).
+
+    Raises:
+      ValueError: naming the key, for a value of the wrong type or out of range.
+      TypeError: from `SamplingParams`, for a sampling value of the wrong type.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    weights: str = "float32"
+    kv_cache_dtype: Optional[str] = None
+    max_seq_len: int = 2048
+    max_new_tokens: int = 128
+    chat: bool = True
+    system_prompt: Optional[str] = None
+    stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    decode_chunk: int = 16
+    max_num_seqs: int = 256
+    page_size: Optional[int] = None
+    num_pages: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    prefix_caching: bool = True
+    prefill_chunk_size: Optional[int] = 512
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    draft_model: Optional[str] = None
+    draft_weights: str = "float32"
+    max_waiting_requests: Optional[int] = 256
+    warmup: bool = True
+    sampling: SamplingParams = SamplingParams()
+
+    def __post_init__(self):
+        self._check_types()
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be null, float32, bfloat16, float16 or int8, "
+                             f"got {self.kv_cache_dtype!r}")
+        for name in ("weights", "draft_weights"):
+            if getattr(self, name) not in ("float32", "bfloat16", "int8", "q4"):
+                raise ValueError(f"{name} must be float32, bfloat16, int8 or q4, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
+        for name in ("page_size", "num_pages", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {value}")
+        if self.num_pages is not None and self.kv_cache_memory is not None:
+            raise ValueError("give num_pages or kv_cache_memory, not both")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1 or null, got {self.prefill_chunk_size}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 or null, got {self.max_waiting_requests}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
+                             f"got {self.min_tokens}")
+        if isinstance(self.stop, (str, list)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    def _check_types(self) -> None:
+        """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
+        kinds = {"model": str, "dtype": str, "weights": str, "draft_weights": str, "chat": bool,
+                 "max_seq_len": int,
+                 "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
+                 "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
+                 "ngram_min": int, "ngram_max": int, "warmup": bool, "prefix_caching": bool}
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
+        for name in ("prefill_chunk_size", "max_waiting_requests", "page_size", "num_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be int or null, got {value!r}")
+        memory = self.kv_cache_memory
+        if memory is not None and (not isinstance(memory, (int, str)) or isinstance(memory, bool)):
+            raise ValueError(f"kv_cache_memory must be an int, a string such as 512MiB, or null, "
+                             f"got {memory!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The YAML keys, in documentation order: own fields, then sampling fields."""
+        own = tuple(f.name for f in dataclasses.fields(cls) if f.name != "sampling")
+        return own + tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "GenerationConfig":
+        """Build from a flat mapping of YAML keys (see the class docstring).
+
+        Raises:
+          ValueError: unknown keys (all named, with the known ones), or invalid values.
+          TypeError: a sampling value of the wrong type.
+        """
+        check_keys(values, cls.keys(), "config")
+        sampling_names = {f.name for f in dataclasses.fields(SamplingParams)}
+        sampling = SamplingParams(**{k: v for k, v in values.items() if k in sampling_names})
+        return cls(sampling=sampling, **{k: v for k, v in values.items() if k not in sampling_names})
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, overrides: Sequence[str] = ()) -> "GenerationConfig":
+        """Read a YAML file (or defaults when path is None) and apply
+        `key=value` overrides, each value parsed as YAML (so 0.7, true, null work).
+
+        Raises:
+          ValueError: unknown keys, a malformed override, or invalid values.
+          TypeError: a sampling value of the wrong type.
+          FileNotFoundError: the YAML file does not exist.
+        """
+        import yaml
+
+        values = read_yaml_mapping(path) if path is not None else {}
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"override {item!r} is not key=value")
+            try:
+                values[key.strip()] = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ValueError(f"override {item!r}: value is not valid YAML ({e})") from None
+        return cls.from_dict(values)
+
+    @classmethod
+    def key_docs(cls) -> dict[str, str]:
+        """YAML key -> its documentation (from this docstring and
+        `SamplingParams`'), for `jaxinfer generate --help`."""
+        docs = {**attribute_docs(cls), **attribute_docs(SamplingParams)}
+        return {k: docs[k] for k in cls.keys()}
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, name: str = "size") -> int:
+    """Bytes of "123", "512MiB", "1.5 GB" (SI units are powers of 1000, IEC
+    ones of 1024; case-insensitive).
+
+    Raises:
+      ValueError: naming `name`, for anything else.
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"{name} must be a number of bytes such as 536870912, 512MiB or 2GB, "
+                         f"got {text!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
+
+
+def read_yaml_mapping(path: str | os.PathLike) -> dict:
+    """A YAML file's top-level mapping ({} for an empty file).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file is not valid YAML or not a mapping (names the file).
+    """
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            values = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
+    return values
+
+
+def check_keys(values: Mapping[str, Any], known: Sequence[str], what: str) -> None:
+    """Raise ValueError naming every key of `values` not in `known` (and the known keys)."""
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
+
+
+def attribute_docs(cls) -> dict[str, str]:
+    """name -> text of each entry in the "Attributes:" section of a class
+    docstring (Google style: `name: text`, continuation lines indented
+    deeper; `a, b: text` documents both)."""
+    lines = (cls.__doc__ or "").splitlines()
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    inside, indent = False, None
+    for line in lines:
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            inside = True
+            continue
+        if not inside or not stripped:
+            if inside and not stripped and names:
+                names = []
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        head, sep, text = stripped.partition(": ")
+        if depth == indent and sep and all(n.strip().isidentifier() for n in head.split(",")):
+            names = [n.strip() for n in head.split(",")]
+            for n in names:
+                docs[n] = text
+        elif names:
+            for n in names:
+                docs[n] += " " + stripped
+    return docs

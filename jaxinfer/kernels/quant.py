@@ -1,0 +1,108 @@
+"""FFI wrappers of the quantized CPU kernels (`jaxinfer/kernels/quant_kernels.cc`).
+
+- `quant_matmul`: x @ W for a `quant.QuantizedWeight` (int8, 4-bit or bfloat16
+  codes in column panels), the codes turned into float32 in registers;
+- `decode_attention_int8`: one new token per row attends over an int8 K/V
+  cache buffer with one scale per token per kv head.
+
+The source is compiled into the same library as `cpu_kernels.cc` (same
+compiler, flags and cache; see `cpu_kernels.build`), and these targets are
+registered from it on first use. `enabled()` is `cpu_kernels.enabled()`.
+
+FFI reference: https://docs.jax.dev/en/latest/ffi.html
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.kernels import cpu as cpu_kernels
+
+_TARGETS = {"jaxinfer_int8_matmul": "JaxinferInt8Matmul",
+            "jaxinfer_int8_min_matmul": "JaxinferInt8MinMatmul",
+            "jaxinfer_q4_matmul": "JaxinferQ4Matmul",
+            "jaxinfer_bf16_matmul": "JaxinferBf16Matmul",
+            "jaxinfer_decode_attention_int8": "JaxinferDecodeAttentionInt8"}
+
+
+@functools.cache
+def _register() -> bool:
+    library = ctypes.cdll.LoadLibrary(str(cpu_kernels.build()))
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+    return True
+
+
+def enabled() -> bool:
+    """Whether traced code calls these kernels: `cpu_kernels.enabled()` (CPU
+    backend, `JAXINFER_CPU_KERNELS` not "0", the library builds and loads)."""
+    return cpu_kernels.enabled() and _register()
+
+
+def _require_enabled():
+    if not enabled():
+        raise RuntimeError("jaxinfer CPU kernels are not enabled (see cpu_kernels.enabled)")
+
+
+def quant_matmul(x: jax.Array, w) -> jax.Array:
+    """x @ W for x float32 [..., K] and a `quant.QuantizedWeight` W [K, N] -> float32 [..., N].
+
+    Raises:
+      ValueError: x is not float32 or its last axis is not K (at trace time).
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    k, n = w.shape
+    if x.dtype != jnp.float32 or x.shape[-1] != k:
+        raise ValueError(f"quant_matmul: x is {x.dtype}{list(x.shape)}, expected float32[..., {k}]")
+    _require_enabled()
+    rows = x.reshape(-1, k)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    if w.format == "q4":
+        y = jax.ffi.ffi_call("jaxinfer_q4_matmul", out)(rows, w.codes, w.scale, w.min)
+    elif w.format == "int8" and w.min is None:
+        y = jax.ffi.ffi_call("jaxinfer_int8_matmul", out)(rows, w.codes, w.scale)
+    elif w.format == "int8":
+        y = jax.ffi.ffi_call("jaxinfer_int8_min_matmul", out)(rows, w.codes, w.scale, w.min)
+    else:
+        y = jax.ffi.ffi_call("jaxinfer_bf16_matmul", out)(rows, w.codes)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def decode_attention_int8(q: jax.Array, k: jax.Array, k_scale: jax.Array, v: jax.Array,
+                          v_scale: jax.Array, mask: jax.Array) -> jax.Array:
+    """One query token per row attends over its int8 K/V cache buffer (GQA).
+
+    Keys are k_scale[b, k, s] * k[b, k, :, s] and values v_scale[b, k, s] *
+    v[b, k, s, :] (`kv_quant.quantize_kv`); the result is the float32
+    attention of `cpu_kernels.decode_attention` on those dequantized K/V,
+    including all-zero output for a row that sees no position
+    (`kv_quant.decode_attention_int8_reference` is the same in XLA).
+
+    Args:
+      q: float32 [B, K, G, H], grouped queries multiplied by the query scale.
+      k: int8 [B, K, H, S], key codes, positions minor (the KV-cache layout).
+      k_scale: float32 [B, K, S].
+      v: int8 [B, K, S, H], value codes.
+      v_scale: float32 [B, K, S].
+      mask: bool [B, S], True where the row may attend.
+    Returns:
+      float32 [B, K, G, H].
+    Raises:
+      ValueError: shapes or dtypes that do not match the above (at trace time).
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    b, kv_heads, g, h = q.shape
+    s = k.shape[-1]
+    expected = {"q": (q, (b, kv_heads, g, h), jnp.float32), "k": (k, (b, kv_heads, h, s), jnp.int8),
+                "k_scale": (k_scale, (b, kv_heads, s), jnp.float32),
+                "v": (v, (b, kv_heads, s, h), jnp.int8),
+                "v_scale": (v_scale, (b, kv_heads, s), jnp.float32), "mask": (mask, (b, s), jnp.bool_)}
+    cpu_kernels.check_operands("decode_attention_int8", expected)
+    _require_enabled()
+    return jax.ffi.ffi_call("jaxinfer_decode_attention_int8",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, k_scale, v, v_scale, mask)

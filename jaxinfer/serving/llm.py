@@ -1,0 +1,460 @@
+"""The host API: load a model once, then generate, stream or score.
+
+    llm = LLM.load("smollm2-135m-instruct")
+    [c] = llm.generate(["What is the capital of France?"], chat=True, max_new_tokens=32)
+    for piece in llm.stream("Once upon a time", max_new_tokens=64): print(piece, end="")
+
+All input checks happen here, on the host, before any device work: JAX clamps
+out-of-range indices and slice starts silently, so lengths and ids are checked
+before they reach a compiled program.
+
+`generate` and `stream` run on the serving engine: the requests go to a
+`Scheduler` (continuous batching over `max_num_seqs` slots, chunked prefill)
+driving a `ModelRunner` (the compiled programs), on the calling thread. Which
+shapes compile is described in `jaxinfer.serving.runner` and `jaxinfer.serving.buckets`;
+`LLM.programs` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Generator, Iterator, Optional, Sequence, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine import phases as engine
+from jaxinfer.sampling import sample as sampling
+from jaxinfer.serving.buckets import Buckets, batch_bucket
+from jaxinfer.cache.kv import KV_CACHE_DTYPES, init_cache, pool_pages
+from jaxinfer.config.settings import ModelConfig
+from jaxinfer.checkpoint.loading import load_model
+from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.serving.programs import ProgramCache
+from jaxinfer.progress import Progress
+from jaxinfer.serving.request import Request, RequestOutput
+from jaxinfer.serving.runner import ModelRunner
+from jaxinfer.speculative.verify import SpecConfig
+from jaxinfer.serving.scheduler import Scheduler
+from jaxinfer.serving.stats import RunStats
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's result.
+
+    Attributes:
+      prompt_token_ids: the prompt as fed to the model.
+      token_ids: generated ids, including a final stop token when one ended it.
+      text: detokenized generated text, stop token and stop string excluded.
+      finish_reason: "stop" (stop token or stop string) or "length".
+      logprobs: per generated token (token_id, logprob, [(alt_id, alt_logprob), ...])
+        when requested, else None. Log-probs are of the model's raw distribution.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: Optional[list] = None
+
+
+class LLM:
+    """A loaded model: config, params, tokenizer and compiled programs.
+
+    Args:
+      config: ModelConfig.
+      params: params pytree (jax arrays), as loaded or prepared; kept
+        prepared (`params.prepare_params`), the layout the compiled phases run on.
+      tokenizer: a `jaxinfer.tokenizer.tokenizer.Tokenizer`, or None to accept token-id
+        prompts only.
+      max_seq_len: KV-cache capacity per request, tokens (prompt + generated).
+      decode_chunk: decode steps per compiled chunk (streaming granularity;
+        shorter chunks also admit waiting requests sooner).
+      max_num_seqs: the most requests one `generate` call decodes at once
+        (its slots: the batch bucket of min(len(prompts), max_num_seqs)).
+      prefill_chunk_size: per-step prefill token budget and largest prompt
+        piece while requests decode (see `jaxinfer.serving.scheduler`); None
+        prefills every prompt whole.
+      min_prompt_bucket: smallest prompt-length bucket.
+      min_kv_bucket: smallest KV-cache bucket, tokens.
+      stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
+        always included).
+      speculative: a `speculative.SpecConfig` for speculative decoding, or None.
+      kv_cache_dtype: None (the params' dtype) or one of `cache.KV_CACHE_DTYPES`
+        ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
+      page_size: tokens per KV page (PagedAttention: the full-attention
+        layers' K/V in one page pool with a block table per request), or
+        None (the default, see `GenerationConfig.page_size`) for one dense
+        buffer per slot (see `jaxinfer.serving.runner`).
+      num_pages: pages in the pool; None derives it from kv_cache_memory.
+      kv_cache_memory: the KV cache's budget in bytes (the page pool plus the
+        sliding-window rings of every slot); None: what max_num_seqs slots of
+        max_seq_len tokens need, at most DEFAULT_KV_CACHE_MEMORY.
+      prefix_caching: requests share the cached pages of equal prompt
+        prefixes (paged only; off for models with sliding-window layers and
+        with a draft model).
+    Raises:
+      ValueError: max_seq_len outside [2, the model's context length], a
+        size below 1, or both num_pages and kv_cache_memory given.
+    """
+
+    def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
+                 decode_chunk: int = 16, max_num_seqs: int = 256,
+                 prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
+                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
+                 speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
+                 page_size: Optional[int] = None, num_pages: Optional[int] = None,
+                 kv_cache_memory: Optional[int] = None, prefix_caching: bool = True):
+        if not 2 <= max_seq_len <= config.max_position_embeddings:
+            raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
+                             f"model's context length), got {max_seq_len}")
+        for name, value in (("decode_chunk", decode_chunk), ("max_num_seqs", max_num_seqs),
+                            ("prefill_chunk_size", prefill_chunk_size or 1),
+                            ("page_size", page_size or 1), ("num_pages", num_pages or 1),
+                            ("kv_cache_memory", kv_cache_memory or 1)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_pages is not None and kv_cache_memory is not None:
+            raise ValueError("give num_pages or kv_cache_memory, not both")
+        self.config = config
+        self.params = prepare_params(params, config)
+        self.tokenizer = tokenizer
+        self.max_seq_len = int(max_seq_len)
+        self.decode_chunk = int(decode_chunk)
+        self.max_num_seqs = int(max_num_seqs)
+        self.prefill_chunk_size = prefill_chunk_size
+        self.buckets = Buckets.create(self.max_seq_len, min_prompt_bucket, min_kv_bucket)
+        self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
+        self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
+        self.cache_dtype = _params_dtype(params)
+        self.speculative = speculative
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.page_size, self.num_pages, self.kv_cache_memory = page_size, num_pages, kv_cache_memory
+        self.prefix_caching = prefix_caching
+        self.programs = ProgramCache()
+        self.last_stats = RunStats()
+
+    @classmethod
+    def load(cls, source: str, *, dtype: str = "float32", weights: str = "float32", progress=None,
+             load_cache: Optional[bool] = None, **kwargs) -> "LLM":
+        """Load a named model, a `.gguf` file or a Hugging Face folder.
+
+        Args:
+          source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder".
+          dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
+          weights: matmul weight format, one of `params.WEIGHT_FORMATS`.
+          progress: a `jaxinfer.progress.Progress`, or True / False; None shows
+            download/load bars and compile lines when stderr is a terminal.
+          load_cache: keep prepared params in the load cache
+            (`jaxinfer.checkpoint.prepared`); None: unless `JAXINFER_LOAD_CACHE=0`.
+          kwargs: passed to `LLM(...)` (max_seq_len, decode_chunk, ...).
+        Raises:
+          ModelSourceError: the model file cannot be found or fetched.
+          CheckpointError: a tensor is missing or has the wrong shape.
+        """
+        progress = Progress.resolve(progress)
+        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
+                                               cache=load_cache, progress=progress, weights=weights)
+        kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
+        llm = cls(config, params, tokenizer, **kwargs)
+        llm.programs.progress = progress
+        return llm
+
+    @classmethod
+    def from_config(cls, cfg, *, progress=None, before_weights=None) -> "LLM":
+        """The LLM a `GenerationConfig` describes: the model (dtype, weights),
+        the KV cache, the serving engine's sizes and speculative decoding
+        (loading the draft model). `jaxinfer generate`, `serve` and `bench`
+        build theirs here.
+
+        Args:
+          cfg: a `config.GenerationConfig`.
+          progress: as `LLM.load`.
+          before_weights: called with the tokenizer before any weight is read
+            (e.g. to check prompt lengths; see `loading.load_model`).
+        Raises:
+          as `LLM.load`, and ValueError from `SpecConfig.from_settings`.
+        """
+        progress = Progress.resolve(progress)
+        config, params, tokenizer = load_model(cfg.model, jnp.dtype(cfg.dtype), prepared=True,
+                                               progress=progress, weights=cfg.weights,
+                                               before_weights=before_weights)
+        spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
+                                        cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype,
+                                        cfg.draft_weights)
+        llm = cls(config, params, tokenizer, max_seq_len=cfg.max_seq_len,
+                  decode_chunk=cfg.decode_chunk, max_num_seqs=cfg.max_num_seqs,
+                  prefill_chunk_size=cfg.prefill_chunk_size, speculative=spec,
+                  kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
+                  num_pages=cfg.num_pages, kv_cache_memory=cfg.kv_cache_memory,
+                  prefix_caching=cfg.prefix_caching)
+        llm.programs.progress = progress
+        return llm
+
+    # --- prompts -----------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids for a prompt: text (raw, or a user turn with chat=True),
+        chat messages [{"role", "content"}, ...], or ids given directly.
+
+        Raises:
+          ValueError: an empty prompt for a model with no BOS token, ids out of
+            the vocabulary, or text/chat without a tokenizer or chat template.
+        """
+        if isinstance(prompt, str):
+            ids = self._tokenize(prompt, chat)
+        elif len(prompt) and isinstance(prompt[0], dict):
+            ids = self._tokenize(list(prompt), True)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("empty prompt: this model adds no BOS token, so a prompt needs at "
+                             "least one token")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def _tokenize(self, prompt, chat: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: pass token ids")
+        return self.tokenizer.encode_prompt(prompt, chat)
+
+    # --- the serving engine ----------------------------------------------------------------
+
+    def runner(self, max_num_seqs: int, prefill_chunk_size="default") -> ModelRunner:
+        """A `ModelRunner` over `max_num_seqs` decode slots, compiling through
+        this LLM's `programs` (prefill_chunk_size: this LLM's unless given)."""
+        chunk = self.prefill_chunk_size if prefill_chunk_size == "default" else prefill_chunk_size
+        return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs, buckets=self.buckets,
+                           decode_chunk=self.decode_chunk, prefill_chunk_size=chunk,
+                           stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
+                           cache_dtype=self.cache_dtype, programs=self.programs,
+                           speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype,
+                           page_size=self.page_size, num_pages=self.pool_pages(max_num_seqs),
+                           prefix_caching=self.prefix_caching)
+
+    def pool_pages(self, max_num_seqs: int) -> Optional[int]:
+        """Pages in the KV page pool of a runner of `max_num_seqs` slots (None
+        without paging): num_pages, else what kv_cache_memory leaves after the
+        slots' sliding-window rings, else max_num_seqs full sequences capped
+        at DEFAULT_KV_CACHE_MEMORY (see `cache.pool_pages`).
+
+        Raises:
+          ValueError: kv_cache_memory does not cover the rings and one page.
+        """
+        if self.page_size is None:
+            return None
+        if self.num_pages is not None:
+            return self.num_pages
+        ring_extra = self.speculative.num_speculative_tokens if self.speculative else 0
+        return pool_pages(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype,
+                          max_num_seqs, self.max_seq_len, ring_extra, self.kv_cache_memory)
+
+    def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
+        """A `Scheduler` over a new runner of `max_num_seqs` slots (default
+        this LLM's), detokenizing with this LLM's tokenizer, timed on
+        `programs.clock` (compile time excluded). kwargs go to `Scheduler`
+        (policy, max_waiting_requests, prefill_chunk_size)."""
+        from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
+
+        tok = self.tokenizer
+        kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)
+        runner = self.runner(max_num_seqs or self.max_num_seqs, kwargs["prefill_chunk_size"])
+        return Scheduler(runner,
+                         detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
+                         stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
+                         clock=self.programs.clock, **kwargs)
+
+    # --- generation ----------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], sampling_params=None, *, max_new_tokens=64,
+                 chat: bool = False, stop: Sequence[str] = (), logprobs: Optional[int] = None,
+                 min_tokens=0, ignore_eos=False) -> list[Completion]:
+        """Generate completions for a list of prompts.
+
+        Args:
+          prompts: texts, chat-message lists or token-id lists.
+          sampling_params: one `SamplingParams` for all prompts, a list (one
+            per prompt), or None for the default, `SamplingParams()` (greedy).
+          max_new_tokens: int or per-prompt list, >= 1.
+          chat: render text prompts as a user turn with the chat template.
+          stop: stop strings (the matched text is excluded from the output).
+          logprobs: None, or the number of top alternatives (0-20) per token.
+          min_tokens: int or per-prompt list: stop tokens and strings are
+            ignored until this many tokens were generated.
+          ignore_eos: bool or per-prompt list: EOS does not end the request.
+        Returns:
+          One Completion per prompt, in order. Timing is in `self.last_stats`.
+        Raises:
+          ValueError / TypeError: bad prompts or settings, or prompt length +
+            max_new_tokens > max_seq_len, checked before any work starts.
+        """
+        requests = self.requests(prompts, sampling_params, max_new_tokens=max_new_tokens, chat=chat,
+                                 stop=stop, logprobs=logprobs, min_tokens=min_tokens,
+                                 ignore_eos=ignore_eos)
+        run = self._run(requests)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt: Prompt, sampling_params=None, *, max_new_tokens=64, chat: bool = False,
+               stop: Sequence[str] = (), min_tokens: int = 0, ignore_eos: bool = False
+               ) -> Iterator[str]:
+        """Yield the generated text of one prompt piece by piece.
+
+        The concatenated pieces equal `generate(...)[0].text` for the same
+        arguments and seed. Text that could still be the start of a stop
+        string, or an incomplete UTF-8 character, is held back.
+        """
+        requests = self.requests([prompt], sampling_params, max_new_tokens=max_new_tokens, chat=chat,
+                                 stop=stop, min_tokens=min_tokens, ignore_eos=ignore_eos)
+        for _, event in self._run(requests):
+            if event.text:
+                yield event.text
+
+    def requests(self, prompts: Sequence[Prompt], sampling_params=None, *, max_new_tokens=64,
+                 chat: bool = False, stop: Sequence[str] = (), logprobs: Optional[int] = None,
+                 min_tokens=0, ignore_eos=False) -> list[Request]:
+        """Validated `Request`s for prompts and settings (see `generate`).
+
+        Raises:
+          ValueError / TypeError: as `generate`, naming the row.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list; wrap a single prompt in [...]")
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("no prompts given")
+        ids = [self.encode_prompt(p, chat) for p in prompts]
+        params = _per_row(sampling_params, n, "sampling_params") or [sampling.SamplingParams()] * n
+        budgets = _per_row(max_new_tokens, n, "max_new_tokens")
+        mins = _per_row(min_tokens, n, "min_tokens")
+        ignores = _per_row(ignore_eos, n, "ignore_eos")
+        out = []
+        for row, (p, m) in enumerate(zip(ids, budgets)):
+            if isinstance(m, (int, np.integer)) and m >= 1 and len(p) + m > self.max_seq_len:
+                raise ValueError(
+                    f"row {row}: prompt length {len(p)} + max_new_tokens {m} = {len(p) + m} exceeds "
+                    f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens "
+                    "or raise max_seq_len")
+            try:
+                out.append(Request(p, params[row], int(m), int(mins[row]), bool(ignores[row]),
+                                   tuple(stop), logprobs))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"row {row}: {e}") from None
+        return out
+
+    def _run(self, requests: Sequence[Request]
+             ) -> Generator[tuple[int, RequestOutput], None, list[Completion]]:
+        """Run requests to the end on the scheduler; yields (index, event) and
+        returns the Completions (in order). Sets `last_stats`."""
+        compile_before = self.programs.compile_s
+        scheduler = self.scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
+        index = {scheduler.add_request(r): i for i, r in enumerate(requests)}
+        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None, spec=None)
+                 for _ in requests]
+        steps = 0
+        while scheduler.has_unfinished():
+            for event in scheduler.step():
+                i = index[event.request_id]
+                acc = parts[i]
+                acc["tokens"] += event.token_ids
+                acc["text"].append(event.text)
+                acc["logprobs"] += event.logprobs or []
+                acc["reason"], acc["timings"], acc["spec"] = event.finish_reason, event.timings, event.spec
+                yield i, event
+        steps = scheduler.runner.decode_steps
+        self.last_stats = RunStats.from_requests(
+            [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
+            [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
+            decode_steps=steps, spec=[p["spec"] for p in parts])
+        pool = scheduler.runner.kv_pages
+        if pool is not None:
+            self.last_stats = dataclasses.replace(
+                self.last_stats, prefix_query_tokens=pool.query_tokens,
+                prefix_hit_tokens=pool.hit_tokens, num_pages=pool.num_pages)
+        self.last_stats = dataclasses.replace(self.last_stats, num_preempted=scheduler.num_preempted)
+        return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
+                           p["logprobs"] if r.logprobs is not None else None)
+                for r, p in zip(requests, parts)]
+
+    # --- scoring -------------------------------------------------------------------------
+
+    def score(self, prompts: Sequence[Prompt], continuations: Sequence[Union[str, Sequence[int]]],
+              *, chat: bool = False) -> list[float]:
+        """Log-likelihood of each continuation given its prompt (research use).
+
+        One batched prefill with all-position logits; the continuation's tokens
+        are scored one after another under teacher forcing.
+
+        Args:
+          prompts: texts (BOS added as the model does), chat messages, or ids.
+          continuations: texts (tokenized without special tokens) or ids, one
+            per prompt, each at least one token.
+        Returns:
+          Per row, sum over continuation tokens of log p(token | prefix), in nats.
+        Raises:
+          ValueError: mismatched lengths, an empty continuation, ids out of the
+            vocabulary, or prompt + continuation longer than max_seq_len.
+        """
+        if len(prompts) != len(continuations) or not prompts:
+            raise ValueError(f"{len(prompts)} prompts for {len(continuations)} continuations")
+        rows = [(self.encode_prompt(p, chat), self._continuation_ids(c))
+                for p, c in zip(prompts, continuations)]
+        for row, (p, c) in enumerate(rows):
+            if len(p) + len(c) > self.max_seq_len:
+                raise ValueError(f"row {row}: prompt {len(p)} + continuation {len(c)} tokens exceed "
+                                 f"max_seq_len {self.max_seq_len}")
+        full = [p + c for p, c in rows]
+        tokens, lengths = _pad(full, batch_bucket(len(full)),
+                               self.buckets.prompt_bucket(max(map(len, full))))
+        cache = init_cache(self.config, tokens.shape[0], tokens.shape[1], self.cache_dtype)
+        logp = np.asarray(self.programs(engine.token_logprobs, self.params, cache, tokens, lengths,
+                                        config=self.config))
+        return [float(logp[row, len(p) - 1:len(p) + len(c) - 1].sum())
+                for row, (p, c) in enumerate(rows)]
+
+    def _continuation_ids(self, continuation) -> list[int]:
+        if isinstance(continuation, str):
+            if self.tokenizer is None:
+                raise ValueError("this LLM has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(continuation, add_special_tokens=False)
+        else:
+            ids = [int(i) for i in continuation]
+        if not ids:
+            raise ValueError("empty continuation: nothing to score")
+        return self.encode_prompt(ids)
+
+
+def _params_dtype(params: dict):
+    """The activation / KV-cache dtype of a params pytree: its final norm's
+    (matmul weights may be quantized codes)."""
+    return params["norm"].dtype
+
+
+def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):
+    """Right-pad id lists into int32 tokens [batch, length] and lengths [batch]."""
+    tokens = np.zeros((batch, length), np.int32)
+    lengths = np.zeros((batch,), np.int32)
+    for row, p in enumerate(ids):
+        tokens[row, :len(p)] = p
+        lengths[row] = len(p)
+    return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def _per_row(value, n: int, name: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,211 @@
+"""The serving engine on its own thread: one thread owns the device and runs
+the `Scheduler`; any other thread (an HTTP handler, a test) submits requests
+and reads their events through thread-safe queues.
+
+    engine = EngineThread(llm.scheduler(max_num_seqs=8), max_waiting_requests=64)
+    engine.start()
+    handle = engine.submit(request)           # validated here; QueueFullError when full
+    for event in handle:                      # RequestOutput events, the last one finished
+        print(event.text, end="")
+    engine.stop()
+
+`submit` accepts an `on_event` callback instead, called on the engine
+thread (an asyncio server passes one that hands the event to its loop with
+`call_soon_threadsafe`). `handle.abort()` finishes a request with "abort" at
+the next scheduler step and frees its slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+from jaxinfer.serving.request import Request, RequestOutput
+from jaxinfer.serving.scheduler import QueueFullError, Scheduler
+
+
+class EngineError(RuntimeError):
+    """The engine thread failed; the requests it was running are finished with it."""
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its events (blocking), or `abort()` it.
+
+    Attributes:
+      request_id: the engine's id (not the scheduler's).
+      request: the Request.
+      finished: the last event has been delivered.
+    """
+
+    def __init__(self, engine: "EngineThread", request_id: int, request: Request,
+                 on_event: Optional[Callable[[RequestOutput], None]]):
+        self.engine, self.request_id, self.request = engine, request_id, request
+        self._queue: Optional[queue.Queue] = None if on_event else queue.Queue()
+        self._on_event = on_event or self._queue.put
+        self.finished = False
+        self.error: Optional[BaseException] = None
+
+    def _deliver(self, event) -> None:
+        if isinstance(event, RequestOutput) and event.finished:
+            self.finished = True
+        self._on_event(event)
+
+    def __iter__(self):
+        """Yield RequestOutput events until the finished one (raises
+        EngineError if the engine failed). Only for handles without on_event."""
+        if self._queue is None:
+            raise TypeError("this handle delivers its events to on_event")
+        while True:
+            event = self._queue.get()
+            if isinstance(event, BaseException):
+                raise EngineError(f"the engine failed: {event!r}") from event
+            yield event
+            if event.finished:
+                return
+
+    def abort(self) -> None:
+        """Finish the request with reason "abort" (a no-op once it finished)."""
+        self.engine.abort(self)
+
+
+class EngineThread:
+    """Runs a Scheduler on a thread of its own.
+
+    Args:
+      scheduler: the Scheduler (its runner's device work happens on this thread).
+      max_waiting_requests: bound of requests submitted but not yet decoding
+        (None: unbounded); `submit` raises QueueFullError beyond it.
+      idle_wait_s: how long the thread sleeps on its command queue when idle.
+    """
+
+    def __init__(self, scheduler: Scheduler, *, max_waiting_requests: Optional[int] = None,
+                 idle_wait_s: float = 0.05):
+        self.scheduler = scheduler
+        self.max_waiting_requests = max_waiting_requests
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._by_sched: dict[int, RequestHandle] = {}
+        self._sched_id: dict[int, int] = {}
+        self._queued = 0            # submitted, not yet handed to the scheduler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
+        self.error: Optional[BaseException] = None
+        self.steps = 0
+        self.on_step: Optional[Callable[["EngineThread", list], None]] = None
+
+    # --- the caller's side ---------------------------------------------------------------
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    def submit(self, request: Request, on_event: Optional[Callable] = None) -> RequestHandle:
+        """Queue a request for the engine thread.
+
+        Raises:
+          ValueError: the request cannot fit max_seq_len (checked now).
+          QueueFullError: max_waiting_requests requests are already waiting.
+          EngineError: the engine has stopped or failed.
+        """
+        if self.error is not None or self._stop.is_set():
+            raise EngineError("the engine is not running")
+        self.scheduler.check(request)
+        with self._lock:
+            waiting = self._queued + self.scheduler.num_waiting
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are already waiting "
+                                     f"(max_waiting_requests {self.max_waiting_requests})")
+            self._queued += 1
+            handle = RequestHandle(self, next(self._ids), request, on_event)
+        self._commands.put(("add", handle))
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        self._commands.put(("abort", handle))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting requests, abort the running ones, and end the thread
+        (joined within timeout_s)."""
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet decoding (queued or prefilling)."""
+        with self._lock:
+            return self._queued + self.scheduler.num_waiting
+
+    # --- the engine thread -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.scheduler.has_unfinished()
+                self._drain(block=not busy)
+                if self.scheduler.has_unfinished():
+                    self._deliver(self.scheduler.step())
+            self._shutdown()
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
+            self.error = e
+            for handle in list(self._by_sched.values()):
+                handle._deliver(e)
+            while True:
+                try:
+                    kind, handle = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    handle._deliver(e)
+
+    def _drain(self, block: bool) -> None:
+        wait = self.idle_wait_s if block else None
+        while True:
+            try:
+                kind, handle = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            wait = None
+            if kind == "add":
+                with self._lock:
+                    self._queued -= 1
+                    rid = self.scheduler.add_request(handle.request)
+                self._by_sched[rid] = handle
+                self._sched_id[handle.request_id] = rid
+            elif kind == "abort":
+                rid = self._sched_id.get(handle.request_id)
+                if rid is not None:
+                    self.scheduler.abort(rid)
+
+    def _deliver(self, events: list) -> None:
+        self.steps += 1
+        for event in events:
+            handle = self._by_sched.get(event.request_id)
+            if handle is None:
+                continue
+            if event.finished:
+                del self._by_sched[event.request_id]
+                self._sched_id.pop(handle.request_id, None)
+            handle._deliver(event)
+        if self.on_step is not None:
+            self.on_step(self, events)
+
+    def _shutdown(self, max_steps: int = 10_000) -> None:
+        """Abort everything still queued or running and step until it is out."""
+        self._drain(block=False)
+        for rid in list(self._by_sched):
+            self.scheduler.abort(rid)
+        deadline = time.monotonic() + 60.0
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished() or time.monotonic() > deadline:
+                break
+            self._deliver(self.scheduler.step())

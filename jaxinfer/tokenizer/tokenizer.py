@@ -1,0 +1,548 @@
+"""Tokenizer, chat template and streaming detokenizer, from the checkpoint's own files.
+
+All tokenization is done by Hugging Face `transformers` on its Rust `tokenizers`
+backend; nothing here implements BPE or SentencePiece.
+
+* GGUF: the tokenizer `AutoTokenizer.from_pretrained(folder, gguf_file=name)`
+  would build, built without PyTorch from the GGUF's `tokenizer.*` metadata
+  (`jaxinfer.tokenizer.gguf`, which reads the file with the same
+  `gguf.GGUFReader` the weights are loaded with).
+
+  Conversion is slow for a large vocabulary (the merges of Gemma 3's 262k
+  vocab are rebuilt from the tokens), so the result is saved with
+  `save_pretrained` under
+
+      <jaxinfer cache dir>/tokenizers/<gguf stem>-<key>/
+
+  where the key hashes the file's resolved path, size and mtime and the
+  transformers/tokenizers versions. Later runs load the saved folder with
+  the tokenizer class itself (not `AutoTokenizer`, whose import pulls in
+  torch when it is installed) and never open the GGUF.
+* Hugging Face folder: `tokenizer.json` + `tokenizer_config.json` (chat
+  template inside, or in `chat_template.jinja`), loaded with
+  `AutoTokenizer.from_pretrained(folder)`.
+
+`IncrementalDetokenizer` turns a stream of ids into text chunks whose
+concatenation equals `Tokenizer.decode` of all ids, holding back characters
+whose UTF-8 bytes are not complete yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+_CACHE_FORMAT = 3   # 2: built without torch; 3: the tokenizer class is recorded
+_META_FILE = "jaxinfer_tokenizer.json"
+_REPLACEMENT = "\ufffd"
+
+# Tokens that end a chat turn in common templates. One counts as an EOS id
+# when it is in the vocabulary and the chat template's text contains it.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>",
+    "<|end_of_text|>", "</s>", "<|return|>", "<|call|>", "<|END_OF_TURN_TOKEN|>",
+)
+
+class Tokenizer:
+    """Encode text, render chat prompts and decode ids with one HF fast tokenizer.
+
+    Build it with `from_gguf`, `from_pretrained` or `from_source`; the
+    constructor wraps an already-loaded `transformers` tokenizer.
+
+    Args:
+      hf_tokenizer: a `transformers` tokenizer with a Rust `tokenizers`
+        backend (`backend_tokenizer`).
+      extra_eos_token_ids: further ids that end generation (from the GGUF
+        metadata, or `generation_config.json` / `config.json` of a folder).
+      source: where it came from, for messages.
+
+    Raises:
+      ValueError: the tokenizer has no `tokenizers` backend.
+    """
+
+    def __init__(self, hf_tokenizer, *, extra_eos_token_ids: Iterable[int] = (),
+                 source: str | None = None):
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"tokenizer {type(hf_tokenizer).__name__} from {source} has no "
+                             "Rust `tokenizers` backend; jaxinfer needs a fast tokenizer")
+        self._hf = hf_tokenizer
+        self._backend = backend
+        self.source = source
+        self._vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+        self._special_ids = frozenset(
+            int(i) for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self._byte_ids = _byte_fallback_ids(backend)
+        self._add_bos = self._detect_add_bos()
+        self._eos_ids = self._collect_eos(extra_eos_token_ids)
+
+    # ----- construction -------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, *, cache: bool = True,
+                  cache_dir: str | os.PathLike | None = None, reader=None) -> "Tokenizer":
+        """Tokenizer from a GGUF file's `tokenizer.*` metadata.
+
+        Builds, without PyTorch, the tokenizer `transformers.AutoTokenizer.
+        from_pretrained(folder, gguf_file=name)` would (see
+        `jaxinfer.tokenizer.gguf`). The converted tokenizer is
+        cached and reused when the file's path, size and mtime and the
+        library versions are unchanged; a cached load does not open the GGUF.
+
+        Args:
+          path: a `.gguf` file.
+          cache: read and write the converted-tokenizer cache.
+          cache_dir: cache root; default `jaxinfer.checkpoint.sources.cache_dir()`
+            ($JAXINFER_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer).
+          reader: a `gguf.GGUFReader` of `path`, or a function returning one,
+            used when the tokenizer must be converted (so the caller's one
+            header read serves both); None opens the file.
+
+        Raises:
+          FileNotFoundError: no such file.
+          ValueError: not a GGUF file, or transformers cannot convert its tokenizer.
+        """
+        from jaxinfer.tokenizer import gguf as gguf_tokenizer
+
+        path = pathlib.Path(path).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        slot = _cache_slot(path, cache_dir) if cache else None
+        if slot is not None and (slot / _META_FILE).is_file():
+            try:
+                return cls._from_cache(slot, path)
+            except Exception as e:  # a damaged cache entry: convert again
+                warnings.warn(f"ignoring unreadable tokenizer cache {slot}: {e}", RuntimeWarning)
+                shutil.rmtree(slot, ignore_errors=True)
+        reader = reader() if callable(reader) else reader
+        if reader is None:
+            from jaxinfer.checkpoint.gguf import open_reader
+
+            reader = open_reader(path)
+        hf = gguf_tokenizer.convert_gguf_tokenizer(path, reader)
+        eos = gguf_tokenizer.eos_token_ids(reader)
+        if slot is not None:
+            _save_to_cache(hf, slot, {"gguf_eos_token_ids": eos, "gguf": str(path),
+                                      "tokenizer_class": _class_path(type(hf))})
+        return cls(hf, extra_eos_token_ids=eos, source=str(path))
+
+    @classmethod
+    def _from_cache(cls, slot: pathlib.Path, path: pathlib.Path) -> "Tokenizer":
+        """Load a converted tokenizer saved by `from_gguf` with its own class."""
+        meta = json.loads((slot / _META_FILE).read_text())
+        module, _, name = meta["tokenizer_class"].partition(":")
+        if not module.startswith("transformers."):
+            raise ValueError(f"unexpected tokenizer class {meta['tokenizer_class']!r}")
+        tokenizer_class = getattr(importlib.import_module(module), name)
+        hf = tokenizer_class.from_pretrained(str(slot))
+        return cls(hf, extra_eos_token_ids=meta["gguf_eos_token_ids"], source=str(path))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "Tokenizer":
+        """Tokenizer from a Hugging Face checkpoint folder.
+
+        Loads `tokenizer.json` / `tokenizer_config.json` (and `chat_template.jinja`)
+        with `transformers.AutoTokenizer`. EOS ids from `generation_config.json`
+        and `config.json` (an int or a list) join the tokenizer's own.
+
+        Raises:
+          FileNotFoundError: the folder has no tokenizer files.
+        """
+        from transformers import AutoTokenizer
+
+        folder = pathlib.Path(folder).expanduser()
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise FileNotFoundError(f"{folder} holds no tokenizer.json or tokenizer_config.json")
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        extra: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            if (folder / name).is_file():
+                extra += _as_int_list(json.loads((folder / name).read_text()).get("eos_token_id"))
+        return cls(hf, extra_eos_token_ids=extra, source=str(folder))
+
+    @classmethod
+    def from_source(cls, path: str | os.PathLike, **gguf_kwargs) -> "Tokenizer":
+        """`from_gguf` for a `.gguf` file, `from_pretrained` for a folder.
+
+        A folder without tokenizer files but with exactly one `.gguf` file uses
+        that file. `gguf_kwargs` go to `from_gguf`.
+
+        Raises:
+          FileNotFoundError: nothing usable at `path`.
+          ValueError: a folder with several `.gguf` files and no tokenizer files.
+        """
+        path = pathlib.Path(path).expanduser()
+        if path.is_file():
+            return cls.from_gguf(path, **gguf_kwargs)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no tokenizer source at {path}")
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return cls.from_pretrained(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return cls.from_gguf(ggufs[0], **gguf_kwargs)
+        if ggufs:
+            raise ValueError(f"{path} holds several .gguf files; name one: {[g.name for g in ggufs]}")
+        raise FileNotFoundError(f"{path} holds no tokenizer files and no .gguf file")
+
+    # ----- properties ---------------------------------------------------
+
+    @property
+    def hf_tokenizer(self):
+        """The wrapped `transformers` tokenizer."""
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (with added tokens). The
+        model's embedding may have more rows (padding); ids >= this are invalid here."""
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._hf.bos_token_id
+
+    @property
+    def add_bos(self) -> bool:
+        """True when `encode(text)` starts the sequence with BOS (the model uses one)."""
+        return self._add_bos
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: the tokenizer's EOS, the checkpoint's EOS ids
+        (GGUF `eos/eot/eom_token_id`, or generation_config/config eos_token_id),
+        and any `END_OF_TURN_TOKENS` entry in the vocab that the chat template uses."""
+        return self._eos_ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._hf.pad_token_id
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of special added tokens: the ones `skip_special_tokens` drops."""
+        return self._special_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._hf.chat_template
+        return template if isinstance(template, str) and template else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def __len__(self) -> int:
+        return self._vocab_size
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+                f"bos={self.bos_token_id}, add_bos={self.add_bos}, eos={sorted(self.eos_token_ids)})")
+
+    # ----- encode / decode ----------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, exactly as the HF tokenizer's `encode`.
+
+        Args:
+          text: the string to encode. Special-token strings in it (e.g.
+            "<|im_end|>") become their special ids, as in transformers.
+          add_special_tokens: add BOS (and whatever the post-processor adds)
+            when the model uses it.
+
+        Raises:
+          TypeError: `text` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (1-D ints) via the `tokenizers` backend.
+
+        `clean_up_tokenization_spaces` is never applied: the text is the raw
+        concatenation of the tokens, like llama.cpp's output, so that streaming
+        can reproduce it exactly.
+
+        Raises:
+          TypeError: ids are not integers.
+          ValueError: ids not 1-D, or an id outside [0, vocab_size).
+        """
+        return self._backend.decode(self.check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def check_ids(self, ids: Sequence[int] | np.ndarray | int) -> list[int]:
+        """`ids` as a list of Python ints, checked against the vocabulary.
+
+        Raises:
+          TypeError: not integers.  ValueError: not 1-D, or an id out of range.
+        """
+        if isinstance(ids, (int, np.integer)) and not isinstance(ids, bool):
+            ids = [ids]
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+        if arr.size == 0:
+            return []
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+        out = arr.tolist()
+        lo, hi = min(out), max(out)
+        if lo < 0 or hi >= self._vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
+        return out
+
+    # ----- chat ---------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool = False) -> list[int]:
+        """Prompt ids: text encoded as is (BOS added when the model uses one),
+        or, with `chat` or for a message list, rendered with the chat template
+        (a text `prompt` becomes one user turn) and tokenized.
+
+        Raises:
+          ValueError: chat without a chat template, or empty messages.
+          TypeError: text that is not a str.
+        """
+        if isinstance(prompt, str) and not chat:
+            return self.encode(prompt)
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template: use a raw prompt (chat: false)")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return self.apply_chat_template(messages)
+
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs) -> str:
+        """The chat template's text for `messages` (no tokenization).
+
+        Raises:
+          ValueError: no chat template, or empty `messages`.
+        """
+        self._check_chat(messages, template_kwargs)
+        return self._hf.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            tokenize=False, **template_kwargs)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """Prompt ids for `messages` rendered with the checkpoint's chat template.
+
+        Rendering and tokenization are transformers' `apply_chat_template(...,
+        tokenize=True)`; then, when the model uses BOS (`add_bos`), the ids are
+        made to start with exactly one BOS (a template that writes
+        `{{ bos_token }}` keeps its one; a template without it gets one added;
+        repeated leading BOS collapse to one).
+
+        Args:
+          messages: dicts with "role" and "content" (and whatever else the template reads).
+          add_generation_prompt: append the assistant-turn header.
+          template_kwargs: passed to transformers (e.g. `chat_template=` to
+            override the template, `tools=`, template variables).
+
+        Raises:
+          ValueError: no chat template (base models often have none), or empty `messages`.
+        """
+        self._check_chat(messages, template_kwargs)
+        ids = self._hf.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False, **template_kwargs)
+        return self._single_bos([int(i) for i in ids])
+
+    def _check_chat(self, messages, template_kwargs) -> None:
+        if not self.has_chat_template and not template_kwargs.get("chat_template"):
+            raise ValueError(f"the tokenizer from {self.source} has no chat template; "
+                             "encode plain text instead, or pass chat_template=")
+        if isinstance(messages, (str, bytes)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+
+    def _single_bos(self, ids: list[int]) -> list[int]:
+        bos = self.bos_token_id
+        if not self._add_bos or bos is None:
+            return ids
+        start = 0
+        while start < len(ids) and ids[start] == bos:
+            start += 1
+        return [bos] + ids[start:]
+
+    # ----- helpers ------------------------------------------------------
+
+    def _detect_add_bos(self) -> bool:
+        bos = self.bos_token_id
+        if bos is None:
+            return False
+        with_special = self._hf.encode("a", add_special_tokens=True)
+        without = self._hf.encode("a", add_special_tokens=False)
+        return with_special[:1] == [bos] and without[:1] != [bos]
+
+    def _collect_eos(self, extra: Iterable[int]) -> frozenset[int]:
+        ids = set(_as_int_list(self._hf.eos_token_id)) | set(_as_int_list(list(extra)))
+        template = self.chat_template or ""
+        for token in END_OF_TURN_TOKENS:
+            if token in template:
+                tid = self._backend.token_to_id(token)
+                if tid is not None:
+                    ids.add(int(tid))
+        return frozenset(i for i in ids if 0 <= i < self._vocab_size)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of a growing id sequence, one chunk per `push`.
+
+    Invariant (for any ids and any chunking):
+        "".join(push(c) for c in chunks) + flush() == tokenizer.decode(all ids, skip_special_tokens)
+    and a chunk never ends in a half-finished character: text whose UTF-8
+    bytes may still be completed (or, with SentencePiece byte fallback, a run
+    of `<0xNN>` tokens that may still grow) is held back until it is final.
+    A U+FFFD that is in the full decode (invalid bytes) comes out once final,
+    at the latest at `flush`.
+
+    Method (as vLLM's detokenizer): decode only a window `ids[prefix:]` and
+    emit its text beyond `decode(ids[prefix:read])`; the context tokens
+    `ids[prefix:read]` keep leading-space handling (Strip/Metaspace decoders)
+    identical to the full decode. Window boundaries are only placed where the
+    decode so far is final, so window texts add up to the full text. Work per
+    push is proportional to the new tokens plus the held-back ones.
+
+    Args:
+      tokenizer: a `Tokenizer`.
+      skip_special_tokens: as in `Tokenizer.decode`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._byte_ids = tokenizer._byte_ids
+        self._ids: list[int] = []      # ids kept for decoding (special ids dropped when skipped)
+        self._prefix = 0               # window start: context tokens begin here
+        self._read = 0                 # text of ids[:read] has been emitted
+        self._prefix_text = ""         # decode(ids[prefix:read])
+        self._emitted = 0              # characters emitted so far
+        self._full_mode = False        # fallback: diff against full decodes
+        self._done = False
+
+    def push(self, ids: Sequence[int] | np.ndarray | int) -> str:
+        """Add token ids; return the text that became final.
+
+        Raises:
+          ValueError / TypeError: as `Tokenizer.check_ids`.
+          RuntimeError: called after `flush`.
+        """
+        if self._done:
+            raise RuntimeError("push() after flush(): make a new IncrementalDetokenizer")
+        new = self._tok.check_ids(ids)
+        self._ids.extend(i for i in new if i not in self._skip)
+        end = len(self._ids)
+        while end > self._read and self._ids[end - 1] in self._byte_ids:
+            end -= 1                   # a byte-fallback run may still grow: its text is not final
+        if end <= self._read:
+            return ""
+        return self._advance(end, final=False)
+
+    def flush(self) -> str:
+        """Return all remaining text (held-back bytes decode as U+FFFD, as in
+        the full decode). Afterwards `push` raises; `flush` returns ""."""
+        if self._done:
+            return ""
+        self._done = True
+        if len(self._ids) <= self._read:
+            return ""
+        return self._advance(len(self._ids), final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok._backend.decode(ids, skip_special_tokens=False)
+
+    def _advance(self, end: int, final: bool) -> str:
+        if self._full_mode:
+            return self._advance_full(end, final)
+        window = self._decode(self._ids[self._prefix:end])
+        if not window.startswith(self._prefix_text):
+            self._full_mode = True     # a decoder this method does not model: stay exact
+            warnings.warn("IncrementalDetokenizer: windowed decode is not prefix-consistent for this "
+                          "tokenizer; falling back to full decodes", RuntimeWarning, stacklevel=3)
+            return self._advance_full(end, final)
+        text = window[len(self._prefix_text):]
+        if not final and text.endswith(_REPLACEMENT):
+            return ""                  # maybe an incomplete character: wait for more ids
+        self._prefix_text = self._decode(self._ids[self._read:end])
+        self._prefix, self._read = self._read, end
+        self._emitted += len(text)
+        return text
+
+    def _advance_full(self, end: int, final: bool) -> str:
+        full = self._decode(self._ids[:end])
+        text = full[self._emitted:]
+        if not final and text.endswith(_REPLACEMENT):
+            return ""
+        self._read = end
+        self._emitted = len(full)
+        return text
+
+
+# ----- module helpers ----------------------------------------------------
+
+def _as_int_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if v is not None]
+    return [int(value)]
+
+
+def _byte_fallback_ids(backend) -> frozenset[int]:
+    """Ids of `<0xNN>` tokens when the decoder has SentencePiece ByteFallback, else empty."""
+    decoder = backend.decoder
+    if decoder is None or b"ByteFallback" not in decoder.__getstate__():
+        return frozenset()
+    ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+    return frozenset(int(i) for i in ids if i is not None)
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir).expanduser()
+    from jaxinfer.checkpoint.sources import cache_dir as default_cache_dir
+
+    return default_cache_dir()
+
+
+def _cache_slot(path: pathlib.Path, cache_dir: str | os.PathLike | None) -> pathlib.Path:
+    """Cache folder for the tokenizer converted from the GGUF at `path`."""
+    import tokenizers
+    import transformers
+
+    st = path.stat()
+    key = json.dumps([str(path), st.st_size, st.st_mtime_ns, transformers.__version__,
+                      tokenizers.__version__, _CACHE_FORMAT])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return _cache_root(cache_dir) / "tokenizers" / f"{path.stem}-{digest}"
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _save_to_cache(hf, slot: pathlib.Path, meta: dict) -> None:
+    """Write `hf` to `slot` atomically (temp folder + rename); warn, don't fail, on OSError."""
+    tmp = None
+    try:
+        slot.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=slot.parent))
+        hf.save_pretrained(str(tmp))
+        (tmp / _META_FILE).write_text(json.dumps(meta, indent=1))
+        os.rename(tmp, slot)
+        tmp = None
+    except OSError as e:
+        if not (slot / _META_FILE).is_file():  # not just a concurrent writer that won
+            warnings.warn(f"could not cache the converted tokenizer in {slot}: {e}", RuntimeWarning)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
