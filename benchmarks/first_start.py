@@ -59,7 +59,7 @@ def main() -> None:
     import numpy as np
 
     from jaxinfer import LLM, init_cache, prefill
-    from jaxinfer.checkpoint.loading import enable_compilation_cache
+    from jaxinfer.serving.loading import enable_compilation_cache
 
     enable_compilation_cache()
     llm = LLM.load(args.model, max_seq_len=2048, progress=False)

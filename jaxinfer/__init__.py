@@ -10,11 +10,12 @@ Public API:
 """
 
 from jaxinfer.cache.kv import KVCache, init_cache
-from jaxinfer.config.settings import GenerationConfig, ModelConfig
+from jaxinfer.config import ModelConfig
+from jaxinfer.config import GenerationConfig
 from jaxinfer.engine.phases import decode_step, extend, prefill
 from jaxinfer.serving.llm import LLM, Completion
 from jaxinfer.serving.request import Request, RequestOutput
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.stats import RunStats
 

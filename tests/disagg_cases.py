@@ -13,7 +13,7 @@ from jaxinfer.parallel.disagg.local import ThreadPrefillClient
 from jaxinfer.serving.llm import LLM
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.request import Request
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from tiny import random_params
 from tp_cases import CONFIGS
 

@@ -1,6 +1,6 @@
 """A slow, obvious reference forward pass in plain numpy (float64).
 
-No cache, no jit, no shared code with jaxinfer.nn.layers: every position of the
+No cache, no jit, no shared code with jaxinfer.nn: every position of the
 whole sequence is recomputed with a full causal (optionally banded) mask.
 Never change this file to agree with the fast path.
 """

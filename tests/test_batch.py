@@ -8,7 +8,7 @@ import pytest
 
 import reference
 from jaxinfer.serving.llm import LLM
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer.stop import StopMatcher
 from tiny import TINY_LLAMA, random_params
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.nn import layers
+from jaxinfer import nn as layers
 
 ATOL = 2e-5
 KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64  # SmolLM2: 9 query heads, 3 kv heads, head_dim 64

@@ -17,7 +17,7 @@ from jaxinfer.checkpoint import (
     CheckpointError, ModelSourceError, config_from_gguf, gemma_norm_to_scale, load_gguf,
     params_from_hf_tensors, resolve_model, unpermute_qk,
 )
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.progress import Progress
 
 

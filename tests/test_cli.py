@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.checkpoint import loading
 from jaxinfer.cli import main
-from jaxinfer.config.settings import GenerationConfig
+from jaxinfer.config import GenerationConfig
 from jaxinfer.progress import Progress
 
 PREFIX = "jaxinfer generate: error: "

@@ -5,8 +5,8 @@ import re
 import pytest
 
 from jaxinfer.cli import main
-from jaxinfer.config.settings import GenerationConfig
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.config import GenerationConfig
+from jaxinfer.sampling import SamplingParams
 
 
 def test_yaml_and_overrides(tmp_path):

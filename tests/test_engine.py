@@ -13,12 +13,12 @@ import reference
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.cache.kv import cache_nbytes, grow_cache, init_cache
 from jaxinfer.serving.buckets import cache_buckets
-from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
 from jaxinfer.engine.phases import (FLASH_PROMPT, MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step,
                              prefill, query_blocks)
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.llm import LLM
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from packing import unpack_weight
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 

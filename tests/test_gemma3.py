@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 
 from jaxinfer.cache.kv import cache_nbytes, init_cache
-from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine.phases import prefill
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.llm import LLM
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 32

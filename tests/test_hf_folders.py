@@ -32,14 +32,14 @@ import pytest
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.checkpoint.convert import CheckpointError
 from jaxinfer.checkpoint.safetensors import config_from_hf, load_hf_folder, weight_map
-from jaxinfer.config.settings import FULL_ATTENTION as FULL
-from jaxinfer.config.settings import SLIDING_ATTENTION as SLIDE
+from jaxinfer.config import FULL_ATTENTION as FULL
+from jaxinfer.config import SLIDING_ATTENTION as SLIDE
 from jaxinfer.engine.phases import decode_step, prefill
-from jaxinfer.nn.layers import rms_norm
+from jaxinfer.nn import rms_norm
 from jaxinfer.serving.llm import LLM
 from jaxinfer.weights.prepare import prepare_params
 from tiny import tiny_llama_folder
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

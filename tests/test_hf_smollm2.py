@@ -13,7 +13,7 @@ import pytest
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.engine.phases import decode_step, extend, prefill
 from jaxinfer.serving.llm import LLM
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")

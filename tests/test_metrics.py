@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import roofline as metrics
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 
 def attainable_flops(intensity, peak_flops, bandwidth):
     """Roofline: min(peak FLOP/s, intensity * bandwidth) (Williams et al. 2009)."""

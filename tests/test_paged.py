@@ -22,7 +22,7 @@ from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.pages import PagePool, PoolExhaustedError, page_hashes
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.request import Request
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 ATOL = 1e-5
@@ -527,7 +527,7 @@ def test_config_keys_and_errors():
     kv_cache_memory exclude each other; a budget sets the pool's pages; a
     request that could never fit the whole pool is refused when added."""
     from jaxinfer.cache.kv import page_nbytes
-    from jaxinfer.config.settings import GenerationConfig, parse_bytes
+    from jaxinfer.config.generation import GenerationConfig, parse_bytes
 
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2 * 10**9
     assert parse_bytes("1.5 kib") == 1536

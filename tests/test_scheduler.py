@@ -15,7 +15,7 @@ import pytest
 
 from jaxinfer.engine.phases import StepOutput
 from jaxinfer.serving.request import Request
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
 
 V = 50

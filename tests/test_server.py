@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from jaxinfer.serving.llm import LLM  # noqa: E402
-from jaxinfer.sampling.sample import SamplingParams  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
 from jaxinfer.server import ServerThread, build_server  # noqa: E402
 from serve_process import start_serve, stop  # noqa: E402
 

@@ -42,7 +42,7 @@ def client(llm):
 
 
 def test_chat_equals_the_library(client, llm):
-    from jaxinfer.sampling.sample import SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, logprobs=True,
                                            top_logprobs=3)

@@ -9,7 +9,7 @@ import pytest
 import reference
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.request import Request
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.parallel import sharding
-from jaxinfer.config.settings import ModelConfig
-from jaxinfer.nn.layers import gated_mlp, project_qkv
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.blocks import gated_mlp, project_qkv
 from jaxinfer.weights.prepare import prepare_params
 from multidevice import run_case
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
@@ -180,7 +180,7 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
     """The tp run in a subprocess first, then HF, then our single-device
     run, one model in this process at a time."""
     from jaxinfer.serving.llm import LLM
-    from jaxinfer.checkpoint.loading import load_tokenizer
+    from jaxinfer.serving.loading import load_tokenizer
     from tp_cases import SEEDED
 
     torch = pytest.importorskip("torch")

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine import phases as engine
-from jaxinfer.sampling import sample as sampling
+from jaxinfer import sampling
 from jaxinfer.serving.llm import LLM
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.request import Request, RequestState
 from jaxinfer.serving.runner import row_inputs, stop_tokens
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.verify import NO_TOKEN, DraftModel, SpecConfig, accept_drafts, ngram_propose
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 

@@ -7,7 +7,7 @@ import pytest
 
 from jaxinfer.serving.llm import LLM
 from jaxinfer.weights.prepare import prepare_params
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.verify import DraftModel, SpecConfig
 
 pytestmark = pytest.mark.slow

@@ -135,7 +135,7 @@ def test_hf_tensor_layout_round_trips(trained):
 
 def test_llm_load_generates_the_target(folder):
     from jaxinfer.serving.llm import LLM
-    from jaxinfer.sampling.sample import SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     llm = LLM.load(str(folder), max_seq_len=16)
     [c] = llm.generate(["你好"], SamplingParams(temperature=0.0), max_new_tokens=4)

@@ -6,7 +6,7 @@ import pathlib
 
 import numpy as np
 
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 
 TINY_LLAMA = ModelConfig(
     arch="llama", vocab_size=97, num_layers=3, hidden_size=32, num_heads=4,

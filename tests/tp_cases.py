@@ -12,7 +12,7 @@ from jaxinfer.parallel import sharding
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.serving.llm import LLM
 from jaxinfer.weights.prepare import prepare_params
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 # Tiny configs that cover every plan: TINY_LLAMA (N=4, K=2, V=97 prime:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.nn.layers import masked_softmax
+from jaxinfer.nn import masked_softmax
+from jaxinfer.kernels import quant as quant_kernels
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -49,7 +50,7 @@ def dequantize_kv(codes: jax.Array, scale: jax.Array, axis: int = -1) -> jax.Arr
 def decode_attention_int8_reference(q: jax.Array, k: jax.Array, k_scale: jax.Array, v: jax.Array,
                                     v_scale: jax.Array, mask: jax.Array) -> jax.Array:
     """XLA decode attention over int8 K/V: the dequantized keys and values,
-    then softmax(q.k masked) . v in float32 (`layers.masked_softmax`: a row
+    then softmax(q.k masked) . v in float32 (`nn.masked_softmax`: a row
     that sees nothing gives zeros).
 
     Args:
@@ -69,7 +70,6 @@ def decode_attention_int8(q: jax.Array, k: jax.Array, k_scale: jax.Array, v: jax
                           v_scale: jax.Array, mask: jax.Array) -> jax.Array:
     """`quant_kernels.decode_attention_int8` where the CPU kernels are
     enabled, else `decode_attention_int8_reference` (same arguments)."""
-    from jaxinfer.kernels import quant as quant_kernels
 
     if quant_kernels.enabled():
         return quant_kernels.decode_attention_int8(q, k, k_scale, v, v_scale, mask)

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.cache.int8 import quantize_kv
 
 
 class LayerKV(NamedTuple):
@@ -356,7 +357,6 @@ def write(cache: KVCache, layer_type: str, kv: LayerKV, k: jax.Array, v: jax.Arr
     put_keys = lambda buf, new: buf.at[rows, :, :, index].set(new.astype(buf.dtype), mode="drop")
     if kv.key_scale is None:
         return LayerKV(put_keys(kv.keys, k), put(kv.values, v))
-    from jaxinfer.cache.int8 import quantize_kv
 
     (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k), quantize_kv(v)  # scales [B, C, K]
     return LayerKV(put_keys(kv.keys, k_codes), put(kv.values, v_codes),

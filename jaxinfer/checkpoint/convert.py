@@ -29,7 +29,7 @@ from typing import Callable, Collection
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"

@@ -31,7 +31,7 @@ from jaxinfer.weights import quant
 from jaxinfer.checkpoint.convert import (EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD, CheckpointError,
                                          _fetch, _hf_shape, _layer_table, _stack_layer_param, counted,
                                          has_separate_lm_head, params_from_hf_tensors, resolve_tied)
-from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.progress import Progress
 
 SUPPORTED_ARCHS = ("llama", "gemma3")

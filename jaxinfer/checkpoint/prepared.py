@@ -60,14 +60,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.progress import Progress
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.checkpoint.sources import file_sha256
+from jaxinfer.config import cache_dir
 
 FORMAT_VERSION = 2   # 2: tensors 64-byte aligned (mapped without a copy)
 SWITCH = "JAXINFER_LOAD_CACHE"     # "0" turns the load cache off
 # Modules whose code decides the prepared params' values or layout. A module
 # added to that path (e.g. a quantizer prepare_params calls) belongs here.
-PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.config.settings",
+PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.config",
                     "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
                     "jaxinfer.checkpoint.safetensors", "jaxinfer.weights.quant")
 _META = "jaxinfer"                 # safetensors header metadata key of our JSON
@@ -129,8 +132,6 @@ def cache_key(path: pathlib.Path, dtype, pack: bool, weights: str = "float32") -
     """The JSON-able key of the prepared params of `path` (module docstring)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from jaxinfer.kernels import cpu as cpu_kernels
-    from jaxinfer.checkpoint.sources import file_sha256
 
     try:
         gguf_version = version("gguf")
@@ -418,7 +419,6 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
     if not enabled(cache):
         config, raw = load()
         return config, prepare(raw, config)
-    from jaxinfer.checkpoint.sources import cache_dir
 
     key = cache_key(path, dtype, pack, weights)
     entry = entry_path(root or cache_dir(), path, key)

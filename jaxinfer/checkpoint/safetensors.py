@@ -52,7 +52,7 @@ import ml_dtypes  # noqa: F401  (registers numpy dtype "bfloat16" for safe_open)
 import numpy as np
 
 from jaxinfer.checkpoint.convert import CheckpointError, counted, params_from_hf_tensors, resolve_tied
-from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.progress import Progress
 
 SINGLE_FILE = "model.safetensors"

@@ -26,6 +26,7 @@ import tempfile
 import zipfile
 from typing import BinaryIO
 
+from jaxinfer.config.paths import cache_dir  # noqa: F401  (re-exported: the model cache's root)
 from jaxinfer.progress import Progress
 
 _CHUNK = 1 << 20
@@ -74,15 +75,6 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 _HASHES: dict[tuple[str, int, int], str] = {}   # (path, size, mtime_ns) -> sha256
-
-
-def cache_dir() -> pathlib.Path:
-    """The user cache root: $JAXINFER_CACHE_DIR, $XDG_CACHE_HOME/jaxinfer or ~/.cache/jaxinfer."""
-    if os.environ.get("JAXINFER_CACHE_DIR"):
-        return pathlib.Path(os.environ["JAXINFER_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return pathlib.Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "jaxinfer"
-    return pathlib.Path.home() / ".cache" / "jaxinfer"
 
 
 def cached_path(name: str) -> pathlib.Path:

@@ -23,6 +23,10 @@ import os
 import sys
 import threading
 import time
+from jaxinfer.parallel.disagg.engine import start_process_engine
+from jaxinfer.parallel.disagg.process import WorkerSpec
+from jaxinfer.config import GenerationConfig
+from jaxinfer.cli.generate import read_prompts
 
 
 def add_disagg_parser(sub) -> None:
@@ -53,8 +57,6 @@ def start_engine(cfg, args, *, start: bool = True):
     Raises:
       ValueError: --prefill-workers < 1 or a bad CPU list.
     """
-    from jaxinfer.parallel.disagg.engine import start_process_engine
-    from jaxinfer.parallel.disagg.process import WorkerSpec
 
     if args.prefill_workers < 1:
         raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
@@ -91,7 +93,6 @@ def parse_cpus(text: str):
 
 
 def cmd_disagg(args) -> int:
-    from jaxinfer.config.settings import GenerationConfig
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)     # usage errors first
@@ -108,7 +109,6 @@ def cmd_disagg(args) -> int:
 def _prompt_lines(path):
     if path is None:
         return ((n, line.rstrip("\n")) for n, line in enumerate(sys.stdin, 1))
-    from jaxinfer.cli import read_prompts
 
     return iter(read_prompts(path))
 

@@ -55,11 +55,11 @@ from flax import struct
 from jaxinfer.cache import kv as kv_cache
 from jaxinfer import models
 from jaxinfer.kernels import cpu as cpu_kernels
-from jaxinfer.sampling import sample as sampling
+from jaxinfer import sampling
 from jaxinfer.cache.kv import KVCache, LayerKV
-from jaxinfer.config.settings import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.nn.layers import (attention_output, attention_scores, blocked_attention, group_heads,
-                             masked_softmax, rope_cos_sin, rope_inv_freq, ungroup_heads)
+from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.nn import attention_output, attention_scores, blocked_attention, group_heads, masked_softmax, rope_cos_sin, rope_inv_freq, ungroup_heads
+from jaxinfer.cache.int8 import decode_attention_int8
 
 
 class Attend(Protocol):
@@ -249,7 +249,6 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
             return ungroup_heads(out[:, :, None]), kv
         view = kv_cache.layer_view(cache, layer_type, kv)
         if view.key_scale is not None and not config.attn_logit_softcapping:   # int8 K/V, dequantized inside
-            from jaxinfer.cache.int8 import decode_attention_int8
 
             qg = group_heads(q, view.keys.shape[1])[:, :, 0].astype(jnp.float32)
             out = decode_attention_int8(qg, view.keys, view.key_scale, view.values, view.value_scale,
@@ -334,7 +333,7 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: jax.Arr
 # full layers (figures in benchmarks/README.md).
 PREFILL_QUERY_BLOCKS = 4
 MIN_BLOCKED_PROMPT = 256
-# Prompts of at least FLASH_PROMPT tokens use `layers.blocked_attention`.
+# Prompts of at least FLASH_PROMPT tokens use `nn.blocked_attention`.
 FLASH_PROMPT = 1024
 
 
@@ -367,7 +366,7 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     long prompts attend block by block (`query_blocks`): the rows of block
     [a, b) read keys [lo, b) only, lo = 0 on full layers and a - W + 1 on
     sliding ones; the keys left out are masked for those rows anyway. From
-    FLASH_PROMPT tokens on, `layers.blocked_attention` runs instead: an
+    FLASH_PROMPT tokens on, `nn.blocked_attention` runs instead: an
     online softmax over key blocks, O(T * block) scores per head instead of
     O(T^2), key blocks no query of a block can see skipped."""
     t, window = positions.shape[1], cache.window

@@ -1,6 +1,6 @@
 """Native CPU kernels, called from jit code through the XLA FFI.
 
-- `decode_attention`: XLA:CPU runs decode attention (`layers.attention_scores`
+- `decode_attention`: XLA:CPU runs decode attention (`nn.attention_scores`
   -> `masked_softmax` -> `attention_output` at T = 1) as separate fusions that
   read each layer's K/V buffers well below the machine's memory bandwidth,
   one of them on a single core. The kernel does the same math in one pass
@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jaxinfer.config import cache_dir
+from jaxinfer.nn import blocked_attention
 
 SWITCH = "JAXINFER_CPU_KERNELS"  # "0" keeps every phase on XLA's own kernels
 REBUILD = "JAXINFER_REBUILD_KERNELS"  # "1" retries a build that failed before
@@ -198,7 +200,6 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def _default_dir() -> pathlib.Path:
-    from jaxinfer.checkpoint.sources import cache_dir
 
     return cache_dir() / "kernels"
 
@@ -275,8 +276,8 @@ def enabled() -> bool:
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """One query token per row attends over its K/V cache buffer (GQA).
 
-    Same function as `layers.attention_scores` (no soft-cap) ->
-    `layers.masked_softmax` -> `layers.attention_output` at T = 1, including
+    Same function as `nn.attention_scores` (no soft-cap) ->
+    `nn.masked_softmax` -> `nn.attention_output` at T = 1, including
     all-zero output for a row that sees no position.
 
     Args:
@@ -305,8 +306,8 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     """T query tokens per row attend over the row's K/V buffer, each under
     its own mask row: `decode_attention` per (row, query token).
 
-    Same function as `layers.attention_scores` (no soft-cap) ->
-    `layers.masked_softmax` -> `layers.attention_output` over the buffer,
+    Same function as `nn.attention_scores` (no soft-cap) ->
+    `nn.masked_softmax` -> `nn.attention_output` over the buffer,
     all-zero output for a query that sees no position. The chunk's own keys
     must already be in the buffer (the caller writes them first).
 
@@ -342,9 +343,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array
     Key slot s holds position s. Query t of row b (t < counts[b]) sits at
     position p = starts[b] + t and sees slots [p - window + 1, p] (all of
     [0, p] without a window); queries t >= counts[b] output zeros. The same
-    function as `layers.attention_scores` (no soft-cap) ->
-    `layers.masked_softmax` (mask from `layers.visible_keys`) ->
-    `layers.attention_output`, up to float32 rounding; memory O(block) per
+    function as `nn.attention_scores` (no soft-cap) ->
+    `nn.masked_softmax` (mask from `nn.visible_keys`) ->
+    `nn.attention_output`, up to float32 rounding; memory O(block) per
     unit, key blocks no query of a unit sees are never read. Differentiable:
     the backward pass is `causal_attention_xla`'s (the same function on XLA).
 
@@ -385,10 +386,9 @@ def _causal_attention(q, k, v, starts, counts, window):
 
 def causal_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,
                          counts: jax.Array, window: int | None = None) -> jax.Array:
-    """`causal_attention`'s function in pure JAX (`layers.blocked_attention`
+    """`causal_attention`'s function in pure JAX (`nn.blocked_attention`
     with the positions it implies); differentiable, and the kernel's
     backward pass."""
-    from jaxinfer.nn.layers import blocked_attention
 
     t, s = q.shape[2], k.shape[-1]
     q_pos = jnp.arange(t, dtype=jnp.int32)[None] + starts[:, None]

@@ -16,7 +16,7 @@
 //   v    f32  [B, K, S, H]  values
 //   mask pred [B, S]        true = visible
 //   out  f32  [B, K, G, H]  softmax(q.k, masked) . v; all zeros where a row sees nothing
-// This is the same computation as jaxinfer.layers.attention_scores -> masked_softmax ->
+// This is the same computation as jaxinfer.nn.attention_scores -> masked_softmax ->
 // attention_output for T = 1 (no soft-cap). It exists because XLA:CPU runs that chain as
 // separate fusions that read each K/V buffer at a fraction of the memory bandwidth, one of
 // them on a single core (benchmarks/README.md has the figures).

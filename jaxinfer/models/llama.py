@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import jax
 
-from jaxinfer.config.settings import ModelConfig
-from jaxinfer.nn.layers import embed_rows, gated_mlp, lm_head, output_projection, project_qkv, rms_norm
+from jaxinfer.config import ModelConfig
+from jaxinfer.nn import rms_norm
+from jaxinfer.models.blocks import embed_rows, gated_mlp, lm_head, output_projection, project_qkv
 
 
 def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:

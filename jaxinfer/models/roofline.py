@@ -35,7 +35,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from jaxinfer.config.settings import SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 
 # --- parameters ---------------------------------------------------------------------
 

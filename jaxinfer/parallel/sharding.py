@@ -58,9 +58,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.engine import phases as engine
 from jaxinfer.cache.kv import KVCache, LayerKV
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.programs import ProgramCache
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.loading import load_model
 
 TP, DP = "tp", "dp"
 
@@ -376,7 +378,6 @@ def tensor_parallel_llm(config: ModelConfig, params: dict, tokenizer, mesh: Mesh
       params: raw or unpacked prepared params (see `shard_params`).
       llm_kwargs: as for `LLM` (max_seq_len, decode_chunk, ...).
     """
-    from jaxinfer.serving.llm import LLM
 
     plan = mesh_plan(config, mesh)
     sharded = shard_params(params, config, mesh, plan)
@@ -390,8 +391,6 @@ def load_llm(source: str, mesh: Mesh, *, dtype: str = "float32", progress=None, 
     """`LLM.load` for a mesh: a one-device mesh gives the plain `LLM` (with
     the CPU kernels where enabled); a larger one reads the checkpoint's raw
     params and returns `tensor_parallel_llm`."""
-    from jaxinfer.serving.llm import LLM
-    from jaxinfer.checkpoint.loading import load_model
 
     if mesh.size == 1:
         llm = LLM.load(source, dtype=dtype, progress=progress, **llm_kwargs)

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException
 
 from jaxinfer.models import roofline as model_metrics
 from jaxinfer.serving.request import Request, Timings
-from jaxinfer.sampling.sample import MAX_SEED, SamplingParams
+from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics

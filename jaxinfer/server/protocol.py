@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.serving.request import MAX_LOGPROBS
-from jaxinfer.sampling.sample import MAX_SEED
+from jaxinfer.sampling import MAX_SEED
 
 # Choices per request at most (each one is a request in the engine).
 MAX_N = 64

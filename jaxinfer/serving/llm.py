@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import phases as engine
-from jaxinfer.sampling import sample as sampling
+from jaxinfer import sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
 from jaxinfer.cache.kv import KV_CACHE_DTYPES, init_cache, pool_pages
-from jaxinfer.config.settings import ModelConfig
-from jaxinfer.checkpoint.loading import load_model
+from jaxinfer.config import ModelConfig
+from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
@@ -37,6 +37,7 @@ from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative.verify import SpecConfig
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.stats import RunStats
+from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -176,15 +177,15 @@ class LLM:
           cfg: a `config.GenerationConfig`.
           progress: as `LLM.load`.
           before_weights: called with the tokenizer before any weight is read
-            (e.g. to check prompt lengths; see `loading.load_model`).
+            (e.g. to check prompt lengths; see `serving.loading.load_model`).
         Raises:
-          as `LLM.load`, and ValueError from `SpecConfig.from_settings`.
+          as `LLM.load`, and ValueError from `loading.speculative_config`.
         """
         progress = Progress.resolve(progress)
         config, params, tokenizer = load_model(cfg.model, jnp.dtype(cfg.dtype), prepared=True,
                                                progress=progress, weights=cfg.weights,
                                                before_weights=before_weights)
-        spec = SpecConfig.from_settings(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
+        spec = speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
                                         cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype,
                                         cfg.draft_weights)
         llm = cls(config, params, tokenizer, max_seq_len=cfg.max_seq_len,
@@ -261,7 +262,6 @@ class LLM:
         this LLM's), detokenizing with this LLM's tokenizer, timed on
         `programs.clock` (compile time excluded). kwargs go to `Scheduler`
         (policy, max_waiting_requests, prefill_chunk_size)."""
-        from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
 
         tok = self.tokenizer
         kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)

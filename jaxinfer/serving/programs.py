@@ -13,6 +13,7 @@ import threading
 import time
 
 import jax
+from jaxinfer.progress import Progress
 
 
 class ProgramCache:
@@ -25,7 +26,6 @@ class ProgramCache:
     """
 
     def __init__(self):
-        from jaxinfer.progress import Progress
 
         self._compiled = {}
         self._lock = threading.Lock()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from jaxinfer.sampling.sample import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer.stop import StopMatcher
 
 # OpenAI's API allows at most 20 top log-probs per token.

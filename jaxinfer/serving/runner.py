@@ -50,12 +50,12 @@ import numpy as np
 
 from jaxinfer.cache import kv as kv_cache
 from jaxinfer.engine import phases as engine
-from jaxinfer.sampling import sample as sampling
+from jaxinfer import sampling
 from jaxinfer.speculative import verify as speculative
 from jaxinfer.speculative.verify import SpecConfig
 from jaxinfer.serving.buckets import Buckets, bucket_for
 from jaxinfer.cache.kv import init_cache, init_paged_cache, pages_per_seq
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.serving.pages import PagePool, PoolExhaustedError, page_hashes
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request

@@ -47,10 +47,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.cache import kv as kv_cache
-from jaxinfer.sampling import sample as sampling
+from jaxinfer import sampling
 from jaxinfer.engine.phases import (DecodeState, RowState, StopTokens, _mask_early_stops, decode_step,
                              extend, idle_when_done, record_tokens, sample_step)
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 
 NO_TOKEN = -2   # an output position a row did not fill (its block ended earlier)
 
@@ -104,29 +104,6 @@ class SpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "draft" and self.draft is None:
             raise ValueError("speculative: draft needs a draft_model")
-
-    @classmethod
-    def from_settings(cls, method: Optional[str], num_speculative_tokens: int, ngram_min: int,
-                      ngram_max: int, draft_model: Optional[str], target: ModelConfig,
-                      tokenizer=None, dtype=jnp.float32,
-                      draft_weights: str = "float32") -> Optional["SpecConfig"]:
-        """The SpecConfig of config keys (None when `method` is None), loading
-        the draft model for method "draft".
-
-        Raises:
-          ValueError: bad settings, or a draft model that cannot draft for the
-            target (`check_draft`).
-        """
-        if method is None:
-            if draft_model is not None:
-                raise ValueError("draft_model is set but speculative is not (use speculative: draft)")
-            return None
-        if method == "draft" and draft_model is None:
-            raise ValueError("speculative: draft needs draft_model (a model name, .gguf or folder)")
-        draft = (DraftModel.load(draft_model, target, tokenizer, dtype, weights=draft_weights)
-                 if method == "draft" else None)
-        return cls(method, num_speculative_tokens, ngram_min, ngram_max, draft)
-
 
 
 # --- proposers ---------------------------------------------------------------------------------
@@ -320,25 +297,6 @@ class DraftModel:
 
     def __init__(self, config: ModelConfig, params: dict, name: str = "draft"):
         self.config, self.params, self.name = config, params, name
-
-    @classmethod
-    def load(cls, source: str, target_config: ModelConfig, target_tokenizer=None,
-             dtype=jnp.float32, probe: str = "Speculative decoding: 42 drafts, 1 target.",
-             weights: str = "float32") -> "DraftModel":
-        """Load a draft model (its matmul weights as `weights`, e.g. "q4" for
-        a quantized copy of the target) and check that it can draft for the target.
-
-        Raises:
-          ValueError: another vocabulary size, or its tokenizer gives other
-            ids than the target's for `probe` (or has other EOS ids).
-          ModelSourceError / CheckpointError: as `loading.load_model`.
-        """
-        from jaxinfer.checkpoint.loading import load_model
-
-        config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
-                                               weights=weights)
-        check_draft(target_config, target_tokenizer, config, tokenizer, source, probe)
-        return cls(config, params, str(source))
 
 
 def check_draft(target: ModelConfig, target_tokenizer, draft: ModelConfig, draft_tokenizer,

@@ -40,6 +40,9 @@ import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+from jaxinfer.config import cache_dir as default_cache_dir
+from jaxinfer.tokenizer import gguf as gguf_tokenizer
+from jaxinfer.checkpoint.gguf import open_reader
 
 _CACHE_FORMAT = 3   # 2: built without torch; 3: the tokenizer class is recorded
 _META_FILE = "jaxinfer_tokenizer.json"
@@ -111,7 +114,6 @@ class Tokenizer:
           FileNotFoundError: no such file.
           ValueError: not a GGUF file, or transformers cannot convert its tokenizer.
         """
-        from jaxinfer.tokenizer import gguf as gguf_tokenizer
 
         path = pathlib.Path(path).expanduser().resolve()
         if not path.is_file():
@@ -125,7 +127,6 @@ class Tokenizer:
                 shutil.rmtree(slot, ignore_errors=True)
         reader = reader() if callable(reader) else reader
         if reader is None:
-            from jaxinfer.checkpoint.gguf import open_reader
 
             reader = open_reader(path)
         hf = gguf_tokenizer.convert_gguf_tokenizer(path, reader)
@@ -509,7 +510,6 @@ def _byte_fallback_ids(backend) -> frozenset[int]:
 def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
     if cache_dir is not None:
         return pathlib.Path(cache_dir).expanduser()
-    from jaxinfer.checkpoint.sources import cache_dir as default_cache_dir
 
     return default_cache_dir()
 

@@ -50,8 +50,13 @@ import numpy as np
 
 from jaxinfer.engine import phases as engine
 from jaxinfer.cache.kv import init_cache
-from jaxinfer.config.settings import ModelConfig, check_keys, read_yaml_mapping
+from jaxinfer.config import ModelConfig
+from jaxinfer.config.generation import check_keys, read_yaml_mapping
 from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.config import cache_dir
+from jaxinfer.serving.llm import LLM
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.loading import load_model
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
@@ -135,7 +140,6 @@ def model_dir(toy: ToyConfig, out: Optional[str | os.PathLike] = None) -> pathli
     path = pathlib.Path(toy.model).expanduser()
     if path.is_absolute():
         return path
-    from jaxinfer.checkpoint.sources import cache_dir
 
     return cache_dir() / path
 
@@ -290,8 +294,6 @@ def greedy_continuation(config: ModelConfig, params: dict, ids: Sequence[int],
                         max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
     """Greedy ids after prompt `ids` (`LLM.generate`), ending with (and
     including) the first stop id, at most max_new_tokens."""
-    from jaxinfer.serving.llm import LLM
-    from jaxinfer.sampling.sample import SamplingParams
 
     llm = LLM(config, params, max_seq_len=min(config.max_position_embeddings,
                                               max(len(ids) + max_new_tokens, 2)),
@@ -376,8 +378,7 @@ def save_hf_folder(folder: str | os.PathLike, result: TrainResult, toy: ToyConfi
 
 def load_folder(folder: str | os.PathLike, dtype=jnp.float32):
     """(config, params in the checkpoint layout, Tokenizer) of an HF folder,
-    through the normal loader (`jaxinfer.checkpoint.loading.load_model`)."""
-    from jaxinfer.checkpoint.loading import load_model
+    through the normal loader (`jaxinfer.serving.loading.load_model`)."""
 
     return load_model(str(folder), dtype=dtype)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.weights import quant
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4")
 
@@ -43,7 +43,7 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
     differentiates `prefill`; FFI calls have no gradient).
 
     `weights` stores the four projections and the LM head as
-    `quant.QuantizedWeight` panels (whatever `pack` says; `layers.matmul`
+    `quant.QuantizedWeight` panels (whatever `pack` says; `weights.matmul`
     runs them on the quantized kernels, or on XLA after dequantizing one
     weight at a time inside the phase), norms and biases staying float32:
 

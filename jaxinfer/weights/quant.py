@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jaxinfer.kernels import quant as quant_kernels
 
 PANEL = 48  # columns per quantized weight panel (kPanel in kernels/quant_kernels.cc)
 
@@ -293,7 +294,6 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     Raises:
       ValueError: x's last axis is not K.
     """
-    from jaxinfer.kernels import quant as quant_kernels
 
     k, n = w.shape
     if x.shape[-1] != k:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from jaxinfer.parallel.disagg.scheduler import DisaggScheduler, FailedOutput, PrefillResult
 from jaxinfer.parallel.disagg.transfer import LocalTransport, PullTransport, Ticket, TransferError
+from jaxinfer.parallel.sharding import kv_heads_for
+from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
 
 
 def make_scheduler(decode_llm, client, max_num_seqs=None, **kwargs) -> DisaggScheduler:
@@ -26,8 +28,6 @@ def make_scheduler(decode_llm, client, max_num_seqs=None, **kwargs) -> DisaggSch
     from `client`, detokenizing with its tokenizer, on its compile-free
     clock; KV heads are repeated for its plan on arrival. kwargs go to
     `DisaggScheduler` (transfer_timeout_s, max_waiting_requests, ...)."""
-    from jaxinfer.parallel.sharding import kv_heads_for
-    from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
 
     tok = decode_llm.tokenizer
     plan = getattr(decode_llm, "sharding_plan", None)

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 from jaxinfer.parallel.disagg import make_scheduler
 from jaxinfer.parallel.disagg.scheduler import DisaggScheduler
 from jaxinfer.serving.thread import EngineThread
+from jaxinfer.parallel.disagg.process import ProcessPrefillClient, build_llm, configure_host
 
 
 class DisaggEngine(EngineThread):
@@ -69,7 +70,6 @@ def start_process_engine(prefill: Sequence, decode, *, max_num_seqs: int = 8,
       transfer_timeout_s: per-request limit of a KV transfer.
       client_kwargs: for `ProcessPrefillClient` (max_restarts, startup_timeout_s, ...).
     """
-    from jaxinfer.parallel.disagg.process import ProcessPrefillClient, build_llm, configure_host
 
     configure_host(decode.tp, decode.cpus)
     client = ProcessPrefillClient(prefill, **client_kwargs)

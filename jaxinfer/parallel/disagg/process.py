@@ -45,6 +45,9 @@ from typing import Optional, Sequence
 
 from jaxinfer.parallel.disagg.scheduler import PrefillResult
 from jaxinfer.serving.request import Request
+from jaxinfer.parallel import sharding
+from jaxinfer.parallel.disagg.transfer import PullTransport
+from jaxinfer.parallel.disagg.worker import PrefillWorker
 
 NAMESPACE = "jaxinfer"
 
@@ -86,7 +89,6 @@ class WorkerSpec:
 
 def build_llm(spec: WorkerSpec, devices=None):
     """The `LLM` a spec describes, on a tp mesh of this process's devices."""
-    from jaxinfer.parallel import sharding
 
     mesh = sharding.make_mesh(spec.tp, devices=devices)
     if spec.factory:
@@ -151,8 +153,6 @@ def worker_main(argv: Sequence[str]) -> None:
                                process_id=cfg["process_id"],
                                initialization_timeout=cfg["init_timeout_s"],
                                heartbeat_timeout_seconds=cfg["heartbeat_s"])
-    from jaxinfer.parallel.disagg.transfer import PullTransport
-    from jaxinfer.parallel.disagg.worker import PrefillWorker
 
     client, ns = _kv(), cfg["namespace"]
     llm = build_llm(spec, jax.local_devices()[:spec.tp])
@@ -314,7 +314,6 @@ class ProcessPrefillClient:
         server. Call before anything else touches JAX's backend."""
         import jax
 
-        from jaxinfer.parallel.disagg.transfer import PullTransport
 
         jax.config.update("jax_enable_recoverability", True)
         jax.distributed.initialize(self.coordinator, num_processes=len(self.workers) + 1,

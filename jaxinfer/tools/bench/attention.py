@@ -19,6 +19,9 @@ import time
 from typing import Optional, Sequence
 
 import numpy as np
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer import nn as layers
+from jaxinfer.tools.bench.common import loadavg
 
 
 def _best_seconds(fn, args, repeats: int) -> float:
@@ -40,8 +43,6 @@ def compare(t: int, batch: int = 1, num_heads: int = 9, num_kv_heads: int = 3, h
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.kernels import cpu as cpu_kernels
-    from jaxinfer.nn import layers
 
     g = num_heads // num_kv_heads
     rng = np.random.default_rng(0)
@@ -87,7 +88,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     a = p.parse_args(argv)
-    from jaxinfer.tools.bench.common import loadavg
 
     print(f"# loadavg {loadavg()}")
     if not a.json:

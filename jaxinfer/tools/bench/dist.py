@@ -38,6 +38,25 @@ import subprocess
 import sys
 import time
 from typing import Optional, Sequence
+from jaxinfer.tools.bench.common import loadavg1
+from jaxinfer.engine import phases
+from jaxinfer.parallel import sharding
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.serving.loading import load_model
+from jaxinfer.serving.request import Request
+from jaxinfer.parallel.sharding import TP
+from jaxinfer.parallel.disagg.engine import start_process_engine
+from jaxinfer.parallel.disagg.process import WorkerSpec
+from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep
+from jaxinfer.tools.bench.serving import mixed_trace
+from jaxinfer.tools.bench.serving import run_jaxinfer
+from jaxinfer.serving.llm import LLM
+from jaxinfer.parallel.disagg import make_scheduler
+from jaxinfer.parallel.disagg.process import ProcessPrefillClient, build_llm, configure_host
+from jaxinfer.tools.bench.common import loadavg
+from jaxinfer.config import GenerationConfig
+from jaxinfer.tools.bench.machine import cpu_info
+from jaxinfer.tools.bench.report import write_results
 
 MARKER = "@@bench-dist@@ "
 
@@ -62,7 +81,6 @@ def _child(part: str, spec: dict, *, devices: int = 1, cpus: Optional[Sequence[i
 
 
 def _loadavg1():
-    from jaxinfer.tools.bench.common import loadavg1
 
     return loadavg1()
 
@@ -90,11 +108,6 @@ def part_tp(spec: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.engine import phases as engine
-    from jaxinfer.parallel import sharding
-    from jaxinfer.cache.kv import init_cache
-    from jaxinfer.checkpoint.loading import load_model
-    from jaxinfer.serving.request import Request
 
     config, params, tokenizer = load_model(spec["model"], jnp.float32, progress=False)
     out = {"kernels": os.environ.get("JAXINFER_CPU_KERNELS", "1") != "0", "rows": []}
@@ -114,7 +127,7 @@ def part_tp(spec: dict) -> dict:
         def run_prefill():
             cache = sharding.place(init_cache(llm.config, 1, t), mesh, plan)
             cache = jax.block_until_ready(cache)
-            logits, _ = progs(engine.prefill, llm.params, cache, tokens, jnp.array([t], jnp.int32),
+            logits, _ = progs(phases.prefill, llm.params, cache, tokens, jnp.array([t], jnp.int32),
                               config=llm.config)
             jax.block_until_ready(logits)
 
@@ -153,7 +166,6 @@ def _mlp_probe(mesh, config, repeats: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxinfer.parallel.sharding import TP
 
     d, f, n = config.hidden_size, config.intermediate_size, config.num_layers
     w1 = jax.device_put(jnp.full((n, d, f), 1e-3), NamedSharding(mesh, P(None, None, TP)))
@@ -211,7 +223,6 @@ def _collective_cost(mesh, b: int, config, counts: dict, chunk: int) -> float:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxinfer.parallel.sharding import TP
 
     n = 64
     shapes = {"all-reduce": (b, config.hidden_size), "all-gather": (b, config.vocab_size)}
@@ -245,9 +256,6 @@ def part_transfer(spec: dict) -> dict:
     prefill seconds of each request (after one warm-up request per length)."""
     import numpy as np
 
-    from jaxinfer.parallel.disagg.engine import start_process_engine
-    from jaxinfer.parallel.disagg.process import WorkerSpec
-    from jaxinfer.serving.request import Request
 
     common = dict(source=spec["model"], llm_kwargs=tuple(spec["llm_kwargs"].items()))
     engine = start_process_engine([WorkerSpec(cpus=tuple(spec["prefill_cpus"]), **common)],
@@ -278,13 +286,11 @@ def part_transfer(spec: dict) -> dict:
 
 
 def _sweep(spec: dict):
-    from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep
 
     return QUICK_SERVING if spec["quick"] else ServingSweep()
 
 
 def _traces(vocab: int, sweep) -> dict:
-    from jaxinfer.tools.bench.serving import mixed_trace
 
     mixed = mixed_trace(vocab, sweep)
     return {"mixed": mixed, "chat_only": [r for r in mixed if r.kind == "chat"]}
@@ -304,7 +310,6 @@ def _serve_traces(llm, make_scheduler, sweep) -> dict:
     compares like with like, leaving only the prefills' own interference."""
     import types
 
-    from jaxinfer.tools.bench.serving import run_jaxinfer
 
     traces = _traces(llm.config.vocab_size, sweep)
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in traces["mixed"])
@@ -326,7 +331,6 @@ def _serve_traces(llm, make_scheduler, sweep) -> dict:
 
 def part_colocated(spec: dict) -> dict:
     """The colocated engine (this process, all its cores) on both traces."""
-    from jaxinfer.serving.llm import LLM
 
     llm = LLM.load(spec["model"], max_seq_len=spec["max_seq_len"], decode_chunk=spec["decode_chunk"],
                    prefill_chunk_size=spec["prefill_chunk_size"], progress=False)
@@ -337,8 +341,6 @@ def part_disaggregated(spec: dict) -> dict:
     """Prefill process on spec["prefill_cpus"], this process decoding on
     spec["decode_cpus"], through `serving.run_jaxinfer` (it drives the
     `DisaggScheduler` on this thread, arrivals on the decode clock)."""
-    from jaxinfer.parallel.disagg import make_scheduler
-    from jaxinfer.parallel.disagg.process import ProcessPrefillClient, WorkerSpec, build_llm, configure_host
 
     common = dict(source=spec["model"], llm_kwargs=tuple(spec["llm_kwargs"].items()))
     configure_host(1, spec["decode_cpus"])
@@ -362,7 +364,6 @@ PARTS = {"tp": part_tp, "transfer": part_transfer, "colocated": part_colocated,
 
 
 def run_all(model: str, quick: bool, parts: Sequence[str], log=print) -> dict:
-    from jaxinfer.tools.bench.common import loadavg
 
     cores = sorted(os.sched_getaffinity(0))
     prefill_cpus, decode_cpus = cores[:1], cores[1:2] or cores[:1]
@@ -478,9 +479,6 @@ def main(argv=None) -> int:
     if a.part:
         print(MARKER + json.dumps(PARTS[a.part](json.loads(a.spec))), flush=True)
         return 0
-    from jaxinfer.config.settings import GenerationConfig
-    from jaxinfer.tools.bench.machine import cpu_info
-    from jaxinfer.tools.bench.report import write_results
 
     cfg = GenerationConfig.load(a.config)
     log = lambda msg: print(f"[bench dist] {msg}", file=sys.stderr, flush=True)

@@ -35,6 +35,13 @@ import time
 import numpy as np
 
 from jaxinfer.tools.bench.common import loadavg
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.cache.kv import cache_nbytes
+from jaxinfer.serving.llm import LLM
+from jaxinfer.cache.kv import init_cache, init_paged_cache, pages_per_seq
+from jaxinfer.engine.phases import decode_step
+from jaxinfer.tools.bench.report import publish
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +75,6 @@ def _lengths(rng, lo_hi, n):
 
 def mixed_trace(vocab_size: int, sweep: PagedSweep, seed: int = 0):
     """The capacity run's requests: random ids, log-uniform lengths, greedy, ignore_eos."""
-    from jaxinfer.serving.request import Request
-    from jaxinfer.sampling.sample import SamplingParams
 
     rng = np.random.default_rng(seed)
     prompts = _lengths(rng, sweep.prompt_len, sweep.num_requests)
@@ -103,8 +108,6 @@ def _drain(llm, scheduler, requests, sequential: bool = False) -> dict:
 
 def capacity(base, sweep: PagedSweep, log) -> dict:
     """Dense slots vs the paged pool at the same KV budget on the mixed trace."""
-    from jaxinfer.cache.kv import cache_nbytes
-    from jaxinfer.serving.llm import LLM
 
     max_seq_len = sweep.prompt_len[1] + sweep.output_len[1]
     requests = mixed_trace(base.config.vocab_size, sweep)
@@ -137,8 +140,6 @@ def step_cost(base, sweep: PagedSweep, log) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.cache.kv import init_cache, init_paged_cache, pages_per_seq
-    from jaxinfer.engine.phases import decode_step
 
     b, ctx, ps = sweep.step_batch, sweep.step_context, sweep.page_size
     size = 2 * ctx
@@ -174,9 +175,6 @@ def step_cost(base, sweep: PagedSweep, log) -> dict:
 
 def prefix_reuse(base, sweep: PagedSweep, log) -> dict:
     """TTFT with the prefix cache on and off on a shared system prompt."""
-    from jaxinfer.serving.llm import LLM
-    from jaxinfer.serving.request import Request
-    from jaxinfer.sampling.sample import SamplingParams
 
     rng = np.random.default_rng(1)
     v = base.config.vocab_size
@@ -252,7 +250,6 @@ def format_paged(results: dict) -> str:
 
 
 def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
-    from jaxinfer.serving.llm import LLM
 
     base = LLM.load(cfg.model, dtype=cfg.dtype, page_size=None)
     results = {"sweep": dataclasses.asdict(sweep), "loadavg_start": loadavg()}
@@ -265,7 +262,6 @@ def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
 
 
 def cmd_paged(args, cfg, sweep: PagedSweep) -> int:
-    from jaxinfer.tools.bench.report import publish
 
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[paged] {msg}", file=sys.stderr, flush=True))

@@ -8,6 +8,7 @@ import json
 import math
 import os
 from typing import Optional, Sequence
+from jaxinfer.tools.bench.machine import cpu_info
 
 
 def _fmt(x, spec: str = ".3g", scale: float = 1.0) -> str:
@@ -201,7 +202,6 @@ def publish(results: dict, cfg, out_dir: str, kind: str, format_fn, plot_fn=None
     import sys
     import time
 
-    from jaxinfer.tools.bench.machine import cpu_info
 
     results.update(model=cfg.model, cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
     stem = f"{kind}-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -58,6 +58,15 @@ from jaxinfer.tools.bench.report import format_report, write_results
 from jaxinfer.tools.bench.sweep import (FULL, QUICK, Sweep, compile_probe, enable_persistent_cache,
                                         measure_compile_starts, measure_jaxinfer, model_facts)
 from jaxinfer.tools.bench.targets import compute_targets, print_targets
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.config import GenerationConfig
+from jaxinfer.serving.llm import LLM
+from jaxinfer.tools.bench.serve_compare import QUICK_LOAD, LoadSweep
+from jaxinfer.tools.bench.serving import hf_serving_worker
+from jaxinfer.tools.bench.serve_compare import cmd_serve_load
+from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
+from jaxinfer.tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
+from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
 
 
 def _env(quick: bool) -> dict:
@@ -93,9 +102,6 @@ def run_bench(args) -> dict:
     """The whole benchmark; returns the results dict (written to disk by `cmd_bench`)."""
     from tqdm import tqdm
 
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.config.settings import GenerationConfig
-    from jaxinfer.serving.llm import LLM
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     sweep = _sweep_from_args(args)
@@ -139,7 +145,6 @@ def run_bench(args) -> dict:
 
 
 def _load_sweep_from_args(args):
-    from jaxinfer.tools.bench.serve_compare import QUICK_LOAD, LoadSweep
 
     sweep = QUICK_LOAD if args.quick else LoadSweep()
     changes = {}
@@ -153,26 +158,18 @@ def _load_sweep_from_args(args):
 
 def cmd_bench(args) -> int:
     if args.serve_load:
-        from jaxinfer.config.settings import GenerationConfig
-        from jaxinfer.tools.bench.serve_compare import cmd_serve_load
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_serve_load(args, cfg, _load_sweep_from_args(args))
     if args.speculative:
-        from jaxinfer.config.settings import GenerationConfig
-        from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_speculative(args, cfg, QUICK_SPEC if args.quick else SpecSweep())
     if args.paged:
-        from jaxinfer.config.settings import GenerationConfig
-        from jaxinfer.tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_paged(args, cfg, QUICK_PAGED if args.quick else PagedSweep())
     if args.serving:
-        from jaxinfer.config.settings import GenerationConfig
-        from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_serving(args, cfg, QUICK_SERVING if args.quick else ServingSweep())
@@ -285,7 +282,6 @@ def _machine_main(argv: Sequence[str]) -> int:
 
 
 def _serving_peer_main(argv: Sequence[str]) -> int:
-    from jaxinfer.tools.bench.serving import hf_serving_worker
 
     p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --serving-peer")
     p.add_argument("--serving-peer", choices=("hf",), required=True)

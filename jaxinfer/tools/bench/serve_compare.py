@@ -45,6 +45,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,13 @@ from typing import Optional, Sequence
 
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.tools.bench.serve_load import make_trace, run_load, summarize_load
+from jaxinfer.config import cache_dir
+from jaxinfer.tools.bench.report import targets_table
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.config import GenerationConfig
+from jaxinfer.tokenizer.tokenizer import Tokenizer
+from jaxinfer.tools.bench.machine import cpu_info
+from jaxinfer.tools.bench.report import write_results
 
 SERVER_DEFAULTS = ("max_num_seqs=16", "decode_chunk=8", "max_seq_len=1024")
 MODEL_NAME = "bench-model"
@@ -130,12 +138,10 @@ class ServerProcess:
 
 
 def _free_port() -> int:
-    from jaxinfer.server.run import bind_socket
-
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def server_command(name: str, port: int, *, config: str, overrides: Sequence[str], gguf: str,
@@ -172,7 +178,6 @@ def hf_folder_from_gguf(gguf: str) -> pathlib.Path:
     read a local GGUF file)."""
     import transformers
 
-    from jaxinfer.checkpoint.sources import cache_dir
 
     path = pathlib.Path(gguf)
     folder = cache_dir() / "hf-from-gguf" / path.stem
@@ -307,7 +312,6 @@ def format_load(results: dict) -> str:
         if "saturated_at" in server:
             lines.append(f"| {name} | higher rates skipped: saturated at {server['saturated_at']:g}/s |"
                          + " |" * 10)
-    from jaxinfer.tools.bench.report import targets_table
 
     return "\n".join(lines + targets_table(results["targets"]))
 
@@ -347,11 +351,6 @@ def plot_load(results: dict, path: str) -> str:
 
 def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
     """Run the comparison; print the table; write JSON, Markdown and PNG."""
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.config.settings import GenerationConfig
-    from jaxinfer.tokenizer.tokenizer import Tokenizer
-    from jaxinfer.tools.bench.machine import cpu_info
-    from jaxinfer.tools.bench.report import write_results
 
     served = GenerationConfig.load(args.config, SERVER_DEFAULTS + tuple(args.overrides))
     gguf = str(resolve_model(cfg.model))

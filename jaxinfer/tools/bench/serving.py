@@ -42,6 +42,13 @@ import numpy as np
 
 from jaxinfer.models import roofline as metrics
 from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
+from jaxinfer.serving.request import Request
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.tools.bench.report import targets_table
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.serving.llm import LLM
+from jaxinfer.tools.bench.report import publish
+from jaxinfer.serving.request import Timings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +137,6 @@ def run_jaxinfer(llm, trace: Sequence[TraceRequest], *, max_num_seqs: int, polic
     """Drive a `Scheduler` through the trace on this thread: requests are
     added when the clock passes their arrival; returns `summarize_run`'s
     figures plus the per-request timings."""
-    from jaxinfer.serving.request import Request
-    from jaxinfer.sampling.sample import SamplingParams
 
     scheduler = llm.scheduler(max_num_seqs, policy=policy, prefill_chunk_size=prefill_chunk_size)
     clock = llm.programs.clock
@@ -218,7 +223,6 @@ def hf_serving_worker(path: str, spec: dict) -> dict:
     with torch.inference_mode():
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
-        from jaxinfer.serving.request import Timings
 
         timings, tokens, ids = {}, {}, {}
         start, nxt = time.perf_counter(), 0
@@ -354,7 +358,6 @@ def format_serving(results: dict) -> str:
                 f"{ms(d, 'ttft_s', 'p99')} | {ms(d, 'tpot_s', 'p50')}/{ms(d, 'tpot_s', 'p99')} | "
                 f"{ms(d, 'itl_s', 'p50')}/{ms(d, 'itl_s', 'p99')} | {e2e['p50']:.2f}/{e2e['p99']:.2f} | "
                 f"{r['complete']} |")
-    from jaxinfer.tools.bench.report import targets_table
 
     return "\n".join(lines + targets_table(results["targets"]))
 
@@ -387,9 +390,6 @@ def plot_serving(results: dict, path: str) -> str:
 
 def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     """`jaxinfer bench --serving`: run, print the report, write JSON / Markdown / PNG."""
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.serving.llm import LLM
-    from jaxinfer.tools.bench.report import publish
 
     if cfg.max_seq_len < sweep.max_seq_len:      # every request must fit: raise it before loading
         cfg = dataclasses.replace(cfg, max_seq_len=sweep.max_seq_len)

@@ -31,6 +31,12 @@ from typing import Optional, Sequence
 import jax
 
 from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.serving.llm import LLM
+from jaxinfer.speculative.verify import SpecConfig
+from jaxinfer.tools.bench.report import publish
+from jaxinfer.serving.loading import load_draft
 
 TEXT = pathlib.Path(__file__).resolve().parents[1] / "eval" / "pride-and-prejudice-ch1-2.txt"
 OPEN_ENDED = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -102,7 +108,6 @@ def copy_prompts(tokenizer, sweep: SpecSweep) -> list[str]:
 def run_config(llm, prompts: Sequence[str], batch: int, new_tokens: int) -> dict:
     """Greedy generation of every prompt, `batch` at a time (one warm-up
     batch first); decode tokens/s and speculation counts over the timed batches."""
-    from jaxinfer.sampling.sample import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     llm.generate(prompts[:batch], greedy, max_new_tokens=new_tokens, chat=True)    # compiles
@@ -124,9 +129,6 @@ def run_config(llm, prompts: Sequence[str], batch: int, new_tokens: int) -> dict
 
 def run_speculative(cfg, sweep: SpecSweep, peers: Sequence[str], log=print) -> dict:
     """Every configuration of the module docstring; returns the results dict."""
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.serving.llm import LLM
-    from jaxinfer.speculative.verify import SpecConfig
 
     base = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=sweep.max_seq_len,
                     decode_chunk=cfg.decode_chunk)
@@ -136,9 +138,8 @@ def run_speculative(cfg, sweep: SpecSweep, peers: Sequence[str], log=print) -> d
                                  for k, v in sets.items()}}
     draft = None
     if "draft" in sweep.methods:
-        from jaxinfer.speculative.verify import DraftModel
 
-        draft = DraftModel.load(cfg.model, base.config, base.tokenizer, weights="q4")
+        draft = load_draft(cfg.model, base.config, base.tokenizer, weights="q4")
     configs = [("none", 0)] + [(m, k) for m in sweep.methods for k in sweep.ks]
     for method, k in configs:
         spec = None if method == "none" else SpecConfig(method, k, draft=draft if method == "draft" else None)
@@ -248,7 +249,6 @@ def format_speculative(results: dict) -> str:
 
 
 def cmd_speculative(args, cfg, sweep: SpecSweep) -> int:
-    from jaxinfer.tools.bench.report import publish
 
     peers = [] if args.peers in ("none", "hf") else ["llamacpp"]
     log = (lambda msg: None) if args.no_progress else (

@@ -15,6 +15,15 @@ import numpy as np
 from jaxinfer.models import roofline as metrics
 from jaxinfer.tools.bench.common import (headline, loadavg1, peak_rss_bytes, random_prompts,
                                          run_worker)
+from jaxinfer.serving.loading import enable_compilation_cache
+from jaxinfer.cache.kv import cache_nbytes
+from jaxinfer.serving.llm import LLM
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.config import cache_dir
+from jaxinfer.engine import phases as engine
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.serving.request import Request
+from jaxinfer.serving.runner import row_inputs, stop_tokens
 
 # --- sweep sizes ------------------------------------------------------------------------
 
@@ -53,8 +62,7 @@ QUICK = Sweep(prefill_lengths=(32, 128), prefill_batches=(1, 4), decode_batches=
 
 def enable_persistent_cache(path: Optional[str] = None) -> str:
     """The persistent compilation cache of `jaxinfer generate` (see
-    `jaxinfer.checkpoint.loading.enable_compilation_cache`); returns its directory."""
-    from jaxinfer.checkpoint.loading import enable_compilation_cache
+    `jaxinfer.serving.loading.enable_compilation_cache`); returns its directory."""
 
     return enable_compilation_cache(path)
 
@@ -66,7 +74,6 @@ class Runner:
     `ModelRunner`'s slots; compile seconds are counted apart (`LLM.programs`)."""
 
     def __init__(self, config, params, *, chunk: int = 16, max_seq_len: int = 2048):
-        from jaxinfer.serving.llm import LLM
 
         self.config = config
         self.chunk = chunk
@@ -81,10 +88,6 @@ class Runner:
         import jax
         import jax.numpy as jnp
 
-        from jaxinfer.engine import phases as engine
-        from jaxinfer.cache.kv import init_cache
-        from jaxinfer.serving.request import Request
-        from jaxinfer.serving.runner import row_inputs, stop_tokens
 
         b, t = tokens.shape
         inputs = row_inputs([Request(row, max_new_tokens=1) for row in tokens], self.config.vocab_size,
@@ -103,7 +106,6 @@ class Runner:
         prompt `tokens` [1, T] (decode cost does not depend on the cache's
         contents, so one prefill stands in for B) with `budget` new tokens;
         its cache is at least `cache_len` positions."""
-        from jaxinfer.serving.request import Request
 
         runner = self.llm.runner(batch)
         runner.min_capacity = cache_len
@@ -164,7 +166,6 @@ def measure_decode(runner: Runner, batch: int, sweep: Sweep, machine: dict,
     mean_ctx = ctx + chunk + (n_chunks * chunk - 1) / 2  # cached tokens, mean over timed steps
     cost = metrics.decode_cost(runner.config, batch, mean_ctx, runner.dtype_bytes)
     engine_cost = metrics.decode_cost(runner.config, batch, mean_ctx, runner.dtype_bytes, cache_len)
-    from jaxinfer.cache.kv import cache_nbytes
 
     row = {"batch": batch, "context": mean_ctx, "prompt_len": ctx, "steps": n_chunks * chunk,
            "cache_len": cache_len, "kv_cache_bytes": cache_nbytes(runner.config, batch, cache_len,
@@ -192,8 +193,6 @@ def measure_e2e(config, params, sweep: Sweep, chunk: int, max_seq_len: int) -> d
     of `sweep.e2e_batch`, all arriving at t=0; one warm-up pass (compiles),
     one timed pass. Per request: TTFT queued (wait for earlier batches +
     own TTFT), TTFT of its own batch, TPOT of its batch."""
-    from jaxinfer.serving.llm import LLM
-    from jaxinfer.sampling.sample import SamplingParams
 
     prompts = e2e_prompts(config.vocab_size, sweep, max_seq_len - sweep.e2e_new_tokens)
     need = max(map(len, prompts)) + sweep.e2e_new_tokens
@@ -235,7 +234,6 @@ def compile_probe(source: str, dtype: str, max_seq_len: int, prompt_len: int, ch
     (B=1, one prompt bucket) and `decode_chunk` (B=1). Returns seconds."""
     if xla_cache:
         enable_persistent_cache(xla_cache)
-    from jaxinfer.serving.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM.load(source, dtype=dtype, max_seq_len=max_seq_len, decode_chunk=chunk)
@@ -254,7 +252,6 @@ def measure_compile_starts(source: str, dtype: str, max_seq_len: int, chunk: int
                            prompt_len: int = 128, timeout: float = 900) -> dict:
     """First vs second start: `compile_probe` in two fresh subprocesses that
     share one new, empty persistent compilation cache directory (removed after)."""
-    from jaxinfer.checkpoint.sources import cache_dir
 
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -286,7 +283,6 @@ def model_facts(llm, max_seq_len: int) -> dict:
     """Config, parameter counts, weight bytes and KV-cache bytes of a loaded model."""
     import jax
 
-    from jaxinfer.cache.kv import cache_nbytes
 
     config, dtype_bytes = llm.config, np.dtype(llm.cache_dtype).itemsize
     return {

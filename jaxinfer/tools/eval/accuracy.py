@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxinfer.engine import phases as engine
 from jaxinfer.cache.kv import init_cache
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
 
 
 def text_chunks(ids: Sequence[int], chunk: int, bos_id: Optional[int]) -> list[np.ndarray]:

@@ -33,6 +33,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxinfer.tools.eval import accuracy
+from jaxinfer.checkpoint.gguf import load_gguf
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.serving.loading import load_model
+from jaxinfer.weights.prepare import WEIGHT_FORMATS, prepare_params
+from jaxinfer.config import GenerationConfig
+from jaxinfer.serving.loading import enable_compilation_cache
 
 TEXT = pathlib.Path(__file__).with_name("pride-and-prejudice-ch1-2.txt")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")
@@ -49,10 +55,6 @@ def load_variants(source: str, weights: Sequence[str]):
     Raises:
       ValueError: an unknown weight format (see `params.WEIGHT_FORMATS`).
     """
-    from jaxinfer.checkpoint.gguf import load_gguf
-    from jaxinfer.checkpoint.sources import resolve_model
-    from jaxinfer.checkpoint.loading import load_model
-    from jaxinfer.weights.prepare import WEIGHT_FORMATS, prepare_params
 
     bad = [w for w in weights if w not in WEIGHT_FORMATS]
     if bad:
@@ -171,8 +173,6 @@ def format_report(result: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from jaxinfer.config.settings import GenerationConfig
-    from jaxinfer.checkpoint.loading import enable_compilation_cache
 
     model = args.model or GenerationConfig.load(args.config).model
     enable_compilation_cache()

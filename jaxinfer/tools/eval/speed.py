@@ -29,10 +29,15 @@ import numpy as np
 
 from jaxinfer.engine import phases as engine
 from jaxinfer.models import roofline as metrics
-from jaxinfer.sampling import sample as sampling
+from jaxinfer import sampling
 from jaxinfer.serving.runner import stop_tokens
 from jaxinfer.cache.kv import init_cache
-from jaxinfer.config.settings import ModelConfig
+from jaxinfer.config import ModelConfig
+from jaxinfer.serving.request import Request
+from jaxinfer.serving.runner import row_inputs
+from jaxinfer.config import GenerationConfig
+from jaxinfer.serving.loading import enable_compilation_cache
+from jaxinfer.tools.eval.run import load_variants
 
 
 def weight_bytes_read(params: dict) -> int:
@@ -57,8 +62,6 @@ def decode_step_bytes(config: ModelConfig, params: dict, batch: int, context: fl
 def _start_inputs(tokens: np.ndarray, budget: int, vocab_size: int):
     """`engine.start`'s arguments after the cache for greedy rows of
     `tokens` [B, T] with `budget` new tokens each and no stop tokens."""
-    from jaxinfer.serving.request import Request
-    from jaxinfer.serving.runner import row_inputs
 
     b, t = tokens.shape
     requests = [Request(row.tolist(), sampling.SamplingParams(temperature=0.0), max_new_tokens=budget)
@@ -258,9 +261,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.llamacpp_worker:
         print(json.dumps(_llamacpp_worker(json.loads(args.llamacpp_worker))))
         return 0
-    from jaxinfer.config.settings import GenerationConfig
-    from jaxinfer.checkpoint.loading import enable_compilation_cache
-    from jaxinfer.tools.eval.run import load_variants
 
     enable_compilation_cache()
     model = args.model or GenerationConfig.load(args.config).model

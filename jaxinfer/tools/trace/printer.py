@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxinfer.config.settings import FULL_ATTENTION
+from jaxinfer.config import FULL_ATTENTION
 from jaxinfer.tools.trace.tracer import DETAIL_MAX_HIDDEN, Check, LayerTrace, Phase, Trace
 
 

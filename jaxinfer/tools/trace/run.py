@@ -28,13 +28,15 @@ import jax.numpy as jnp
 from jaxinfer.tools.trace.plots import plot_trace
 from jaxinfer.tools.trace.printer import format_trace
 from jaxinfer.tools.trace.tracer import run_trace
+from jaxinfer.config.generation import GenerationConfig, read_yaml_mapping
+from jaxinfer.tools.toy import ToyConfig
+from jaxinfer.serving.loading import load_model
+from jaxinfer.tools import toy
 
 
 def load_trace_config(path: str | os.PathLike):
     """("toy", ToyConfig) for a YAML with `kind: toy`, else ("generation",
     GenerationConfig). Raises ValueError for unknown keys or an unknown kind."""
-    from jaxinfer.config.settings import GenerationConfig, read_yaml_mapping
-    from jaxinfer.tools.toy import ToyConfig
 
     values = read_yaml_mapping(path)
     kind = values.get("kind")
@@ -52,12 +54,10 @@ def load_for_trace(config_path: str | os.PathLike, model: Optional[str] = None,
     `model` overrides the YAML's model (a folder for toy configs)."""
     kind, cfg = load_trace_config(config_path)
     if kind == "toy":
-        from jaxinfer.tools import toy
 
         folder = toy.ensure_model(cfg, model, log=log)
         config, params, tokenizer = toy.load_folder(folder)
         return config, params, tokenizer, str(folder)
-    from jaxinfer.checkpoint.loading import load_model
 
     source = model or cfg.model
     config, params, tokenizer = load_model(source, dtype=jnp.dtype(cfg.dtype))

@@ -30,8 +30,8 @@ from jaxinfer.cache import kv as kv_cache
 from jaxinfer import models
 from jaxinfer.engine import phases as engine
 from jaxinfer.cache.kv import LayerKV, init_cache
-from jaxinfer.config.settings import FULL_ATTENTION, ModelConfig
-from jaxinfer.nn.layers import attention_output, attention_scores, group_heads, masked_softmax, ungroup_heads
+from jaxinfer.config import FULL_ATTENTION, ModelConfig
+from jaxinfer.nn import attention_output, attention_scores, group_heads, masked_softmax, ungroup_heads
 from jaxinfer.weights.prepare import prepare_params
 
 ATOL = 1e-6                 # traced rows vs full recompute, scores and weights

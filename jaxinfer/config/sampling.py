@@ -1,0 +1,110 @@
+"""`SamplingParams`: one request's host-side sampling settings, validated once.
+
+The device side (per-row arrays, filters, draws) is `jaxinfer.sampling`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+from typing import Optional, Sequence
+
+# Rows with 0 < temperature < TEMPERATURE_FLOOR divide by the floor instead,
+# so that logits / temperature stays finite.
+TEMPERATURE_FLOOR = 1e-6
+# Seeds are 32-bit: with jax_enable_x64 off, `jax.random.key` keeps only the
+# low 32 bits of a larger seed, so larger seeds are rejected, not truncated.
+MAX_SEED = 2**32 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Host-side sampling parameters of one request (one batch row).
+
+    The defaults are greedy decoding: `SamplingParams()` takes the argmax at
+    every step, so the same prompt always gives the same text (Hugging Face
+    `generate`'s default, `do_sample=False`). Set `temperature` > 0 to
+    sample; top_k, top_p and min_p only filter sampled rows. jaxinfer does
+    not read a checkpoint's `generation_config.json` sampling values: every
+    value comes from here (or the YAML keys of the same names).
+
+    Attributes:
+      temperature: divides the logits before sampling; 0 (the default) is
+        greedy (argmax, lowest id on ties). >= 0.
+      top_k: keep the k most likely tokens (ties at the k-th value all kept);
+        0 or -1 (off) and k >= V filter nothing; 1 is greedy. >= -1.
+      top_p: nucleus sampling (Holtzman et al. 2019), keep the smallest set
+        of most likely tokens whose mass reaches top_p; 1.0 is off. In (0, 1].
+      min_p: keep tokens with prob >= min_p * max prob (Nguyen et al. 2024);
+        0 is off. In [0, 1].
+      repetition_penalty: a logit l of a token seen in the prompt or output
+        becomes l / r if l > 0 else l * r (CTRL, Keskar et al. 2019,
+        arXiv:1909.05858; Hugging Face convention); 1.0 is off. > 0.
+      presence_penalty: l -= presence_penalty once a token was generated
+        (OpenAI convention; prompt tokens do not count); 0 is off.
+      frequency_penalty: l -= frequency_penalty * (times the token was
+        generated) (OpenAI convention); 0 is off.
+      seed: sampling seed in [0, 2**32 - 1]; None (YAML null) draws a random
+        one per request (`resolve_seeds`). Greedy rows ignore it.
+
+    Raises:
+      ValueError: naming the field, for a value out of range or not finite.
+      TypeError: naming the field, for a value of the wrong type (a float
+        field that is not a real number, top_k or seed not an integer).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"SamplingParams.{name} must be a real number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
+        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0",
+               self.repetition_penalty)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise TypeError(f"SamplingParams.top_k must be an int, got {self.top_k!r}")
+        _check(self.top_k >= -1, "top_k", "must be >= -1 (0 and -1 mean no top-k filter)",
+               self.top_k)
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+                raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+            _check(0 <= self.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}]", self.seed)
+
+
+def _check(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+
+
+def resolve_seeds(seeds: Sequence[Optional[int]]) -> tuple[int, ...]:
+    """Replaces each None seed by a fresh random 32-bit seed from `secrets`.
+
+    Returns the seeds actually used, so a caller can report them and replay
+    a request exactly.
+
+    Raises:
+      ValueError / TypeError: for a seed outside [0, 2**32 - 1] or not an int.
+    """
+    out = []
+    for s in seeds:
+        if s is None:
+            s = secrets.randbits(32)
+        SamplingParams(seed=s)  # validates
+        out.append(int(s))
+    return tuple(out)

@@ -1,0 +1,128 @@
+"""Transformer building blocks the model families share: fused Q/K/V with
+QK-norm and RoPE, the output projection, the gated MLP, embedding rows and
+the LM head, all through the one matmul dispatch (`weights.matmul`).
+
+Shape letters (see DESIGN.md): B batch, T new tokens, D hidden, N query
+heads, K kv heads, H head_dim, F mlp hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kernels.cpu import PackedWeight, take_columns
+from jaxinfer.nn.norm import rms_norm
+from jaxinfer.nn.rope import apply_rope
+from jaxinfer.weights import quant
+from jaxinfer.weights.matmul import matmul
+from jaxinfer.weights.quant import QuantizedWeight
+
+
+def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> jax.Array:
+    """down(act(x @ gate) * (x @ up)): SwiGLU for "silu", GeGLU for
+    "gelu_pytorch_tanh" (Shazeer 2020, arXiv:2002.05202).
+
+    Args:
+      x: [B, T, D]; gate_up: [D, 2F], gate columns then up columns (one
+        matmul for both), or [D, S, 2F/S] split into S tensor-parallel
+        shards, each its own gate then up columns (`sharding.per_shard_gate_up`);
+        down: [F, D]. gate_up [D, 2F] and down may be `PackedWeight`s.
+    """
+    gu = _per_shard(x, gate_up)                      # [B, T, S, 2F/S]
+    half = gu.shape[-1] // 2
+    g, u = gu[..., :half], gu[..., half:]
+    if activation == "silu":
+        act = jax.nn.silu(g)
+    else:
+        act = jax.nn.gelu(g, approximate=True)
+    return matmul((act * u).reshape(*x.shape[:-1], -1), down)
+
+
+def _per_shard(x: jax.Array, w) -> jax.Array:
+    """x [..., D] @ w -> [..., S, C]: w [D, S, C] holds S shards' columns
+    side by side (tensor parallelism, `jaxinfer.parallel.sharding`); an unsharded
+    w [D, C] (plain, packed or quantized) is one shard (S = 1)."""
+    if not isinstance(w, (PackedWeight, QuantizedWeight)) and w.ndim == 3:
+        return jnp.einsum("...D,DSC->...SC", x, w)
+    return matmul(x, w)[..., None, :]
+
+
+def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
+                config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Query/key/value projections (one fused matmul) with optional bias,
+    QK-norm and RoPE.
+
+    Args:
+      p: one layer's prepared params (`params.prepare_params`): `qkv_proj`
+        [D, (N + 2K) * H], optional `qkv_bias` [(N + 2K) * H], `q_norm` /
+        `k_norm` [H]. Tensor-parallel params (`jaxinfer.parallel.sharding`) hold
+        `qkv_proj` as [D, S, (N/S + 2K/S) * H] (and the bias as [S, ...]):
+        S shards, each its own q heads, then k heads, then v heads.
+      h: [B, T, D] normalized input.
+      rope: (cos, sin), each [B, T, H] float32.
+    Returns:
+      q [B, T, N, H] multiplied by `config.query_scale`; k, v [B, T, K, H].
+    """
+    b, t, _ = h.shape
+    n, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = _per_shard(h, p["qkv_proj"])              # [B, T, S, (N/S + 2K/S) * H]
+    if config.attention_bias:
+        qkv = qkv + p["qkv_bias"].reshape(qkv.shape[-2:])
+    nq, nk = n // qkv.shape[-2] * hd, kv // qkv.shape[-2] * hd
+    q = qkv[..., :nq].reshape(b, t, n, hd)
+    k = qkv[..., nq:nq + nk].reshape(b, t, kv, hd)
+    v = qkv[..., nq + nk:].reshape(b, t, kv, hd)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    q = apply_rope(q, *rope)
+    k = apply_rope(k, *rope)
+    return (q * jnp.asarray(config.query_scale, q.dtype)), k, v
+
+
+def output_projection(attn: jax.Array, o_proj: jax.Array | PackedWeight) -> jax.Array:
+    """[B, T, N, H] x [N, H, D] -> [B, T, D] as one 2-D matmul over N*H (a
+    packed or quantized o_proj is already [N*H, D])."""
+    b, t, n, hd = attn.shape
+    if not isinstance(o_proj, (PackedWeight, QuantizedWeight)):
+        o_proj = o_proj.reshape(n * hd, -1)
+    return matmul(attn.reshape(b, t, n * hd), o_proj)
+
+
+def embed_rows(params: dict, tokens: jax.Array) -> jax.Array:
+    """Embedding rows [..., D] for int32 token ids [...], from `embed_tokens`
+    [V, D], or for a tied model's prepared params (which keep only the
+    [D, V] `lm_head`) from its columns."""
+    if "embed_tokens" in params:
+        return jnp.take(params["embed_tokens"], tokens, axis=0)
+    if isinstance(params["lm_head"], PackedWeight):
+        return take_columns(params["lm_head"], tokens)
+    if isinstance(params["lm_head"], QuantizedWeight):
+        return quant.take_columns(params["lm_head"], tokens)
+    return jnp.moveaxis(jnp.take(params["lm_head"], tokens, axis=1), 0, -1)
+
+
+def replicated(x: jax.Array) -> jax.Array:
+    """x gathered whole onto every device of the mesh set with `jax.set_mesh`
+    (tensor parallelism, `jaxinfer.parallel.sharding`); x itself without a mesh.
+    Logits split by vocabulary are gathered once here, so sampling's many
+    reductions over V run locally instead of each needing a collective."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
+
+
+def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
+    """Logits float32 [..., V] from final-normed hidden states [..., D].
+
+    Reads the [D, V] `lm_head` of prepared params (`params.prepare_params`,
+    which gives tied models one too) and applies `final_logit_softcapping`
+    when set.
+    """
+    logits = replicated(matmul(h, params["lm_head"], preferred_element_type=jnp.float32))
+    cap = config.final_logit_softcapping
+    if cap:
+        logits = cap * jnp.tanh(logits / cap)
+    return logits

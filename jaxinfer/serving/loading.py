@@ -1,0 +1,128 @@
+"""Loading a model for serving: a named model, a `.gguf` file or a Hugging
+Face folder -> (ModelConfig, prepared params, Tokenizer), a draft model for
+speculative decoding, and the persistent XLA compilation cache.
+
+    path = resolve_model(source)                  # fetch a named model once
+    tokenizer = load_tokenizer(path)              # cached conversion; no weights read
+    config, params = load_params(path, prepared=True)   # load cache, else read + prepare
+
+A GGUF's header is parsed once (`gguf.GGUFReader`) and shared by the
+tokenizer conversion and the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.checkpoint.loading import gguf_reader, load_params
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.config import ModelConfig, cache_dir
+from jaxinfer.progress import Progress
+from jaxinfer.speculative.verify import DraftModel, SpecConfig, check_draft
+from jaxinfer.tokenizer.tokenizer import Tokenizer
+
+
+def enable_compilation_cache(path: Optional[str] = None) -> str:
+    """Turn on JAX's persistent compilation cache for every program (no
+    minimum compile time or size), so a second start compiles nothing.
+
+    Args:
+      path: cache directory; None means `<jaxinfer cache dir>/xla-cache`
+        (`JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
+        `~/.cache/jaxinfer`).
+    Returns:
+      The directory used (created if missing).
+    """
+    path = str(path or cache_dir() / "xla-cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def load_tokenizer(path: pathlib.Path, reader: Optional[Callable[[], object]] = None,
+                   progress: Optional[Progress] = None):
+    """The `Tokenizer` of a .gguf file or HF folder (from `resolve_model`).
+
+    Args:
+      reader: for a .gguf, a function returning its `gguf.GGUFReader`,
+        called only when the tokenizer must be converted (not cached yet).
+      progress: reports "loading the tokenizer" when it takes over 0.5 s.
+    Raises:
+      FileNotFoundError / ValueError: see `Tokenizer.from_source`.
+    """
+    with Progress.resolve(progress).step("loading the tokenizer", after_s=0.5):
+        if pathlib.Path(path).is_file():
+            return Tokenizer.from_gguf(path, reader=reader)
+        return Tokenizer.from_source(path)
+
+
+def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
+               cache: Optional[bool] = None, progress: Optional[Progress] = None,
+               before_weights: Optional[Callable[[object], None]] = None,
+               weights: str = "float32"):
+    """(ModelConfig, params, Tokenizer) for a named model, .gguf file or HF folder.
+
+    Args: as `load_params`; `source` as `checkpoint.sources.resolve_model`
+      (a named model is downloaded on first use, with a bar when `progress`
+      is enabled). `before_weights(tokenizer)` runs once the tokenizer is
+      loaded and before any weight is read, e.g. to check prompt lengths;
+      what it raises propagates.
+    Raises:
+      ModelSourceError: the source cannot be found or fetched.
+      CheckpointError: a tensor is missing or has the wrong shape.
+    """
+    progress = Progress.resolve(progress)
+    path = resolve_model(source, progress)
+    reader = gguf_reader(path, progress) if path.is_file() else None
+    tokenizer = load_tokenizer(path, reader, progress)
+    if before_weights is not None:
+        before_weights(tokenizer)
+    config, params = load_params(path, dtype, prepared=prepared, cache=cache, progress=progress,
+                                 reader=reader, weights=weights)
+    return config, params, tokenizer
+
+
+def load_draft(source: str, target_config: ModelConfig, target_tokenizer=None, dtype=jnp.float32,
+               probe: str = "Speculative decoding: 42 drafts, 1 target.",
+               weights: str = "float32") -> DraftModel:
+    """Load a draft model (its matmul weights as `weights`, e.g. "q4" for a
+    quantized copy of the target) and check that it can draft for the target.
+
+    Raises:
+      ValueError: another vocabulary size, or its tokenizer gives other ids
+        than the target's for `probe` (or has other EOS ids).
+      ModelSourceError / CheckpointError: as `load_model`.
+    """
+    config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
+                                           weights=weights)
+    check_draft(target_config, target_tokenizer, config, tokenizer, source, probe)
+    return DraftModel(config, params, str(source))
+
+
+def speculative_config(method: Optional[str], num_speculative_tokens: int, ngram_min: int,
+                       ngram_max: int, draft_model: Optional[str], target: ModelConfig,
+                       tokenizer=None, dtype=jnp.float32,
+                       draft_weights: str = "float32") -> Optional[SpecConfig]:
+    """The `SpecConfig` of config keys (None when `method` is None), loading
+    the draft model for method "draft".
+
+    Raises:
+      ValueError: bad settings, or a draft model that cannot draft for the
+        target (`check_draft`).
+    """
+    if method is None:
+        if draft_model is not None:
+            raise ValueError("draft_model is set but speculative is not (use speculative: draft)")
+        return None
+    if method == "draft" and draft_model is None:
+        raise ValueError("speculative: draft needs draft_model (a model name, .gguf or folder)")
+    draft = (load_draft(draft_model, target, tokenizer, dtype, weights=draft_weights)
+             if method == "draft" else None)
+    return SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max, draft)
