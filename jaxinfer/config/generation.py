@@ -69,7 +69,7 @@ class GenerationConfig:
         decode, and the largest piece of a prompt one call prefills; null
         prefills every prompt whole (see jaxinfer/serving/scheduler.py).
       speculative: null (off), "ngram" (prompt lookup) or "draft" (a draft
-        model): speculative decoding (see jaxinfer/speculative/verify.py).
+        model): speculative decoding (see jaxinfer/speculative/).
       num_speculative_tokens: k, tokens proposed per verification round.
       ngram_min, ngram_max: n-gram lengths the ngram proposer matches.
       draft_model: the draft for speculative: draft, a model sharing the

@@ -57,7 +57,10 @@ class EngineStats:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of the allocated KV-cache positions that hold live tokens, in [0, 1]."""
+        """Fraction of the KV page pool that running requests hold, in [0, 1]
+        (without a pool: of the slots' positions that hold live tokens)."""
+        if self.num_pages:
+            return self.pages_used / self.num_pages
         total = self.slots * self.cache_capacity
         return min(1.0, self.cached_tokens / total) if total else 0.0
 
@@ -70,15 +73,15 @@ def snapshot(engine: EngineThread) -> EngineStats:
         state = sched.states.get(rid) if rid is not None else None
         if state is not None:
             cached += state.num_prompt_tokens + len(state.token_ids)
-    pool = getattr(sched.runner, "kv_pages", None)
-    pages = {} if pool is None else dict(
+    pool = sched.kv_pages
+    pages = dict(
         num_pages=pool.num_pages, pages_used=pool.num_used, pages_free=pool.num_free,
         pages_cached=pool.num_cached, prefix_query_tokens=pool.query_tokens,
         prefix_hit_tokens=pool.hit_tokens)
     return EngineStats(running=sched.num_running, slots=len(sched.slots),
-                       cache_capacity=sched.runner.cache_capacity, cached_tokens=cached,
+                       cache_capacity=sched.runner.max_seq_len, cached_tokens=cached,
                        steps=engine.steps, time=time.monotonic(),
-                       num_preempted=getattr(sched, "num_preempted", 0), **pages)
+                       num_preempted=sched.num_preempted, **pages)
 
 
 class RequestGroup:

@@ -32,7 +32,10 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
                  max_request_bytes: int = 1 << 20, warmup: bool = False,
                  log: Callable[[str], None] = lambda msg: None):
     """An `OpenAIServer` over a new scheduler of `max_num_seqs` slots of `llm`
-    (the engine thread starts with the app). With warmup, `warm_up` runs first.
+    (the engine thread starts with the app). The scheduler decodes one step
+    per dispatch (decode_chunk 1), so every token is streamed as soon as it
+    is computed and a new request joins the very next step. With warmup,
+    `warm_up` runs first.
 
     Raises:
       ValueError: max_num_seqs or max_request_bytes < 1.
@@ -40,7 +43,7 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     if max_num_seqs < 1 or max_request_bytes < 1:
         raise ValueError(f"max_num_seqs and max_request_bytes must be >= 1, got {max_num_seqs} "
                          f"and {max_request_bytes}")
-    scheduler = llm.scheduler(max_num_seqs)
+    scheduler = llm.scheduler(max_num_seqs, decode_chunk=1)
     if warmup:
         seconds, n = warm_up(llm, scheduler)
         log(f"warm-up: {n} programs compiled ahead of time, {seconds:.1f} s")
@@ -60,12 +63,10 @@ def build_engine_server(llm, engine, *, model_name: str, defaults: SamplingParam
 
 
 def warm_up(llm, scheduler, max_steps: int = 10_000) -> tuple[float, int]:
-    """Compile every program serving can need ahead of time
-    (`ModelRunner.warmup`: prefill of every prompt bucket, chunked pieces,
-    insert, decode chunks and cache growth through every cache bucket), then
-    run one short request through `scheduler` so the first request does not
-    pay the programs' first-execution costs. Programs for log-probs still
-    compile on first use.
+    """Compile the serving programs ahead of time (`ModelRunner.warmup`: the
+    step of every token bucket and admission), then run one short request
+    through `scheduler` so the first request does not pay the programs'
+    first-execution costs. Programs for log-probs still compile on first use.
 
     Returns (seconds, programs compiled).
     Raises:

@@ -26,7 +26,9 @@ import numpy as np
 from jaxinfer.engine import phases as engine
 from jaxinfer import sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
-from jaxinfer.cache.kv import KV_CACHE_DTYPES, init_cache, pool_pages
+from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
+from jaxinfer.cache.paged import page_nbytes
+from jaxinfer.engine.ragged import choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.weights.prepare import prepare_params
@@ -34,7 +36,7 @@ from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.serving.request import Request, RequestOutput
 from jaxinfer.serving.runner import ModelRunner
-from jaxinfer.speculative.verify import SpecConfig
+from jaxinfer.speculative import SpecConfig
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.stats import RunStats
 from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
@@ -72,31 +74,30 @@ class LLM:
       tokenizer: a `jaxinfer.tokenizer.tokenizer.Tokenizer`, or None to accept token-id
         prompts only.
       max_seq_len: KV-cache capacity per request, tokens (prompt + generated).
-      decode_chunk: decode steps per compiled chunk (streaming granularity;
-        shorter chunks also admit waiting requests sooner).
+      decode_chunk: decoding steps per dispatch in steady state (one
+        `lax.scan`) when no request streams and none waits (see
+        `jaxinfer.serving.scheduler`).
       max_num_seqs: the most requests one `generate` call decodes at once
         (its slots: the batch bucket of min(len(prompts), max_num_seqs)).
-      prefill_chunk_size: per-step prefill token budget and largest prompt
-        piece while requests decode (see `jaxinfer.serving.scheduler`); None
-        prefills every prompt whole.
-      min_prompt_bucket: smallest prompt-length bucket.
-      min_kv_bucket: smallest KV-cache bucket, tokens.
+      prefill_chunk_size: prompt tokens per step while requests decode (the
+        bound on a running stream's gap between tokens); None: the whole
+        token budget.
+      min_prompt_bucket: smallest prompt-length bucket (`score`).
+      min_kv_bucket: smallest KV-cache bucket of `score`'s dense cache, tokens.
       stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
       speculative: a `speculative.SpecConfig` for speculative decoding, or None.
       kv_cache_dtype: None (the params' dtype) or one of `cache.KV_CACHE_DTYPES`
         ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
-      page_size: tokens per KV page (PagedAttention: the full-attention
-        layers' K/V in one page pool with a block table per request), or
-        None (the default, see `GenerationConfig.page_size`) for one dense
-        buffer per slot (see `jaxinfer.serving.runner`).
+      page_size: tokens per KV page (PagedAttention: every layer's K/V in one
+        page pool with a block table per request; `cache.paged`).
       num_pages: pages in the pool; None derives it from kv_cache_memory.
-      kv_cache_memory: the KV cache's budget in bytes (the page pool plus the
-        sliding-window rings of every slot); None: what max_num_seqs slots of
-        max_seq_len tokens need, at most DEFAULT_KV_CACHE_MEMORY.
-      prefix_caching: requests share the cached pages of equal prompt
-        prefixes (paged only; off for models with sliding-window layers and
-        with a draft model).
+      kv_cache_memory: the KV page pool's budget in bytes; None: what
+        max_num_seqs slots of max_seq_len tokens need, at most
+        DEFAULT_KV_CACHE_MEMORY.
+      prefix_caching: requests share the cached pages of equal prompt prefixes.
+      max_num_batched_tokens: the most tokens one serving step runs (its
+        token budget, the largest compiled token bucket).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
         size below 1, or both num_pages and kv_cache_memory given.
@@ -107,15 +108,17 @@ class LLM:
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
                  min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
                  speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
-                 page_size: Optional[int] = None, num_pages: Optional[int] = None,
-                 kv_cache_memory: Optional[int] = None, prefix_caching: bool = True):
+                 page_size: int = 16, num_pages: Optional[int] = None,
+                 kv_cache_memory: Optional[int] = None, prefix_caching: bool = True,
+                 max_num_batched_tokens: int = 512):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
         for name, value in (("decode_chunk", decode_chunk), ("max_num_seqs", max_num_seqs),
                             ("prefill_chunk_size", prefill_chunk_size or 1),
-                            ("page_size", page_size or 1), ("num_pages", num_pages or 1),
-                            ("kv_cache_memory", kv_cache_memory or 1)):
+                            ("page_size", page_size), ("num_pages", num_pages or 1),
+                            ("kv_cache_memory", kv_cache_memory or 1),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if num_pages is not None and kv_cache_memory is not None:
@@ -137,6 +140,8 @@ class LLM:
         self.kv_cache_dtype = kv_cache_dtype
         self.page_size, self.num_pages, self.kv_cache_memory = page_size, num_pages, kv_cache_memory
         self.prefix_caching = prefix_caching
+        self.token_budget = int(max_num_batched_tokens)
+        self.backend = choose_backend(self.cache_dtype)
         self.programs = ProgramCache()
         self.last_stats = RunStats()
 
@@ -228,45 +233,46 @@ class LLM:
 
     # --- the serving engine ----------------------------------------------------------------
 
-    def runner(self, max_num_seqs: int, prefill_chunk_size="default") -> ModelRunner:
-        """A `ModelRunner` over `max_num_seqs` decode slots, compiling through
-        this LLM's `programs` (prefill_chunk_size: this LLM's unless given)."""
-        chunk = self.prefill_chunk_size if prefill_chunk_size == "default" else prefill_chunk_size
-        return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs, buckets=self.buckets,
-                           decode_chunk=self.decode_chunk, prefill_chunk_size=chunk,
+    def runner(self, max_num_seqs: int) -> ModelRunner:
+        """A `ModelRunner` over `max_num_seqs` slots and a page pool of
+        `pool_pages(max_num_seqs)` pages, compiling through this LLM's `programs`."""
+        return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs,
+                           max_seq_len=self.max_seq_len, page_size=self.page_size,
+                           num_pages=self.pool_pages(max_num_seqs),
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
-                           cache_dtype=self.cache_dtype, programs=self.programs,
-                           speculative=self.speculative, kv_cache_dtype=self.kv_cache_dtype,
-                           page_size=self.page_size, num_pages=self.pool_pages(max_num_seqs),
-                           prefix_caching=self.prefix_caching)
+                           cache_dtype=self.cache_dtype, kv_cache_dtype=self.kv_cache_dtype,
+                           speculative=self.speculative, programs=self.programs,
+                           backend=self.backend, token_budget=self.token_budget)
 
-    def pool_pages(self, max_num_seqs: int) -> Optional[int]:
-        """Pages in the KV page pool of a runner of `max_num_seqs` slots (None
-        without paging): num_pages, else what kv_cache_memory leaves after the
-        slots' sliding-window rings, else max_num_seqs full sequences capped
-        at DEFAULT_KV_CACHE_MEMORY (see `cache.pool_pages`).
+    def pool_pages(self, max_num_seqs: int) -> int:
+        """Pages in the KV page pool of a runner of `max_num_seqs` slots:
+        num_pages, else what kv_cache_memory holds, else enough for
+        max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY.
 
         Raises:
-          ValueError: kv_cache_memory does not cover the rings and one page.
+          ValueError: kv_cache_memory does not hold one page.
         """
-        if self.page_size is None:
-            return None
         if self.num_pages is not None:
             return self.num_pages
-        ring_extra = self.speculative.num_speculative_tokens if self.speculative else 0
-        return pool_pages(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype,
-                          max_num_seqs, self.max_seq_len, ring_extra, self.kv_cache_memory)
+        page = page_nbytes(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype)
+        if self.kv_cache_memory is not None:
+            if self.kv_cache_memory < page:
+                raise ValueError(f"a KV budget of {self.kv_cache_memory} bytes holds no page "
+                                 f"({page} bytes)")
+            return self.kv_cache_memory // page
+        full = max_num_seqs * -(-(self.max_seq_len + self.page_size) // self.page_size)
+        return max(1, min(full, DEFAULT_KV_CACHE_MEMORY // page))
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
         this LLM's), detokenizing with this LLM's tokenizer, timed on
         `programs.clock` (compile time excluded). kwargs go to `Scheduler`
-        (policy, max_waiting_requests, prefill_chunk_size)."""
-
+        (policy, max_waiting_requests, prefill_chunk_size, decode_chunk)."""
         tok = self.tokenizer
         kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)
-        runner = self.runner(max_num_seqs or self.max_num_seqs, kwargs["prefill_chunk_size"])
-        return Scheduler(runner,
+        kwargs.setdefault("decode_chunk", self.decode_chunk)
+        kwargs.setdefault("prefix_caching", self.prefix_caching)
+        return Scheduler(self.runner(max_num_seqs or self.max_num_seqs),
                          detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
                          stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                          clock=self.programs.clock, **kwargs)
@@ -376,11 +382,10 @@ class LLM:
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
             [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
             decode_steps=steps, spec=[p["spec"] for p in parts])
-        pool = scheduler.runner.kv_pages
-        if pool is not None:
-            self.last_stats = dataclasses.replace(
-                self.last_stats, prefix_query_tokens=pool.query_tokens,
-                prefix_hit_tokens=pool.hit_tokens, num_pages=pool.num_pages)
+        pool = scheduler.kv_pages
+        self.last_stats = dataclasses.replace(
+            self.last_stats, prefix_query_tokens=pool.query_tokens,
+            prefix_hit_tokens=pool.hit_tokens, num_pages=pool.num_pages)
         self.last_stats = dataclasses.replace(self.last_stats, num_preempted=scheduler.num_preempted)
         return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
                            p["logprobs"] if r.logprobs is not None else None)

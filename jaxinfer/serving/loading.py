@@ -23,7 +23,7 @@ from jaxinfer.checkpoint.loading import gguf_reader, load_params
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.config import ModelConfig, cache_dir
 from jaxinfer.progress import Progress
-from jaxinfer.speculative.verify import DraftModel, SpecConfig, check_draft
+from jaxinfer.speculative import DraftModel, SpecConfig, check_draft
 from jaxinfer.tokenizer.tokenizer import Tokenizer
 
 

@@ -239,3 +239,81 @@ class PagePool:
                 assert self._hash[page] is not None, f"cached page {page} has no hash"
         assert all(self._hash[p] == h for h, p in self._page.items()), "hash maps disagree"
         assert sum(h is not None for h in self._hash) == len(self._page), "hash maps disagree"
+
+
+class KVPageManager:
+    """The pages of every slot, owned by the scheduler: allocation as slots
+    grow, prefix-cache hits and registration, release, and the block tables
+    sent with each step.
+
+    Args:
+      num_pages, page_size: the pool (`PagePool`).
+      num_slots: slots S; pages_per_seq: block-table entries M per slot.
+      prefix_caching: share full pages of equal prefixes (`page_hashes`).
+    Attributes:
+      pool: the `PagePool`; tables: int32 [S, M] block tables (P: no page).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, pages_per_seq: int,
+                 prefix_caching: bool = True):
+        self.pool = PagePool(num_pages, page_size)
+        self.page_size, self.prefix_caching = page_size, prefix_caching
+        self.tables = np.full((num_slots, pages_per_seq), num_pages, np.int32)
+        self._pages: list[list[int]] = [[] for _ in range(num_slots)]
+        self._salt: list[Optional[str]] = [None] * num_slots
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold `tokens` positions."""
+        return -(-tokens // self.page_size)
+
+    def num_pages_of(self, slot: int) -> int:
+        return len(self._pages[slot])
+
+    def begin(self, slot: int, ids: Sequence[int], salt: Optional[str], count_lookup: bool) -> int:
+        """Give `slot` the cached pages of the longest cached prefix of `ids`
+        (full pages only, never the page of the last token, whose logits are
+        needed); returns the tokens served from the cache."""
+        hashes = page_hashes(ids, self.page_size, salt) if self.prefix_caching else []
+        hit = self.pool.lookup(hashes[:(len(ids) - 1) // self.page_size])
+        self._set(slot, hit)
+        self._salt[slot] = salt
+        cached = len(hit) * self.page_size
+        if self.prefix_caching and count_lookup:
+            self.pool.count_lookup(len(ids), cached)
+        return cached
+
+    def _set(self, slot: int, pages: list[int]) -> None:
+        self._pages[slot] = list(pages)
+        self.tables[slot] = self.pool.num_pages
+        self.tables[slot, :len(pages)] = pages
+
+    def shortfall(self, wanted: dict) -> int:
+        """Pages missing for slots to hold wanted[slot] positions each."""
+        need = sum(max(0, self.pages_for(n) - len(self._pages[s])) for s, n in wanted.items())
+        return max(0, need - self.pool.num_available)
+
+    def grow(self, slot: int, tokens: int) -> None:
+        """Make `slot` hold pages for `tokens` positions (capped at its block table).
+
+        Raises:
+          PoolExhaustedError: the pool cannot (nothing changes).
+        """
+        tokens = min(tokens, self.tables.shape[1] * self.page_size)
+        more = self.pages_for(tokens) - len(self._pages[slot])
+        if more > 0:
+            self._set(slot, self._pages[slot] + self.pool.allocate(more))
+
+    def register(self, slot: int, ids: Sequence[int]) -> None:
+        """With prefix caching, make the slot's full pages of `ids` (tokens
+        whose K/V it holds, in order) shareable."""
+        if not self.prefix_caching:
+            return
+        for page, h in zip(self._pages[slot], page_hashes(ids, self.page_size, self._salt[slot])):
+            self.pool.register(page, h)
+
+    def release(self, slot: int, ids: Sequence[int] = ()) -> None:
+        """Free the slot's pages, its full pages of `ids` registered first."""
+        self.register(slot, ids)
+        self.pool.release(self._pages[slot])
+        self._set(slot, [])
+        self._salt[slot] = None

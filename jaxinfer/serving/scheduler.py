@@ -1,79 +1,59 @@
-"""Continuous batching: requests join and leave a running batch of decode slots.
+"""Continuous batching with one ragged step per iteration (vLLM v1's "no
+phases" scheduler).
 
     add_request(request) -> request_id       validated, queued
     step() -> [RequestOutput, ...]            one scheduler iteration
     abort(request_id)                         finished with "abort" at the next step
 
-One iteration (`step`):
-  1. wait for the previous decode chunk's tokens; the slots of rows the
-     device has finished are free from here on;
-  2. admission and prefill: waiting requests (first come, first served) get
-     free slots; their prompts are prefilled on their own (batch 1) and the
-     prefilled rows inserted into their slots;
-  3. dispatch a decode chunk (`decode_chunk` steps, one compiled `lax.scan`)
-     over every slot holding a running request, the rows inserted in step 2
-     included; free slots are marked done;
-  4. while the device runs it, process the previous chunk's tokens on the
-     host: detokenize, match stop strings, emit events, free the slots of
-     finished requests (JAX dispatch is asynchronous, so this host work
-     overlaps the device work); then the first tokens of the rows prefilled
-     in step 2, which the device computed before the chunk.
+Each request tracks how many of its tokens have K/V in its slot's pages
+(`computed`). Each iteration fills a token budget:
+  1. every running row that has finished its prompt decodes: 1 token (1 + k
+     with speculative decoding), its token coming from the device;
+  2. prompts being prefilled, oldest first, then waiting requests (first
+     come, first served) while a slot is free, take the rest of the budget
+     in chunks; a request's last chunk samples its first token in the same step.
+One compiled ragged forward (`engine.step`) runs all of it. The budget is
+`prefill_chunk_size` prompt tokens while rows decode (it bounds the gap
+between two tokens of a running stream) and the runner's whole token budget
+when none do.
 
-Prefill goes before the chunk because the device runs its work in order: a
-prefill dispatched after the chunk would wait for it, and its first token
-for the fetch after the next one. This way a new request's time to first
-token is its wait for the chunk in flight plus its own prefill, and it
-decodes in the very next chunk; running rows wait for the prefill either
-way.
+The step is dispatched before the previous step's tokens are read: decoding
+rows take their tokens and positions from the device, so the host runs one
+step behind the device, detokenizing and matching stop strings while the
+device computes. A row the device finished (stop token, max_new_tokens)
+does nothing in the step already dispatched; its slot and pages are freed
+when its last token is processed.
 
-Prefill policy (chunked prefill). With requests decoding, each iteration
-prefills at most `prefill_chunk_size` prompt tokens (the per-step token
-budget; the first piece of an iteration always runs, so with chunking off a
-long prompt runs whole), in pieces of that size: a long prompt is spread over
-several iterations, each attending to the pieces before it through
-`engine.extend`, so running requests wait at most one budget's prefill
-between two decode chunks instead of the whole prompt. With nothing
-decoding, waiting requests are prefilled back to back until the slots are
-full (no one is waiting on a decode). The trade-off: a smaller budget lowers
-running requests' inter-token latency while a long prompt arrives, and
-raises that prompt's time to first token (its prefill is interleaved with
-decode chunks); `prefill_chunk_size=None` prefills every prompt whole.
+When nothing waits and no request streams, running rows decode
+`decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`), once that
+program is compiled (compiling one never delays a request): k = 1 while
+requests arrive or a stream wants each token as it comes, k = decode_chunk
+in steady state.
 
-`policy="static"` admits new requests only when every slot is free (the
-batch waits for its longest row): the behaviour of a fixed batch, kept as
-the benchmark's baseline.
+Pages (`serving.pages.KVPageManager`, owned here): a request gets its
+prefix-cache hit and the pages of each chunk as it is scheduled; a decoding
+row gets the pages of its next positions. When the pool cannot give the
+running rows their next pages, the newest running request is preempted
+(pages freed, full pages of known tokens kept in the prefix cache) and
+later recomputed from its prompt and the tokens it generated, continuing
+where it stopped. A request that cannot fit the whole pool is refused up front.
 
-Paged KV (a runner with `paged` set; see `jaxinfer.serving.runner`). Admission also
-waits until the pool can hold the next request's prompt (beyond its cached
-prefix) and one more decode chunk of every running row (`can_begin`), first
-come first served. Before each decode chunk, while the pool cannot supply
-the running rows' next pages (`pages_short`), the newest request is
-preempted: a prompt being prefilled first, then the most recently admitted
-running request; its pages are freed (full pages of known tokens stay in the
-prefix cache), and it goes back to the front of the queue with the tokens it
-has generated, to be recomputed (prompt + those tokens, mostly from the
-prefix cache) and continued exactly where it stopped. The oldest running
-request is never preempted for a newer one, and every request fits the
-pool alone (`check`), so the queue always drains.
-
-The scheduler is single-threaded: `jaxinfer.serving.thread.EngineThread` runs it on
-the one thread that owns the device and feeds it from other threads. It
-talks to the device through a runner (`jaxinfer.serving.runner.ModelRunner`, or a
-fake in the tests) with `begin / prefill / insert / decode / fetch`.
+`policy="static"` admits new requests only when no request is running: the
+behaviour of a fixed batch, kept as the benchmark's baseline.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 from typing import Callable, Optional
 
-import numpy as np
-
+from jaxinfer.sampling.rows import NO_TOKEN
+from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import Request, RequestOutput, RequestState
-from jaxinfer.serving.runner import logprob_bucket
-from jaxinfer.speculative.verify import NO_TOKEN
+from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
 
 POLICIES = ("continuous", "static")
 
@@ -82,69 +62,99 @@ class QueueFullError(RuntimeError):
     """The waiting queue already holds `max_waiting_requests` requests."""
 
 
+@dataclasses.dataclass
+class _Seq:
+    """A request's scheduling state: its tokens to prefill (prompt, then what
+    it generated before a preemption), progress, slot and speculative cap."""
+
+    state: RequestState
+    ids: tuple = ()
+    slot: Optional[int] = None
+    computed: int = 0
+    order: int = 0
+    inflight: int = 0          # tokens the dispatched, unread steps can still add
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.ids)
+
+
 class Scheduler:
-    """Admission, slots, chunked prefill, abort and events for one runner.
+    """Admission, the token budget, chunked prefill, pages, preemption,
+    abort and events for one runner.
 
     Args:
-      runner: the device side (`ModelRunner` or a test fake).
+      runner: the device side (`ModelRunner`, or a fake in the tests).
       detokenizer_factory: () -> a fresh `IncrementalDetokenizer`, or None
         to emit token ids only.
       stop_token_ids / eos_token_ids: host copies of the runner's stop rule.
-      prefill_chunk_size: per-step prefill token budget and largest prompt
-        piece (None: whole prompts).
+      prefill_chunk_size: prompt tokens per step while rows decode (None:
+        the runner's whole budget).
+      decode_chunk: decoding steps per dispatch in steady state.
       policy: "continuous" or "static" (see the module docstring).
       max_waiting_requests: bound of the waiting queue (None: unbounded).
+      prefix_caching: share the pages of equal prompt prefixes.
       clock: the time source of request timings (seconds).
     Raises:
-      ValueError: an unknown policy or a budget < 1.
+      ValueError: an unknown policy or a size below 1.
     """
 
     def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
                  stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
-                 policy: str = "continuous", max_waiting_requests: Optional[int] = None,
+                 decode_chunk: int = 16, policy: str = "continuous",
+                 max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
                  clock: Callable[[], float] = time.perf_counter):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if prefill_chunk_size is not None and prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1 or None, got {prefill_chunk_size}")
+        if (prefill_chunk_size is not None and prefill_chunk_size < 1) or decode_chunk < 1:
+            raise ValueError(f"prefill_chunk_size and decode_chunk must be >= 1, got "
+                             f"{prefill_chunk_size}, {decode_chunk}")
         self.runner = runner
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
-        self.policy = policy
+        self.decode_chunk, self.policy = decode_chunk, policy
         self.max_waiting_requests = max_waiting_requests
         self.clock = clock
+        self.pages = KVPageManager(runner.num_pages, runner.page_size, runner.max_num_seqs,
+                                   runner.pages_per_seq, prefix_caching)
         self._ids = itertools.count()
+        self._admitted = itertools.count()
         self.waiting: collections.deque[int] = collections.deque()
-        self.states: dict[int, RequestState] = {}
+        self.seqs: dict[int, _Seq] = {}
         self.slots: list[Optional[int]] = [None] * runner.max_num_seqs
-        self._prefilling = None     # (request_id, slot, PrefillJob) of a prompt in progress
-        self._pending: list = []    # dispatched device work whose outputs are not processed yet
+        self._pending: list = []          # (Dispatched, owners) not read yet
         self._aborted: list[int] = []
         self.num_preempted = 0
-        self._paged = bool(getattr(runner, "paged", False))
-        self._admitted = itertools.count()          # admission order (the newest is preempted first)
-        self._order: dict[int, int] = {}
-        self._preempted: list[int] = []             # requests to requeue once their outputs are in
+        self.streaming: set[int] = set()  # requests that want each token as it comes
 
     # --- requests ------------------------------------------------------------------------
 
+    @property
+    def states(self) -> dict[int, RequestState]:
+        return {rid: seq.state for rid, seq in self.seqs.items()}
+
     def check(self, request: Request) -> None:
         """Raise ValueError when the request can never run here: an empty
-        prompt, prompt + max_new_tokens beyond max_seq_len, or (paged) more
-        pages than the whole pool."""
+        prompt, prompt + max_new_tokens beyond max_seq_len, or more pages
+        than the whole pool."""
         n, limit = len(request.prompt_ids), self.runner.max_seq_len
         if n == 0:
             raise ValueError("empty prompt: a request needs at least one token")
-        if n + request.max_new_tokens > limit:
+        total = n + request.max_new_tokens
+        if total > limit:
             raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} = "
-                             f"{n + request.max_new_tokens} exceeds max_seq_len {limit}; shorten "
-                             "the prompt, lower max_new_tokens or raise max_seq_len")
-        if self._paged:
-            self.runner.check_fits(n + request.max_new_tokens)
+                             f"{total} exceeds max_seq_len {limit}; shorten the prompt, lower "
+                             "max_new_tokens or raise max_seq_len")
+        need = self.pages.pages_for(total + self.runner.width)
+        if need > self.runner.num_pages:
+            raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} needs "
+                             f"{need} KV pages of {self.runner.page_size} tokens; the pool has "
+                             f"{self.runner.num_pages} (raise num_pages or kv_cache_memory)")
 
-    def add_request(self, request: Request) -> int:
-        """Queue a request; returns its id.
+    def add_request(self, request: Request, stream: bool = False) -> int:
+        """Queue a request; returns its id. `stream`: it wants each token as
+        soon as it is computed (decoding runs one step per dispatch while it runs).
 
         Raises:
           ValueError: see `check` (checked here, not discovered mid-run).
@@ -156,43 +166,45 @@ class Scheduler:
                                  f"(max_waiting_requests {self.max_waiting_requests})")
         rid = next(self._ids)
         detok = self.detokenizer_factory() if self.detokenizer_factory else None
-        self.states[rid] = RequestState(rid, request, detok, self.stop_token_ids,
-                                        self.eos_token_ids, self.clock())
+        state = RequestState(rid, request, detok, self.stop_token_ids, self.eos_token_ids,
+                             self.clock())
+        self.seqs[rid] = _Seq(state)
         self.waiting.append(rid)
+        if stream:
+            self.streaming.add(rid)
         return rid
 
     def abort(self, request_id: int) -> bool:
-        """Finish a request with reason "abort" at the next step; its slot is
-        free for the next request. Returns False for an unknown or finished id."""
-        state = self.states.get(request_id)
-        if state is None or state.finished:
+        """Finish a request with reason "abort" at the next step; its slot and
+        pages are freed. Returns False for an unknown or finished id."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.state.finished:
             return False
-        state.abort()
+        seq.state.abort()
         self._aborted.append(request_id)
         if request_id in self.waiting:
             self.waiting.remove(request_id)
-        if self._prefilling is not None and self._prefilling[0] == request_id:
-            if self._paged:
-                self.runner.discard(self._prefilling[2])
-            self._prefilling = None
-        for slot, r in enumerate(self.slots):
-            if r == request_id:
-                self._free_slot(slot, state)
+        self._free(seq)
         return True
 
-    def _free_slot(self, slot: int, state: RequestState) -> None:
-        """Empty a slot; paged, its pages go back to the pool (full pages of
-        the tokens whose K/V it holds, the prompt and all generated tokens but
-        the last, stay in the prefix cache)."""
-        self.slots[slot] = None
-        if self._paged:
-            self.runner.release(slot, state.request.prompt_ids + tuple(state.token_ids[:-1]))
+    def _free(self, seq: _Seq) -> None:
+        """Empty the request's slot; its pages go back to the pool (full pages
+        of the tokens whose K/V it holds stay in the prefix cache)."""
+        if seq.slot is None:
+            return
+        if seq.prefilling:
+            known = seq.ids[:seq.computed]
+        else:   # every token but the last sampled one has its K/V in the pages
+            known = (seq.ids + tuple(seq.state.token_ids[self._generated_before(seq):]))[:-1]
+        self.pages.release(seq.slot, known)
+        self.slots[seq.slot] = None
+        seq.slot = None
 
     # --- state ---------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        """Work is left: waiting, prefilling, running, or unprocessed outputs."""
-        return bool(self.waiting or self._prefilling or self._pending or self._aborted
+        """Work is left: waiting, running, or unprocessed outputs."""
+        return bool(self.waiting or self._pending or self._aborted
                     or any(r is not None for r in self.slots))
 
     @property
@@ -201,165 +213,232 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + (self._prefilling is not None)
+        return len(self.waiting) + sum(1 for r in self.slots
+                                       if r is not None and self.seqs[r].prefilling)
 
-    def _occupied(self) -> np.ndarray:
-        return np.array([r is not None for r in self.slots])
+    def _running(self) -> list[_Seq]:
+        """Running requests, oldest admission first."""
+        return sorted((self.seqs[r] for r in self.slots if r is not None), key=lambda s: s.order)
 
     # --- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration (see the module docstring); returns the events it produced."""
         events = self._take_aborted()
-        fetched = [(self.runner.fetch(out), owners) for out, owners in self._pending]
-        ended = {rid for out, owners in fetched for row, _, rid in owners if out.done[-1, row]}
-        self._free_ended(ended)
-        self._pending = []
-        self._admit_and_prefill()            # appends each inserted row's first token to _pending
-        firsts, self._pending = self._pending, []
-        dispatched = self._dispatch_decode()
-        for item in fetched:
+        pending, self._pending = self._pending, []
+        dispatched = self._dispatch()
+        for item in pending:
             events += self._process(*item)
-        for out, owners in firsts:           # computed before the chunk: no wait for it
-            events += self._process(self.runner.fetch(out), owners)
-        self._requeue_preempted()
-        self._pending = [dispatched] if dispatched else []
+        if dispatched is not None:
+            self._pending.append(dispatched)
         return events
 
-    def _free_ended(self, ended: set) -> None:
-        """Free the slots of requests the device has finished (`ended`; their
-        last tokens are processed later in this step), so that waiting
-        requests can take them now. A request the host then finds unfinished
-        (it should not happen: device and host apply the same stop rule) goes
-        back to the queue with what it has generated, as a preempted one does."""
-        for slot, rid in enumerate(self.slots):
-            if rid is not None and rid in ended and rid in self.states:
-                self._free_slot(slot, self.states[rid])
-                self._preempted.append(rid)
-
-    def _dispatch_decode(self):
-        """Dispatch a decode chunk over the occupied slots (the slots of rows
-        the device has finished were freed by `_free_ended`)."""
-        occupied = self._occupied()
-        if self._paged:
-            self._make_room(occupied)
-        if not occupied.any():
+    def _dispatch(self):
+        """Plan and dispatch the next step (or decode loop); None when idle."""
+        running = [s for s in self._running() if not s.state.finished]
+        decoding = [s for s in running if not s.prefilling]
+        width = self.runner.width
+        if decoding and not self._make_room(decoding, width):
+            decoding = [s for s in self._running() if not s.prefilling and not s.state.finished]
+        loop = self._loop_steps(decoding)
+        if loop > 1:
+            return self._dispatch_loop(decoding, loop)
+        segments, owners, admits = [], [], []
+        for seq in decoding:
+            seq.inflight += width
+            segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
+            owners.append((seq.state.request_id, True))
+        budget = self._budget(bool(decoding)) - width * len(decoding)
+        self._fill_prompts(budget, segments, owners, admits)
+        if not segments:
             return None
-        wanted = [self.states[r].request.logprobs for r, o in zip(self.slots, occupied) if o]
-        counts = [n for n in wanted if n is not None]
-        num_logprobs = logprob_bucket(max(counts)) if counts else -1
-        max_drafts = None
-        spec = getattr(self.runner, "speculative", None)
-        if spec is not None:
-            max_drafts = np.array([self.states[r].draft_cap(spec.num_speculative_tokens)
-                                   if o else 0 for r, o in zip(self.slots, occupied)], np.int32)
-        out = self.runner.decode(occupied, num_logprobs, max_drafts)
-        return out, tuple((slot, slot, r) for slot, r in enumerate(self.slots) if occupied[slot])
+        self.runner.admit(admits)
+        num_logprobs = self._num_logprobs(rid for rid, _ in owners)
+        out = self.runner.step(segments, self.pages.tables, num_logprobs)
+        return out, owners
 
-    def _make_room(self, occupied: np.ndarray) -> None:
-        """Make the pool able to give every occupied slot (bool [slots],
-        updated in place) the pages of its next chunk by preempting the
-        newest requests (finished rows' slots are already free)."""
-        while self.runner.pages_short(occupied) > 0:
-            if self._prefilling is not None:
-                rid, _, job = self._prefilling
-                self.runner.discard(job)
-                self._prefilling = None
-                self.waiting.appendleft(rid)
-            else:
-                running = np.flatnonzero(occupied)
-                if len(running) <= 1:
-                    raise RuntimeError("the KV page pool cannot hold one request's next decode chunk "
-                                       f"({self.runner.pages_short(occupied)} pages short)")
-                slot = max(running, key=lambda s: self._order[self.slots[s]])
-                rid = self.slots[slot]
-                self._free_slot(slot, self.states[rid])
-                occupied[slot] = False
-                self._preempted.append(rid)
-            self.num_preempted += 1
+    def _budget(self, decoding: bool) -> int:
+        budget = self.runner.token_budget
+        if decoding and self.prefill_chunk_size is not None:
+            budget = min(budget, self.prefill_chunk_size + self.runner.width * self.num_running)
+        return budget
 
-    def _requeue_preempted(self) -> None:
-        """Preempted requests that are still unfinished (their last outputs now
-        processed) go back to the front of the queue, oldest first."""
-        for rid in reversed(self._preempted):
-            state = self.states.get(rid)
-            if state is not None and not state.finished:
-                self.waiting.appendleft(rid)
-        self._preempted = []
+    def _loop_steps(self, decoding: list[_Seq]) -> int:
+        """Decoding steps for one dispatch: decode_chunk when nothing waits,
+        nothing is prefilled, no row streams and the loop is compiled; else 1."""
+        if (not decoding or self.waiting or len(decoding) != self.num_running or self.decode_chunk < 2
+                or any(s.state.request_id in self.streaming for s in decoding)):
+            return 1
+        rows = min(1 << (len(decoding) - 1).bit_length(), self.runner.max_num_seqs)
+        more = self.decode_chunk * self.runner.width
+        if self.pages.shortfall({s.slot: self._length_bound(s) + more for s in decoding}):
+            return 1
+        logprobs = self._num_logprobs(s.state.request_id for s in decoding)
+        return self.decode_chunk if self.runner.has_decode_loop(rows, self.decode_chunk, logprobs) else 1
+
+    def _dispatch_loop(self, decoding: list[_Seq], steps: int):
+        width = self.runner.width
+        for seq in decoding:
+            self._grow(seq, steps * width)
+            seq.inflight += steps * width
+        owners = [(s.state.request_id, True) for s in decoding]
+        out = self.runner.decode([s.slot for s in decoding], self.pages.tables, steps,
+                                 [self._draft_cap(s) for s in decoding],
+                                 self._num_logprobs(rid for rid, _ in owners))
+        return out, owners
+
+    def _num_logprobs(self, rids) -> int:
+        counts = [self.seqs[r].state.request.logprobs for r in rids if r in self.seqs]
+        counts = [n for n in counts if n is not None]
+        return logprob_bucket(max(counts)) if counts else -1
+
+    def _draft_cap(self, seq: _Seq) -> int:
+        spec = self.runner.speculative
+        return seq.state.draft_cap(spec.num_speculative_tokens) if spec is not None else 0
+
+    @staticmethod
+    def _generated_before(seq: _Seq) -> int:
+        """Tokens the request had generated when it was (re)admitted."""
+        return len(seq.ids) - len(seq.state.request.prompt_ids)
+
+    def _length_bound(self, seq: _Seq) -> int:
+        """Positions the slot can hold once the dispatched steps are done (an
+        upper bound: its prefilled tokens, the tokens generated since, and
+        what the steps not read yet can add)."""
+        return seq.computed + len(seq.state.token_ids) - self._generated_before(seq) + seq.inflight
+
+    def _grow(self, seq: _Seq, more: int) -> None:
+        self.pages.grow(seq.slot, self._length_bound(seq) + more)
+
+    def _make_room(self, decoding: list[_Seq], width: int) -> bool:
+        """Give every decoding row the pages of its next `width` positions,
+        preempting the newest running requests while the pool is short.
+        Returns False when it preempted."""
+        preempted = False
+        while True:
+            wanted = {s.slot: self._length_bound(s) + width for s in decoding if s.slot is not None}
+            if self.pages.shortfall(wanted) == 0:
+                break
+            running = [s for s in self._running() if not s.state.finished]
+            if len(running) <= 1:
+                raise RuntimeError("the KV page pool cannot hold one request's next step")
+            self._preempt(running[-1])
+            preempted = True
+            decoding = [s for s in decoding if s.slot is not None]
+        for seq in decoding:
+            self._grow(seq, width)
+        return not preempted
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Free a running request's slot and pages and queue it first, to be
+        recomputed from its prompt and generated tokens. Its dispatched
+        steps' outputs are dropped (`_process` skips requests without a slot
+        that are waiting)."""
+        self._free(seq)
+        seq.computed, seq.inflight = 0, 0
+        self.waiting.appendleft(seq.state.request_id)
+        self.num_preempted += 1
+
+    def _fill_prompts(self, budget: int, segments, owners, admits) -> None:
+        """Prompt chunks of running prefills, then of new admissions, within `budget` tokens."""
+        for seq in self._running():
+            if budget <= 0:
+                return
+            if seq.prefilling and not seq.state.finished:
+                budget -= self._chunk(seq, budget, segments, owners)
+        if self.policy == "static" and self.num_running:
+            return
+        while budget > 0 and self.waiting and None in self.slots:
+            seq = self.seqs[self.waiting[0]]
+            admission = self._admit(seq, budget)
+            if admission is None:
+                return
+            admits.append(admission)
+            budget -= self._chunk(seq, budget, segments, owners)
+
+    def _admit(self, seq: _Seq, budget: int) -> Optional[Admission]:
+        """Give the first waiting request a slot, its prefix-cache hit and the
+        pages of its first chunk; None when the pool cannot."""
+        generated = tuple(seq.state.token_ids)
+        ids = tuple(seq.state.request.prompt_ids) + generated
+        slot = self.slots.index(None)
+        cached = self.pages.begin(slot, ids, seq.state.request.cache_salt, not generated)
+        first = min(len(ids) - cached, budget)
+        if self.pages.shortfall({slot: cached + first}) > 0:
+            self.pages.release(slot)
+            return None
+        self.waiting.popleft()
+        seq.ids, seq.slot, seq.computed, seq.inflight = ids, slot, cached, 0
+        seq.order = next(self._admitted)
+        self.slots[slot] = seq.state.request_id
+        return Admission(slot, seq.state.request, generated, cached)
+
+    def _chunk(self, seq: _Seq, budget: int, segments, owners) -> int:
+        """Schedule the next chunk of a prefilling request; returns its tokens."""
+        n = min(len(seq.ids) - seq.computed, budget)
+        if self.pages.shortfall({seq.slot: seq.computed + n}) > 0:
+            return 0
+        self.pages.grow(seq.slot, seq.computed + n)
+        chunk = seq.ids[seq.computed:seq.computed + n]
+        seq.computed += n
+        last = not seq.prefilling
+        if last:
+            self.pages.register(seq.slot, seq.ids[:seq.computed - 1])
+            seq.inflight = 1
+        segments.append(Segment(seq.slot, chunk, sample=last))
+        owners.append((seq.state.request_id, last))
+        return n
+
+    # --- outputs -------------------------------------------------------------------------
 
     def _take_aborted(self) -> list[RequestOutput]:
         events = []
         for rid in self._aborted:
-            state = self.states.pop(rid)
-            self._order.pop(rid, None)
-            events.append(state.take_output(self.clock()))
+            events.append(self.seqs.pop(rid).state.take_output(self.clock()))
+            self.streaming.discard(rid)
         self._aborted = []
         return events
 
-    def _process(self, out, owners) -> list[RequestOutput]:
-        """Feed a dispatched call's tokens to their requests and emit events.
-
-        `out` holds host outputs with [steps, rows] leaves; `owners` is ((row,
-        slot, request id), ...): the owner of each output row and its slot when
-        the call was dispatched."""
+    def _process(self, dispatched, owners) -> list[RequestOutput]:
+        """Feed a dispatched step's tokens to their requests and emit events.
+        `owners` is ((request id, samples), ...), one per segment in order."""
+        out = self.runner.fetch(dispatched)
         events = []
-        for row, slot, rid in owners:
-            state = self.states.get(rid)
-            if state is None or state.finished:
-                continue
+        for row, (rid, samples) in enumerate(owners):
+            seq = self.seqs.get(rid)
+            if seq is None or not samples or seq.slot is None:
+                continue            # aborted, or preempted: its outputs are recomputed
+            state = seq.state
+            seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
             if out.drafted is not None:
-                state.record_speculation(int(out.drafted[row]), int(out.accepted[row]),
-                                         int(out.rounds[row]))
+                state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
+                                         int((out.drafted[:, row] > 0).sum()))
             for step in range(out.token.shape[0]):
-                token = int(out.token[step, row])
-                if token == NO_TOKEN:
-                    continue
-                lp = None if out.logprob is None else (
-                    out.logprob[step, row], out.top_ids[step, row], out.top_logprobs[step, row])
-                state.add(token, lp)
-            if state.finished and self.slots[slot] == rid:
-                self._free_slot(slot, state)
-            event = state.take_output(self.clock())
-            if event is not None:
-                events.append(event)
-            if state.finished:
-                del self.states[rid]
-                self._order.pop(rid, None)
+                for i in range(out.token.shape[2]):
+                    token = int(out.token[step, row, i])
+                    if token == NO_TOKEN or state.finished:
+                        continue
+                    lp = None if out.logprob is None else (
+                        out.logprob[step, row, i], out.top_ids[step, row, i],
+                        out.top_logprobs[step, row, i])
+                    state.add(token, lp)
+            events += self._emit(seq)
         return events
 
-    def _admit_and_prefill(self) -> None:
-        running = self._occupied().any()
-        if self.policy == "static" and running:
-            return
-        budget = self.prefill_chunk_size if running and self.prefill_chunk_size else float("inf")
-        used = 0
-        while True:
-            if self._prefilling is None and not self._admit():
-                return
-            rid, slot, job = self._prefilling
-            if used and used + self.runner.piece(job) > budget:
-                return                           # the next piece waits for the next step
-            used += self.runner.prefill(job)
-            if job.remaining == 0:
-                self.runner.insert(job, slot, self._occupied())
-                self.slots[slot] = rid
-                self._pending.append((job.first, ((0, slot, rid),)))
-                self._prefilling = None
+    def _emit(self, seq: _Seq) -> list[RequestOutput]:
+        state = seq.state
+        if state.finished:
+            self._free(seq)
+        event = state.take_output(self.clock())
+        if state.finished:
+            del self.seqs[state.request_id]
+            self.streaming.discard(state.request_id)
+        return [event] if event is not None else []
 
-    def _admit(self) -> bool:
-        """Start prefilling the next waiting request in a free slot, if any
-        (paged: and if the pool can take it now). A request resumed after
-        preemption prefills its prompt and the tokens it had generated."""
-        free = [s for s, r in enumerate(self.slots) if r is None]
-        if not self.waiting or not free:
-            return False
-        rid = self.waiting[0]
-        state = self.states[rid]
-        generated = tuple(state.token_ids)
-        if self._paged and not self.runner.can_begin(state.request, self._occupied(), generated):
-            return False
-        self.waiting.popleft()
-        job = self.runner.begin(state.request, generated) if generated else self.runner.begin(state.request)
-        self._prefilling = (rid, free[0], job)
-        self._order[rid] = next(self._admitted)
-        return True
+    @property
+    def kv_pages(self):
+        """The page pool (its hit-rate counters and usage)."""
+        return self.pages.pool
+
+
+__all__ = ["POLICIES", "QueueFullError", "Scheduler"]

@@ -34,7 +34,7 @@ from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.serving.llm import LLM
-from jaxinfer.speculative.verify import SpecConfig
+from jaxinfer.speculative import SpecConfig
 from jaxinfer.tools.bench.report import publish
 from jaxinfer.serving.loading import load_draft
 

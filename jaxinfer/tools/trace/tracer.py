@@ -270,7 +270,7 @@ def _traced_call(config: ModelConfig, params: dict, cache, ids: Sequence[int]):
     tokens = jnp.asarray([list(ids)], jnp.int32)
     positions, valid = kv_cache.new_positions(cache, jnp.array([len(ids)], jnp.int32), len(ids))
     attend = RecordingAttention(config, cache, positions, valid)
-    x, _ = engine.run_layers(params, cache, tokens, config, positions, attend)
+    x, _ = engine.run_layers(params, cache.layers, tokens, config, positions, attend)
     logits = models.family(config.arch).unembed(params, x, config)
     return np.asarray(logits[0], np.float32), attend.layers
 

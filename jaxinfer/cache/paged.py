@@ -1,0 +1,205 @@
+"""The serving KV cache: every layer's K/V in one pool of pages, each slot's
+positions found through a block table (PagedAttention, Kwon et al., SOSP 2023).
+
+    layers[l].keys    [P, K, H, ps]   keys-minor, as the dense layout
+    layers[l].values  [P, K, ps, H]
+    (int8: key_scale, value_scale [P, K, ps], one float32 scale per token per kv head)
+    lengths           int32 [S]       tokens stored per slot (the next position)
+    block_tables      int32 [S, M]    host-owned, sent with each step: position p of slot s
+                                      lives in page block_tables[s, p // ps] at offset p % ps
+
+Every layer, full or sliding-window, keeps every position of a slot in its
+pages: a query at position p of a sliding layer reads positions
+[p - W + 1, p] only (the window is a bound on what is read, not on what is
+stored), so the same pages serve both layer types and a cached prefix is
+whole for every layer (prefix caching works for Gemma 3 too). Page id P
+means "no page": writes there are dropped, and no visible position may map
+to it (the host allocator guarantees the pages of every position a step
+touches).
+
+K/V are written before attention reads them (`write`), at each token's own
+position; a position is only ever read by queries at or after it, all of
+which were written in the same or a later step, so a slot never sees stale
+entries (a rolled-back speculation, a previous occupant of its pages).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.cache.int8 import quantize_kv
+from jaxinfer.cache.kv import KV_CACHE_DTYPES, LayerKV
+from jaxinfer.config import ModelConfig
+
+
+@struct.dataclass
+class PagedKVCache:
+    """Pools of pages for every layer and per-slot lengths (module docstring).
+
+    Attributes:
+      layers: tuple of L `LayerKV` pools, in layer order.
+      lengths: int32 [S], tokens stored per slot.
+      page_size: static, tokens per page (ps).
+      layer_types: static, per-layer attention type.
+      window: static, the sliding window W (0 without sliding layers).
+    """
+
+    layers: tuple[LayerKV, ...]
+    lengths: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+    layer_types: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    window: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def num_pages(self) -> int:
+        """P, pages in each layer's pool."""
+        return self.layers[0].keys.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def quantized(self) -> bool:
+        return self.layers[0].key_scale is not None
+
+
+def _pool(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype) -> LayerKV:
+    kv, hd = config.num_kv_heads, config.head_dim
+    quantized = kv_cache_dtype == "int8"
+    store = jnp.int8 if quantized else jnp.dtype(kv_cache_dtype or dtype)
+    scales = (tuple(jnp.zeros((num_pages, kv, page_size), jnp.float32) for _ in range(2))
+              if quantized else (None, None))   # two arrays: each buffer is donated on its own
+    return LayerKV(jnp.zeros((num_pages, kv, hd, page_size), store),
+                   jnp.zeros((num_pages, kv, page_size, hd), store), *scales)
+
+
+def init_paged_cache(config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
+                     dtype=jnp.float32, kv_cache_dtype=None) -> PagedKVCache:
+    """An empty paged cache: `num_pages` pages of `page_size` tokens per layer
+    and `num_slots` empty slots.
+
+    Args:
+      dtype: the K/V dtype (the activations' dtype); kv_cache_dtype: None
+        (use dtype) or one of `KV_CACHE_DTYPES` ("int8": codes plus a
+        float32 scale per token per kv head, quantized when written).
+    Raises:
+      ValueError: a size below 1 or an unknown kv_cache_dtype.
+    """
+    if min(num_slots, num_pages, page_size) < 1:
+        raise ValueError(f"num_slots, num_pages and page_size must be >= 1, got {num_slots}, "
+                         f"{num_pages}, {page_size}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    layers = tuple(_pool(config, num_pages, page_size, dtype, kv_cache_dtype)
+                   for _ in config.attention_types)
+    return PagedKVCache(layers, jnp.zeros((num_slots,), jnp.int32), page_size,
+                        config.attention_types, int(config.sliding_window or 0))
+
+
+def token_pages(cache: PagedKVCache, block_tables: jax.Array, slots: jax.Array,
+                positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(page int32 [T], offset int32 [T]) of tokens at `positions` [T] of
+    `slots` [T]: block_tables[slot, p // ps] and p % ps; P (dropped by the
+    scatter) where not valid."""
+    ps, m = cache.page_size, block_tables.shape[1]
+    col = jnp.clip(positions // ps, 0, m - 1)
+    page = block_tables[jnp.clip(slots, 0, block_tables.shape[0] - 1), col]
+    return jnp.where(valid, page, cache.num_pages), positions % ps
+
+
+def write(kv: LayerKV, k: jax.Array, v: jax.Array, page: jax.Array, offset: jax.Array) -> LayerKV:
+    """A layer's pool with new keys/values k, v [T, K, H] stored at (page,
+    offset) [T] (page P: dropped); an int8 pool quantizes each new token on
+    its own (`int8.quantize_kv`)."""
+    put = lambda buf, new: buf.at[page, :, offset].set(new.astype(buf.dtype), mode="drop")
+    put_keys = lambda buf, new: buf.at[page, :, :, offset].set(new.astype(buf.dtype), mode="drop")
+    if kv.key_scale is None:
+        return LayerKV(put_keys(kv.keys, k), put(kv.values, v))
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k), quantize_kv(v)  # scales [T, K]
+    return LayerKV(put_keys(kv.keys, k_codes), put(kv.values, v_codes),
+                   put(kv.key_scale, k_scale), put(kv.value_scale, v_scale))
+
+
+def gather_rows(kv: LayerKV, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows of the pool as dense float buffers: keys [n, K, H, M * ps] and
+    values [n, K, M * ps, H] for block tables [n, M] (index p holds position
+    p; entries P read page P - 1, whose contents must never be visible);
+    int8 pools are dequantized. A copy: the XLA path of attention."""
+    n, m = tables.shape
+    ps = kv.keys.shape[-1]
+    keys, values = kv.keys, kv.values
+    if kv.key_scale is not None:
+        keys = keys.astype(jnp.float32) * kv.key_scale[:, :, None, :]
+        values = values.astype(jnp.float32) * kv.value_scale[..., None]
+    k = jnp.take(keys, tables, axis=0, mode="clip")           # [n, M, K, H, ps]
+    v = jnp.take(values, tables, axis=0, mode="clip")         # [n, M, K, ps, H]
+    k = k.transpose(0, 2, 3, 1, 4).reshape(n, k.shape[2], k.shape[3], m * ps)
+    v = v.transpose(0, 2, 1, 3, 4).reshape(n, v.shape[2], m * ps, v.shape[4])
+    return k, v
+
+
+def read_pages(cache: PagedKVCache, pages: jax.Array) -> tuple[LayerKV, ...]:
+    """The contents of `pages` [n] in every layer (a copy, every field of
+    each pool, int8 scales included): what a KV transfer sends."""
+    take = lambda x: None if x is None else jnp.take(x, pages, axis=0)
+    return tuple(LayerKV(*(take(x) for x in kv)) for kv in cache.layers)
+
+
+def write_pages(cache: PagedKVCache, pages: jax.Array, data: tuple[LayerKV, ...]) -> PagedKVCache:
+    """`cache` with `data` (from `read_pages`, the same pool layout) stored
+    in `pages` [n] of every layer; every field is written.
+
+    Raises:
+      ValueError (when tracing): data's fields or shapes do not match the
+        cache's (an int8 transfer into a float pool, or another page size).
+    """
+    def put(pool, new):
+        if (pool is None) != (new is None):
+            raise ValueError("write_pages: the data and the cache disagree on int8 scales")
+        if pool is None:
+            return None
+        if pool.shape[1:] != new.shape[1:]:
+            raise ValueError(f"write_pages: pages of shape {new.shape[1:]} into a pool of "
+                             f"{pool.shape[1:]}")
+        return pool.at[pages].set(new.astype(pool.dtype), mode="drop")
+
+    layers = tuple(LayerKV(*(put(p, d) for p, d in zip(kv, new)))
+                   for kv, new in zip(cache.layers, data))
+    return cache.replace(layers=layers)
+
+
+def repeat_kv_heads(data: tuple[LayerKV, ...], from_repeat: int, to_repeat: int) -> tuple[LayerKV, ...]:
+    """Pages laid out for `from_repeat` copies of each kv head re-laid out
+    for `to_repeat` (tensor parallelism repeats kv heads when there are
+    fewer than shards): every field of every layer, int8 scales included.
+
+    Raises:
+      ValueError: the repeats do not divide (the head counts do not match).
+    """
+    if from_repeat == to_repeat:
+        return data
+
+    def convert(x):
+        if x is None:
+            return None
+        heads = x.shape[1]
+        if heads % from_repeat:
+            raise ValueError(f"{heads} kv heads are not {from_repeat} repeats of a head set")
+        base = x[:, ::from_repeat]
+        return jnp.repeat(base, to_repeat, axis=1)
+
+    return tuple(LayerKV(*(convert(x) for x in kv)) for kv in data)
+
+
+def page_nbytes(config: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one page over all layers (K and V; int8: codes plus a float32
+    scale per token per kv head)."""
+    if str(dtype) == "int8":
+        per_token = 2 * config.num_kv_heads * (config.head_dim + 4)
+    else:
+        per_token = 2 * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
+    return per_token * page_size * config.num_layers

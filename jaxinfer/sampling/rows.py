@@ -1,0 +1,206 @@
+"""The per-row state of generation on the device, and the one per-token
+pipeline every phase runs: mask early stops, apply penalties, sample (or
+accept drafted tokens), record the token.
+
+Leading axis [B]: a batch's rows, or a serving engine's slots.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.sampling.arrays import SamplingArrays, step_keys
+from jaxinfer.sampling.draw import distribution, inverse_cdf, log_softmax_topn, sample
+from jaxinfer.sampling.penalties import apply_penalties, update_history
+
+# An output position a row did not fill (a speculative block that ended earlier).
+NO_TOKEN = -2
+
+
+@struct.dataclass
+class StopTokens:
+    """Token ids that end a row: ids int32 [E] (-1 padding) and is_eos bool
+    [E] (ids a row with ignore_eos keeps generating through)."""
+
+    ids: jax.Array
+    is_eos: jax.Array
+
+
+@struct.dataclass
+class RowState:
+    """Everything per row (leading axis [B]) that generation carries.
+
+    Attributes:
+      tokens: int32 [B], the last sampled token (fed to the next decode step).
+      done: bool [B], the row has finished (stop token, max_new_tokens, or
+        the host said so); done rows write nothing and emit -1.
+      num_generated: int32 [B], tokens generated so far.
+      max_new_tokens: int32 [B], per-row budget.
+      min_tokens: int32 [B], stop tokens are masked until this many were generated.
+      ignore_eos: bool [B], EOS ids do not end the row.
+      seen: bool [B, V], prompt and generated tokens (repetition penalty).
+      counts: int32 [B, V], generated-token counts (presence/frequency penalty).
+      history: int32 [B, S], the prompt and generated tokens in order (what
+        an n-gram proposer searches); history_len: int32 [B], how many.
+      keys: [B] PRNG keys, one per row, folded with the row's step.
+      sampling: per-row `SamplingArrays`.
+    """
+
+    tokens: jax.Array
+    done: jax.Array
+    num_generated: jax.Array
+    max_new_tokens: jax.Array
+    min_tokens: jax.Array
+    ignore_eos: jax.Array
+    seen: jax.Array
+    counts: jax.Array
+    history: jax.Array
+    history_len: jax.Array
+    keys: jax.Array
+    sampling: SamplingArrays
+
+
+class StepOutput(NamedTuple):
+    """Per-step outputs; leading axes [B] (or [steps, B] from a loop).
+
+    token is -1 for rows that were already done before the step; done is the
+    row's done flag after the step. logprob / top_ids / top_logprobs are
+    present when requested (else None). drafted / accepted ([B]) are set by
+    speculative steps only.
+    """
+
+    token: jax.Array
+    done: jax.Array
+    logprob: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
+    drafted: jax.Array | None = None
+    accepted: jax.Array | None = None
+
+
+def stops_row(token: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
+    """bool [B]: the token ends its row (a stop id, EOS unless ignore_eos)."""
+    counts = (~stop.is_eos)[None, :] | ~rows.ignore_eos[:, None]
+    return jnp.any((token[:, None] == stop.ids[None, :]) & counts, axis=-1)
+
+
+def processed_logits(logits: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
+    """The logits [B, V] every draw and every acceptance test starts from:
+    stop ids at -inf in rows that have not reached min_tokens, then the
+    repetition / presence / frequency penalties."""
+    early = rows.num_generated < rows.min_tokens
+    rows_idx = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(stop.ids >= 0, stop.ids, logits.shape[-1])[None, :]
+    hit = jnp.zeros(logits.shape, bool).at[rows_idx, ids].set(True, mode="drop")
+    masked = jnp.where(hit & early[:, None], -jnp.inf, logits)
+    return apply_penalties(masked, rows.seen, rows.counts, rows.sampling)
+
+
+def record_tokens(rows: RowState, token: jax.Array, active: jax.Array, stop: StopTokens) -> RowState:
+    """The rows after each active row emits `token` [B]: penalty history,
+    history, count, last token, and done when it is a stop token or the
+    budget is spent."""
+    seen, counts = update_history(rows.seen, rows.counts, token, active)
+    idx = jnp.arange(token.shape[0])
+    history = rows.history.at[idx, jnp.where(active, rows.history_len, rows.history.shape[1])].set(
+        token, mode="drop")
+    step = active.astype(jnp.int32)
+    num_generated = rows.num_generated + step
+    finished = active & (stops_row(token, rows, stop) | (num_generated >= rows.max_new_tokens))
+    return rows.replace(tokens=jnp.where(active, token, rows.tokens), done=rows.done | finished,
+                        num_generated=num_generated, seen=seen, counts=counts, history=history,
+                        history_len=rows.history_len + step)
+
+
+def _logprobs(out: StepOutput, logits: jax.Array, token: jax.Array, num_logprobs: int) -> StepOutput:
+    if num_logprobs < 0:
+        return out
+    lp, top_ids, top_lp = log_softmax_topn(logits, jnp.maximum(token, 0), num_logprobs)
+    return out._replace(logprob=lp, top_ids=top_ids, top_logprobs=top_lp)
+
+
+def sample_step(logits: jax.Array, rows: RowState, stop: StopTokens, num_logprobs: int):
+    """Sample the next token of every unfinished row from raw logits [B, V]
+    and advance the per-row bookkeeping. Returns (rows, StepOutput [B]);
+    log-probs (num_logprobs >= 0: the token's and the top n) are of the raw
+    distribution."""
+    token = sample(processed_logits(logits, rows, stop), step_keys(rows.keys, rows.num_generated),
+                   rows.sampling)
+    active = ~rows.done
+    token = jnp.where(active, token, -1)
+    rows = record_tokens(rows, token, active, stop)
+    return rows, _logprobs(StepOutput(token, rows.done), logits, token, num_logprobs)
+
+
+def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
+                  draft_probs: Optional[jax.Array], rows: RowState, stop: StopTokens,
+                  num_logprobs: int) -> tuple[RowState, StepOutput]:
+    """Accept a prefix of each row's drafted tokens and emit one more token,
+    token by token with the rows' bookkeeping (speculative decoding's
+    rejection rule: Leviathan et al. 2023, arXiv:2211.17192; Chen et al.
+    2023, arXiv:2302.01318).
+
+    Draft d_i is accepted with probability min(1, p(d_i) / q(d_i)), p and q
+    the target's and the proposer's distributions after the same
+    `processed_logits` and filters (`distribution`); at the first rejection
+    a token is drawn from normalize(max(0, p - q)) and the row stops; after
+    every draft is accepted a bonus token is drawn from p. The emitted
+    tokens then follow p exactly. Greedy rows have a one-hot p, so they
+    accept while d_i is the target's argmax and emit the argmax. A
+    deterministic proposer (n-gram lookup) has q = one-hot(d_i). Penalties
+    see every token emitted before the position, and stop tokens,
+    min_tokens and max_new_tokens end a row inside the block.
+
+    Args:
+      logits: f32 [B, k + 1, V], the target's raw logits at [last, d1 .. dk].
+      drafts: int32 [B, k]; num_drafts: int32 [B] (drafts past it are ignored).
+      draft_probs: f32 [B, k, V], the proposer's processed distributions,
+        or None for a deterministic proposer.
+      num_logprobs: static; < 0 for none.
+    Returns:
+      (rows after the emitted tokens, StepOutput with token [B, k + 1]:
+      the emitted tokens in order, NO_TOKEN after the row's last one, -1
+      for rows already done; drafted / accepted [B]; log-probs [B, k + 1]).
+    """
+    b, width, v = logits.shape
+    k = width - 1
+    keys = step_keys(rows.keys, rows.num_generated)
+    draw = lambda i: jax.vmap(jax.random.uniform)(jax.vmap(jax.random.fold_in, (0, None))(keys, i))
+    open_ = ~rows.done
+    tokens = jnp.where(rows.done[:, None], -1, jnp.full((b, width), NO_TOKEN, jnp.int32))
+    accepted = jnp.zeros((b,), jnp.int32)
+    outs = []
+    idx = jnp.arange(b)
+    for i in range(width):
+        raw = logits[:, i]
+        p = distribution(processed_logits(raw, rows, stop), rows.sampling)
+        u_accept, u_draw = draw(2 * i), draw(2 * i + 1)
+        if i < k:
+            d = drafts[:, i]
+            has = i < num_drafts
+            q = (jax.nn.one_hot(d, v, dtype=jnp.float32) if draft_probs is None
+                 else draft_probs[:, i].astype(jnp.float32))
+            accept = has & (u_accept * q[idx, d] < p[idx, d])   # u < p(d) / q(d), no division
+            residual = jnp.maximum(p - q, 0.0)
+            residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p)
+            token = jnp.where(accept, d, inverse_cdf(jnp.where(has[:, None], residual, p), u_draw))
+        else:
+            accept = jnp.zeros((b,), bool)
+            token = inverse_cdf(p, u_draw)     # the bonus token
+        emit = open_
+        tokens = tokens.at[:, i].set(jnp.where(emit, token, tokens[:, i]))
+        rows = record_tokens(rows, jnp.where(emit, token, -1), emit, stop)
+        accepted += (emit & accept).astype(jnp.int32)
+        open_ = emit & accept & ~rows.done
+        outs.append(_logprobs(StepOutput(token, rows.done), raw, token, num_logprobs))
+    drafted = jnp.where(tokens[:, 0] >= 0, num_drafts, 0)
+    out = StepOutput(tokens, rows.done, drafted=drafted, accepted=accepted)
+    if num_logprobs >= 0:
+        stack = lambda name: jnp.stack([getattr(o, name) for o in outs], 1)
+        out = out._replace(logprob=stack("logprob"), top_ids=stack("top_ids"),
+                           top_logprobs=stack("top_logprobs"))
+    return rows, out
