@@ -1,21 +1,20 @@
 """The scheduler without a real model: a fake runner whose next token is a
 function of the previous one, computed by hand (JetStream's mock-engine idea).
 
-The fake follows the runner contract of `jaxinfer.serving.runner.ModelRunner`:
-`begin` / `prefill` (at most `budget` and `prefill_chunk_size` tokens per
-call) / `insert` / `decode` (a chunk of `decode_chunk` steps over all slots,
-free slots marked done) / `fetch`, and logs every call so the tests can
-check admission order, slot reuse and budgets.
+The fake follows the runner contract of `jaxinfer.serving.runner.ModelRunner`
+(`admit` / `step` / `decode` / `fetch`, a page pool and block tables) and
+checks on every step that each position a segment writes has a page of its
+own slot in the block tables; it logs every call so the tests can check
+budgets, admission order, slot reuse, prefix hits and preemption.
 """
-
-import dataclasses
 
 import numpy as np
 import pytest
 
-from jaxinfer.engine.phases import StepOutput
-from jaxinfer.serving.request import Request
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
+from jaxinfer.serving.request import Request
+from jaxinfer.serving.runner import Dispatched
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
 
 V = 50
@@ -27,47 +26,34 @@ def nxt(token: int) -> int:
     return (3 * token + 1) % V
 
 
-@dataclasses.dataclass
-class FakeJob:
-    request: Request
-    done: int = 0
-    first: object = None
-    row: dict = None
-
-    @property
-    def remaining(self):
-        return len(self.request.prompt_ids) - self.done
-
-
 class FakeRunner:
-    def __init__(self, max_num_seqs=3, max_seq_len=64, decode_chunk=2, prefill_chunk_size=None):
-        self.max_num_seqs, self.max_seq_len = max_num_seqs, max_seq_len
-        self.decode_chunk, self.prefill_chunk_size = decode_chunk, prefill_chunk_size
+    """Slots of rows {last, n, max, min, ignore, done, length}; a step writes
+    each segment's tokens at the row's length and samples `nxt(last)`."""
+
+    def __init__(self, max_num_seqs=3, max_seq_len=64, page_size=4, num_pages=None,
+                 token_budget=64, loops=False):
+        self.max_num_seqs, self.max_seq_len, self.page_size = max_num_seqs, max_seq_len, page_size
+        self.pages_per_seq = -(-max_seq_len // page_size)
+        self.num_pages = num_pages or max_num_seqs * self.pages_per_seq
+        self.token_budget, self.width, self.speculative = token_budget, 1, None
+        self.loops = loops
         self.rows = [None] * max_num_seqs
         self.log = []
         self.decode_steps = 0
 
-    def begin(self, request):
-        return FakeJob(request)
+    def segment_width(self, segment):
+        return 1 if segment.decode else len(segment.tokens)
 
-    def piece(self, job):
-        ids = job.request.prompt_ids
-        chunk = self.prefill_chunk_size
-        return len(ids) if chunk is None or len(ids) <= chunk else min(job.remaining, chunk)
+    def has_decode_loop(self, rows, num_steps, num_logprobs=-1):
+        return self.loops
 
-    def prefill(self, job):
-        ids = job.request.prompt_ids
-        n = self.piece(job)
-        self.log.append(("prefill", ids[0], n))
-        job.done += n
-        if job.remaining == 0:
-            req = job.request
-            row = dict(last=ids[-1], n=0, max=req.max_new_tokens, min=req.min_tokens,
-                       ignore=req.ignore_eos, done=False)
-            token = self._sample(row)
-            job.row = row
-            job.first = StepOutput(np.array([[token]]), np.array([[row["done"]]]))
-        return n
+    def admit(self, admissions):
+        for a in admissions:
+            r = a.request
+            self.log.append(("admit", r.prompt_ids[0], a.slot, a.cached, len(a.generated)))
+            self.rows[a.slot] = dict(last=None, n=len(a.generated), max=r.max_new_tokens,
+                                     min=r.min_tokens, ignore=r.ignore_eos, done=False,
+                                     length=a.cached)
 
     def _sample(self, row):
         token = nxt(row["last"])
@@ -78,29 +64,53 @@ class FakeRunner:
         row["done"] = (token == STOP and not row["ignore"]) or row["n"] >= row["max"]
         return token
 
-    def insert(self, job, slot, occupied):
-        assert not occupied[slot], "insert into an occupied slot"
-        self.log.append(("insert", job.request.prompt_ids[0], slot))
-        self.rows[slot] = job.row
+    def _write(self, slot, row, n, tables):
+        """Check the pages of positions [length, length + n) and advance."""
+        for p in range(row["length"], row["length"] + n):
+            page = tables[slot, p // self.page_size]
+            assert 0 <= page < self.num_pages, f"slot {slot} has no page for position {p}"
+        row["length"] += n
 
-    def decode(self, occupied, num_logprobs=-1, max_drafts=None):
-        self.log.append(("decode", tuple(bool(o) for o in occupied)))
-        self.decode_steps += self.decode_chunk
-        tokens = np.full((self.decode_chunk, self.max_num_seqs), -1)
-        for slot, row in enumerate(self.rows):
-            if row is None or not occupied[slot]:
-                if row is not None:
-                    row["done"] = True
-                continue
-            for step in range(self.decode_chunk):
+    def step(self, segments, tables, num_logprobs=-1):
+        assert sum(self.segment_width(s) for s in segments) <= self.token_budget
+        assert len({s.slot for s in segments}) == len(segments), "two segments of one slot"
+        self.log.append(("step", tuple((s.slot, "decode" if s.decode else len(s.tokens), s.sample)
+                                       for s in segments)))
+        tokens = np.full((1, len(segments), 1), NO_TOKEN)
+        done = np.zeros((1, len(segments)), bool)
+        for i, s in enumerate(segments):
+            row = self.rows[s.slot]
+            if s.decode:
+                self.decode_steps += 1
+                if row["done"]:
+                    tokens[0, i, 0] = -1
+                else:
+                    self._write(s.slot, row, 1, tables)
+                    tokens[0, i, 0] = self._sample(row)
+            else:
+                self._write(s.slot, row, len(s.tokens), tables)
+                row["last"] = s.tokens[-1]
+                if s.sample:
+                    tokens[0, i, 0] = self._sample(row)
+            done[0, i] = row["done"]
+        return Dispatched(StepOutput(tokens, done), 1)
+
+    def decode(self, slots, tables, num_steps, max_drafts=None, num_logprobs=-1):
+        self.log.append(("decode", tuple(slots), num_steps))
+        tokens = np.full((num_steps, len(slots), 1), -1)
+        for i, slot in enumerate(slots):
+            row = self.rows[slot]
+            for step in range(num_steps):
                 if not row["done"]:
-                    tokens[step, slot] = self._sample(row)
-        done = np.array([row is None or row["done"] for row in self.rows])
-        return StepOutput(tokens, np.broadcast_to(done, tokens.shape))
+                    self._write(slot, row, 1, tables)
+                    tokens[step, i, 0] = self._sample(row)
+        self.decode_steps += num_steps
+        done = np.array([[self.rows[s]["done"] for s in slots]] * num_steps)
+        return Dispatched(StepOutput(tokens, done), num_steps)
 
     @staticmethod
-    def fetch(outputs):
-        return outputs
+    def fetch(dispatched):
+        return dispatched.out
 
 
 def chain(start, n, min_tokens=0, ignore_eos=False):
@@ -121,20 +131,20 @@ def sched(runner, **kwargs):
     return Scheduler(runner, stop_token_ids=[STOP], eos_token_ids=[STOP], **kwargs)
 
 
-def run(scheduler, max_steps=200):
-    """Step to the end; returns {request id: [events]} and the step count."""
+def run(scheduler, max_steps=300):
+    """Step to the end; returns {request id: [events]}."""
     events, steps = {}, 0
     while scheduler.has_unfinished():
         steps += 1
         assert steps <= max_steps, "scheduler did not finish"
         for e in scheduler.step():
             events.setdefault(e.request_id, []).append(e)
+        scheduler.kv_pages.check()
     return events
 
 
 def req(first, n_prompt=3, max_new=5, **kw):
-    """A request whose prompt ends in token `first`; the prompt's first id
-    is `first` too, so the log names the request."""
+    """A request whose prompt is `first` repeated: the log names it by `first`."""
     return Request([first] * n_prompt, SamplingParams(temperature=0.0), max_new, **kw)
 
 
@@ -142,31 +152,46 @@ def tokens_of(events):
     return [t for e in events for t in e.token_ids]
 
 
-# --- admission, slots, events ---------------------------------------------------------------
+def admits_of(runner):
+    """(prompt's first id, slot, cached tokens, tokens generated before) per admission."""
+    return [entry[1:] for entry in runner.log if entry[0] == "admit"]
+
+
+def steps_of(runner):
+    return [entry[1] for entry in runner.log if entry[0] == "step"]
+
+
+# --- admission, slots, events -----------------------------------------------------------------
 
 
 def test_admission_is_first_come_first_served_and_slots_are_reused():
-    runner = FakeRunner(max_num_seqs=2, decode_chunk=2)
-    s = sched(runner)
-    starts = [10, 20, 30, 40]
-    ids = [s.add_request(req(t, max_new=m)) for t, m in zip(starts, [3, 7, 2, 4])]
+    runner = FakeRunner(max_num_seqs=2)
+    s = sched(runner, decode_chunk=1)
+    starts, budgets = [10, 20, 30, 40], [3, 7, 2, 4]
+    ids = [s.add_request(req(t, max_new=m)) for t, m in zip(starts, budgets)]
     events = run(s)
-    for rid, start, m in zip(ids, starts, [3, 7, 2, 4]):
+    for rid, start, m in zip(ids, starts, budgets):
         assert tokens_of(events[rid]) == chain(start, m)
         assert events[rid][-1].finished and events[rid][-1].finish_reason == "length"
         assert [e.finished for e in events[rid]].count(True) == 1
-    inserts = [(first, slot) for kind, first, *rest in runner.log if kind == "insert"
-               for slot in rest]
+    admits = [(first, slot) for first, slot, *_ in admits_of(runner)]
     # 10 -> slot 0, 20 -> slot 1; 10 ends first (3 tokens), 30 takes slot 0, then 40 takes slot 0
-    assert inserts == [(10, 0), (20, 1), (30, 0), (40, 0)]
-    assert s.num_running == 0 and s.num_waiting == 0 and not s.states
+    assert admits == [(10, 0), (20, 1), (30, 0), (40, 0)]
+    assert s.num_running == 0 and s.num_waiting == 0 and not s.seqs
+    assert s.kv_pages.num_used == 0
+
+
+def test_every_token_is_its_own_event_when_decoding_step_by_step():
+    s = sched(FakeRunner(max_num_seqs=1), decode_chunk=1)
+    rid = s.add_request(req(13, max_new=6))
+    events = run(s)[rid]
+    assert [e.token_ids for e in events] == [[t] for t in chain(13, 6)]
 
 
 def test_stop_token_finishes_and_frees_the_slot():
-    runner = FakeRunner(max_num_seqs=1, decode_chunk=4)
-    s = sched(runner)
-    # 13 -> 40 -> 21 -> 14 -> 43 -> 30 -> 41 -> 24 -> 23 -> 20 -> 11 -> 34 -> 3 -> 10 -> 31 -> 44 -> 33 -> 0
-    a = s.add_request(req(13, max_new=40))
+    runner = FakeRunner(max_num_seqs=1)
+    s = sched(runner, decode_chunk=1)
+    a = s.add_request(req(13, max_new=40))     # 13 -> 40 -> 21 -> ... -> 0 at the 17th token
     b = s.add_request(req(7, max_new=2))
     events = run(s)
     assert tokens_of(events[a]) == chain(13, 40) and tokens_of(events[a])[-1] == STOP
@@ -175,19 +200,18 @@ def test_stop_token_finishes_and_frees_the_slot():
 
 
 def test_ignore_eos_and_min_tokens():
-    s = sched(FakeRunner())
+    s = sched(FakeRunner(), decode_chunk=1)
     free = s.add_request(req(13, max_new=20, ignore_eos=True))
     floor = s.add_request(req(13, max_new=20, min_tokens=19))
     events = run(s)
     assert tokens_of(events[free]) == chain(13, 20, ignore_eos=True)
     assert STOP in tokens_of(events[free]) and events[free][-1].finish_reason == "length"
-    # the stop token (17th) is masked before min_tokens: the chain goes on to its budget
     assert tokens_of(events[floor]) == chain(13, 20, min_tokens=19)
     assert STOP not in tokens_of(events[floor])
 
 
 def test_a_request_that_ends_at_its_first_token():
-    s = sched(FakeRunner(max_num_seqs=1))
+    s = sched(FakeRunner(max_num_seqs=1), decode_chunk=1)
     a = s.add_request(req(33, max_new=9))      # nxt(33) = 0: the first token is the stop token
     b = s.add_request(req(5, max_new=1))
     events = run(s)
@@ -195,68 +219,124 @@ def test_a_request_that_ends_at_its_first_token():
     assert tokens_of(events[b]) == [16] and events[b][-1].finish_reason == "length"
 
 
-# --- chunked prefill and budgets ---------------------------------------------------------------
+# --- the token budget: one step mixes decoding rows and prompt chunks ------------------------------
 
 
-def test_long_prompt_is_prefilled_in_budgeted_chunks_between_decode_chunks():
-    runner = FakeRunner(max_num_seqs=2, decode_chunk=2, prefill_chunk_size=4)
-    s = sched(runner, prefill_chunk_size=4)
-    short = s.add_request(req(13, n_prompt=2, max_new=12))   # its chain reaches STOP only at 17
-    first = s.step()              # nothing decoding: 13 is prefilled, inserted and its first token out
-    assert tokens_of(first) == chain(13, 1)
+def test_a_new_prompt_joins_the_next_step_beside_the_decoding_rows():
+    runner = FakeRunner(max_num_seqs=2, token_budget=16)
+    s = sched(runner, prefill_chunk_size=4, decode_chunk=1)
+    short = s.add_request(req(13, n_prompt=2, max_new=12))
+    s.step()                                           # 13's prompt, whole: nothing decodes yet
     long = s.add_request(req(20, n_prompt=10, max_new=3))
     events = run(s)
-    events[short] = first + events[short]
-    kinds = [entry[0] if entry[0] != "prefill" else ("prefill", entry[1], entry[2])
-             for entry in runner.log]
-    # 20's 10 tokens go in pieces of 4, 4, 2, each after a decode chunk of the running request
-    assert kinds[:9] == [("prefill", 13, 2), "insert", "decode", ("prefill", 20, 4), "decode",
-                         ("prefill", 20, 4), "decode", ("prefill", 20, 2), "insert"]
+    steps = steps_of(runner)
+    assert steps[0] == ((0, 2, True),)
+    # 20's 10 prompt tokens go in chunks of at most 4, each in the same step as 13's decode token
+    assert steps[1:4] == [((0, "decode", True), (1, 4, False)), ((0, "decode", True), (1, 4, False)),
+                          ((0, "decode", True), (1, 2, True))]
+    assert steps[4] == ((0, "decode", True), (1, "decode", True))
     assert tokens_of(events[short]) == chain(13, 12) and tokens_of(events[long]) == chain(20, 3)
 
 
-def test_without_running_requests_prompts_are_prefilled_back_to_back():
-    runner = FakeRunner(max_num_seqs=3, prefill_chunk_size=4)
-    s = sched(runner, prefill_chunk_size=4)
+def test_with_nothing_decoding_prompts_fill_the_whole_budget():
+    runner = FakeRunner(max_num_seqs=3, token_budget=16)
+    s = sched(runner, prefill_chunk_size=4, decode_chunk=1)
     for first in (10, 20, 30):
         s.add_request(req(first, n_prompt=9, max_new=2))
     s.step()
-    assert runner.log == [("prefill", 10, 4), ("prefill", 10, 4), ("prefill", 10, 1), ("insert", 10, 0),
-                          ("prefill", 20, 4), ("prefill", 20, 4), ("prefill", 20, 1), ("insert", 20, 1),
-                          ("prefill", 30, 4), ("prefill", 30, 4), ("prefill", 30, 1), ("insert", 30, 2),
-                          ("decode", (True, True, True))]      # all three decode in the same step
-
-
-def test_whole_prompts_when_chunking_is_off():
-    runner = FakeRunner(max_num_seqs=2, decode_chunk=2)
-    s = sched(runner, prefill_chunk_size=None)
-    s.add_request(req(10, max_new=8))
-    s.step()
-    s.add_request(req(20, n_prompt=30, max_new=2))
+    # 9 + 7 tokens in the first step (the budget), the rest of 20 and all of 30 in the next
+    assert steps_of(runner)[0] == ((0, 9, True), (1, 7, False))
     run(s)
-    assert ("prefill", 20, 30) in runner.log
+    assert steps_of(runner)[1] == ((0, "decode", True), (1, 2, True), (2, 2, False))
+
+
+def test_rows_join_and_leave_in_the_same_step():
+    runner = FakeRunner(max_num_seqs=2, token_budget=16)
+    s = sched(runner, decode_chunk=1)
+    a = s.add_request(req(10, max_new=2))
+    b = s.add_request(req(20, max_new=6))
+    early = s.step() + s.step()                 # the second step decodes a's last token
+    c = s.add_request(req(30, max_new=2))
+    events = run(s)
+    for e in early:
+        events[e.request_id].insert(0, e)
+    # the step that reads a's last token already runs c's prompt in a's freed slot
+    step_of_c = next(i for i, st in enumerate(steps_of(runner)) if (0, 3, True) in st and i > 0)
+    assert (1, "decode", True) in steps_of(runner)[step_of_c]
+    for rid, start, m in ((a, 10, 2), (b, 20, 6), (c, 30, 2)):
+        assert tokens_of(events[rid]) == chain(start, m)
 
 
 def test_static_policy_waits_for_the_whole_batch():
-    runner = FakeRunner(max_num_seqs=2, decode_chunk=2)
-    s = sched(runner, policy="static")
+    runner = FakeRunner(max_num_seqs=2)
+    s = sched(runner, policy="static", decode_chunk=1)
     for first, m in ((10, 2), (20, 6), (30, 2)):
         s.add_request(req(first, max_new=m))
     run(s)
-    inserts = [entry for entry in runner.log if entry[0] == "insert"]
-    assert inserts == [("insert", 10, 0), ("insert", 20, 1), ("insert", 30, 0)]
-    # 30 starts only after 20 (6 tokens) has finished, though slot 0 was free long before
-    i30 = runner.log.index(("insert", 30, 0))
-    decodes_before = [e for e in runner.log[:i30] if e[0] == "decode"]
-    assert decodes_before[-1] == ("decode", (False, True))
+    admits = [(first, slot) for first, slot, *_ in admits_of(runner)]
+    assert admits == [(10, 0), (20, 1), (30, 0)]
+    i30 = next(i for i, e in enumerate(runner.log) if e[0] == "admit" and e[1] == 30)
+    decodes_before = [e[1] for e in runner.log[:i30] if e[0] == "step"]
+    assert decodes_before[-1] == ((1, "decode", True),)      # 20 alone, slot 0 idle
+
+
+def test_decode_loops_run_only_in_steady_state_and_once_compiled():
+    runner = FakeRunner(max_num_seqs=2, loops=True)
+    s = sched(runner, decode_chunk=4)
+    a = s.add_request(req(10, max_new=9))
+    b = s.add_request(req(20, max_new=9), stream=True)
+    events = run(s)
+    assert not [e for e in runner.log if e[0] == "decode"]      # a stream is running: steps only
+    assert tokens_of(events[a]) == chain(10, 9) and tokens_of(events[b]) == chain(20, 9)
+    runner = FakeRunner(max_num_seqs=2, loops=True)
+    s = sched(runner, decode_chunk=4)
+    a = s.add_request(req(10, max_new=9))
+    events = run(s)
+    assert ("decode", (0,), 4) in runner.log and tokens_of(events[a]) == chain(10, 9)
+    uncompiled = FakeRunner(max_num_seqs=2, loops=False)
+    s = sched(uncompiled, decode_chunk=4)
+    s.add_request(req(10, max_new=9))
+    run(s)
+    assert not [e for e in uncompiled.log if e[0] == "decode"]
+
+
+# --- pages: prefix cache and preemption ---------------------------------------------------------
+
+
+def test_a_repeated_prefix_is_served_from_the_cache():
+    runner = FakeRunner(max_num_seqs=1, page_size=4)
+    s = sched(runner, decode_chunk=1)
+    first = s.add_request(Request([5] * 10 + [7], max_new_tokens=3))
+    run(s)
+    second = s.add_request(Request([5] * 10 + [9], max_new_tokens=3))
+    events = run(s)
+    admits = admits_of(runner)
+    assert admits[0][2] == 0 and admits[1][2] == 8      # two full pages of 5s were cached
+    assert tokens_of(events[second]) == chain(9, 3)
+    assert s.kv_pages.hit_tokens == 8 and s.kv_pages.query_tokens == 22
+    assert first != second
+
+
+def test_the_newest_request_is_preempted_when_pages_run_out_and_resumes_exactly():
+    # 2 slots, 6 pages of 4 tokens: two 3-token prompts growing to 3 + 12 tokens need 8 pages
+    runner = FakeRunner(max_num_seqs=2, page_size=4, num_pages=6, max_seq_len=20)
+    s = sched(runner, decode_chunk=1)
+    old = s.add_request(req(10, max_new=12, ignore_eos=True))
+    new = s.add_request(req(20, max_new=12, ignore_eos=True))
+    events = run(s)
+    assert s.num_preempted >= 1
+    assert tokens_of(events[old]) == chain(10, 12, ignore_eos=True)
+    assert tokens_of(events[new]) == chain(20, 12, ignore_eos=True)
+    resumed = [a for a in admits_of(runner) if a[0] == 20][1:]
+    assert resumed and resumed[0][3] > 0         # re-admitted with the tokens it had generated
 
 
 # --- abort ---------------------------------------------------------------------------------------
 
 
 def test_abort_waiting_running_and_prefilling_requests():
-    runner = FakeRunner(max_num_seqs=1, decode_chunk=2, prefill_chunk_size=2)
-    s = sched(runner, prefill_chunk_size=2)
+    runner = FakeRunner(max_num_seqs=1, token_budget=16)
+    s = sched(runner, prefill_chunk_size=2, decode_chunk=1)
     running = s.add_request(req(10, max_new=30))
     waiting = s.add_request(req(20, max_new=3))
     s.step()
@@ -269,9 +349,9 @@ def test_abort_waiting_running_and_prefilling_requests():
     got = tokens_of(events[running])
     assert got == chain(10, 30)[:len(got)] and len(got) < 30
     assert tokens_of(events[after]) == chain(30, 4)       # reused slot 0, nothing leaked
-    assert s.num_running == 0 and not s.states
-    # abort in the middle of a chunked prefill frees the reserved slot
-    s2 = sched(FakeRunner(max_num_seqs=1, prefill_chunk_size=2), prefill_chunk_size=2)
+    assert s.num_running == 0 and not s.seqs and s.kv_pages.num_used == 0
+    # abort in the middle of a chunked prefill frees the slot and its pages
+    s2 = sched(FakeRunner(max_num_seqs=2, token_budget=16), prefill_chunk_size=2, decode_chunk=1)
     busy = s2.add_request(req(10, max_new=20))
     s2.step()
     long = s2.add_request(req(20, n_prompt=8, max_new=2))
@@ -287,10 +367,12 @@ def test_abort_waiting_running_and_prefilling_requests():
 
 
 def test_requests_that_cannot_fit_are_rejected_at_add_request():
-    runner = FakeRunner(max_seq_len=16)
+    runner = FakeRunner(max_seq_len=16, num_pages=3, page_size=4)
     s = sched(runner, max_waiting_requests=2)
     with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 7 = 17 exceeds max_seq_len 16"):
         s.add_request(req(1, n_prompt=10, max_new=7))
+    with pytest.raises(ValueError, match=r"needs 4 KV pages of 4 tokens; the pool has 3"):
+        s.add_request(req(1, n_prompt=10, max_new=5))
     s.add_request(req(1))
     s.add_request(req(2))
     with pytest.raises(QueueFullError, match="2 requests are already waiting"):

@@ -144,6 +144,7 @@ class LLM:
         self.backend = choose_backend(self.cache_dtype)
         self.programs = ProgramCache()
         self.last_stats = RunStats()
+        self._scheduler: Optional[Scheduler] = None
 
     @classmethod
     def load(cls, source: str, *, dtype: str = "float32", weights: str = "float32", progress=None,
@@ -322,7 +323,7 @@ class LLM:
         """
         requests = self.requests([prompt], sampling_params, max_new_tokens=max_new_tokens, chat=chat,
                                  stop=stop, min_tokens=min_tokens, ignore_eos=ignore_eos)
-        for _, event in self._run(requests):
+        for _, event in self._run(requests, stream=True):
             if event.text:
                 yield event.text
 
@@ -358,16 +359,29 @@ class LLM:
                 raise type(e)(f"row {row}: {e}") from None
         return out
 
-    def _run(self, requests: Sequence[Request]
+    def _offline_scheduler(self, max_num_seqs: int) -> Scheduler:
+        """The scheduler `generate` and `stream` run on: kept while calls need
+        the same number of slots, so later calls reuse its compiled programs'
+        buffers and its prefix cache (pages of earlier prompts). A scheduler
+        left with work (a `stream` its caller stopped reading) is replaced."""
+        kept = self._scheduler
+        if kept is None or kept.runner.max_num_seqs != max_num_seqs or kept.has_unfinished():
+            self._scheduler = None      # the old pools go before the new ones are allocated
+            self._scheduler = self.scheduler(max_num_seqs)
+        return self._scheduler
+
+    def _run(self, requests: Sequence[Request], stream: bool = False
              ) -> Generator[tuple[int, RequestOutput], None, list[Completion]]:
         """Run requests to the end on the scheduler; yields (index, event) and
         returns the Completions (in order). Sets `last_stats`."""
         compile_before = self.programs.compile_s
-        scheduler = self.scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
-        index = {scheduler.add_request(r): i for i, r in enumerate(requests)}
+        scheduler = self._offline_scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
+        pool = scheduler.kv_pages
+        queried, hit, preempted = pool.query_tokens, pool.hit_tokens, scheduler.num_preempted
+        steps = scheduler.runner.decode_steps
+        index = {scheduler.add_request(r, stream=stream): i for i, r in enumerate(requests)}
         parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None, spec=None)
                  for _ in requests]
-        steps = 0
         while scheduler.has_unfinished():
             for event in scheduler.step():
                 i = index[event.request_id]
@@ -377,16 +391,15 @@ class LLM:
                 acc["logprobs"] += event.logprobs or []
                 acc["reason"], acc["timings"], acc["spec"] = event.finish_reason, event.timings, event.spec
                 yield i, event
-        steps = scheduler.runner.decode_steps
+        steps = scheduler.runner.decode_steps - steps
         self.last_stats = RunStats.from_requests(
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
             [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
             decode_steps=steps, spec=[p["spec"] for p in parts])
-        pool = scheduler.kv_pages
         self.last_stats = dataclasses.replace(
-            self.last_stats, prefix_query_tokens=pool.query_tokens,
-            prefix_hit_tokens=pool.hit_tokens, num_pages=pool.num_pages)
-        self.last_stats = dataclasses.replace(self.last_stats, num_preempted=scheduler.num_preempted)
+            self.last_stats, prefix_query_tokens=pool.query_tokens - queried,
+            prefix_hit_tokens=pool.hit_tokens - hit, num_pages=pool.num_pages,
+            num_preempted=scheduler.num_preempted - preempted)
         return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
                            p["logprobs"] if r.logprobs is not None else None)
                 for r, p in zip(requests, parts)]

@@ -248,8 +248,7 @@ class Scheduler:
             seq.inflight += width
             segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
             owners.append((seq.state.request_id, True))
-        budget = self._budget(bool(decoding)) - width * len(decoding)
-        self._fill_prompts(budget, segments, owners, admits)
+        self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits)
         if not segments:
             return None
         self.runner.admit(admits)
@@ -257,10 +256,12 @@ class Scheduler:
         out = self.runner.step(segments, self.pages.tables, num_logprobs)
         return out, owners
 
-    def _budget(self, decoding: bool) -> int:
-        budget = self.runner.token_budget
-        if decoding and self.prefill_chunk_size is not None:
-            budget = min(budget, self.prefill_chunk_size + self.runner.width * self.num_running)
+    def _prompt_budget(self, num_decoding: int) -> int:
+        """Prompt tokens this step: what the decoding rows leave of the token
+        budget, and at most prefill_chunk_size while any row decodes."""
+        budget = self.runner.token_budget - self.runner.width * num_decoding
+        if num_decoding and self.prefill_chunk_size is not None:
+            budget = min(budget, self.prefill_chunk_size)
         return budget
 
     def _loop_steps(self, decoding: list[_Seq]) -> int:

@@ -1,0 +1,129 @@
+"""The serving step (`engine.step`, through `LLM.generate` and the scheduler)
+against a request run alone and against the float64 reference.
+
+Tolerance: the step's float32 sums run in another order than a whole-prompt
+prefill when a prompt is chunked, cached or packed with other rows, so
+log-probs agree within 2e-5 (measured differences here are below 1e-5);
+greedy tokens are asserted equal, on prompts whose top two logits are not
+near-ties (checked against the float64 reference).
+"""
+
+import numpy as np
+import pytest
+
+import reference
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.llm import LLM
+from jaxinfer.speculative import SpecConfig
+from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+
+LOGPROB_ATOL = 2e-5
+CONFIGS = {"llama": TINY_LLAMA, "gemma3": TINY_GEMMA3}   # gemma3: window 4, prompts cross it
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7], list(range(5, 25)), list(range(60, 71))]
+
+
+def make_llm(config, **kwargs):
+    kwargs = {**dict(max_seq_len=96, max_num_seqs=4, page_size=4, decode_chunk=4), **kwargs}
+    return LLM(config, random_params(config), **kwargs)
+
+
+def reference_greedy(config, params, prompt, n):
+    """Greedy tokens and their log-probs from the float64 reference, recomputed
+    from scratch for every token (no cache)."""
+    seq, tokens, logprobs = list(prompt), [], []
+    for _ in range(n):
+        logits = reference.forward(params, seq, config)[-1]
+        token = int(np.argmax(logits))
+        shifted = logits - logits.max()
+        logprobs.append(float(shifted[token] - np.log(np.exp(shifted).sum())))
+        tokens.append(token)
+        seq.append(token)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_the_float64_reference(name):
+    config = CONFIGS[name]
+    llm = make_llm(config, prefill_chunk_size=8, max_num_batched_tokens=32)
+    outs = llm.generate(PROMPTS, max_new_tokens=6, ignore_eos=True, logprobs=0)
+    params = random_params(config)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = reference_greedy(config, params, prompt, 6)
+        assert out.token_ids == tokens
+        np.testing.assert_allclose([lp for _, lp, _ in out.logprobs], logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_request_in_a_ragged_batch_equals_it_alone(name):
+    """Chunked (8-token budget while rows decode), packed with four others,
+    vs alone with whole-prompt prefill: same greedy tokens, log-probs within
+    LOGPROB_ATOL; seeded sampling gives the same tokens."""
+    config = CONFIGS[name]
+    packed = make_llm(config, prefill_chunk_size=8, max_num_batched_tokens=32)
+    alone = make_llm(config, max_num_seqs=1)
+    for sampling in (None, SamplingParams(temperature=0.9, top_p=0.9, seed=11)):
+        together = packed.generate(PROMPTS, sampling, max_new_tokens=8, ignore_eos=True, logprobs=1)
+        for prompt, out in zip(PROMPTS, together):
+            [single] = alone.generate([prompt], sampling, max_new_tokens=8, ignore_eos=True,
+                                      logprobs=1)
+            assert out.token_ids == single.token_ids
+            np.testing.assert_allclose([lp for _, lp, _ in out.logprobs],
+                                       [lp for _, lp, _ in single.logprobs], atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_prefix_cache_hit_gives_the_same_tokens(name):
+    config = CONFIGS[name]
+    llm = make_llm(config, max_num_seqs=1)
+    prompt = list(range(3, 40))
+    [first] = llm.generate([prompt], max_new_tokens=6, ignore_eos=True, logprobs=0)
+    assert llm.last_stats.prefix_hit_tokens == 0
+    [again] = llm.generate([prompt], max_new_tokens=6, ignore_eos=True, logprobs=0)
+    # 36 tokens before the last one: 9 full pages of 4 come from the cache
+    assert llm.last_stats.prefix_hit_tokens == 36
+    assert again.token_ids == first.token_ids
+    np.testing.assert_allclose([lp for _, lp, _ in again.logprobs],
+                               [lp for _, lp, _ in first.logprobs], atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ngram_speculation_emits_the_greedy_tokens(name):
+    config = CONFIGS[name]
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 7], list(range(5, 25)) * 2]
+    plain = make_llm(config).generate(prompts, max_new_tokens=12, ignore_eos=True)
+    spec = make_llm(config, speculative=SpecConfig("ngram", 3))
+    fast = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+    assert spec.last_stats.accepted > 0
+
+
+def test_int8_kv_cache_through_the_step_matches_the_dense_int8_phases():
+    from jaxinfer.engine import phases
+    from jaxinfer.cache.kv import init_cache
+    import jax.numpy as jnp
+
+    config = TINY_LLAMA
+    llm = make_llm(config, kv_cache_dtype="int8", prefill_chunk_size=8, max_num_batched_tokens=32)
+    outs = llm.generate(PROMPTS[:3], max_new_tokens=6, ignore_eos=True)
+    for prompt, out in zip(PROMPTS[:3], outs):
+        cache = init_cache(config, 1, 96, kv_cache_dtype="int8")
+        logits, cache = phases.prefill(llm.params, cache, jnp.array([prompt]), jnp.array([len(prompt)]),
+                                       config=config)
+        tokens = []
+        for _ in range(6):
+            tokens.append(int(jnp.argmax(logits[0])))
+            logits, cache = phases.decode_step(llm.params, cache, jnp.array([tokens[-1]]), config=config)
+        assert out.token_ids == tokens
+
+
+def test_preempted_requests_continue_exactly():
+    config = TINY_LLAMA
+    params = random_params(config)
+    roomy = LLM(config, params, max_seq_len=64, max_num_seqs=4, page_size=4)
+    tight = LLM(config, params, max_seq_len=64, max_num_seqs=4, page_size=4, num_pages=24)
+    prompts = [list(range(i, i + 9)) for i in (1, 20, 40, 60)]
+    sampling = [SamplingParams(temperature=0.8, seed=s) for s in range(4)]
+    want = roomy.generate(prompts, sampling, max_new_tokens=20, ignore_eos=True)
+    got = tight.generate(prompts, sampling, max_new_tokens=20, ignore_eos=True)
+    assert tight.last_stats.num_preempted > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
