@@ -127,3 +127,29 @@ def test_preempted_requests_continue_exactly():
     got = tight.generate(prompts, sampling, max_new_tokens=20, ignore_eos=True)
     assert tight.last_stats.num_preempted > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_draft_model_speculation_emits_the_greedy_tokens(name):
+    """A draft model (here another random model with the same vocabulary)
+    proposes k tokens per row; greedy output equals plain decoding, with a
+    prompt long enough to be chunked beside decoding rows."""
+    from jaxinfer.speculative import DraftModel
+    from jaxinfer.weights.prepare import prepare_params
+
+    config = CONFIGS[name]
+    draft = DraftModel(config, prepare_params(random_params(config, seed=1), config), "random")
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 7], list(range(5, 25)) * 2]
+    plain = make_llm(config).generate(prompts, max_new_tokens=10, ignore_eos=True)
+    spec = make_llm(config, speculative=SpecConfig("draft", 3, draft=draft), prefill_chunk_size=8,
+                    max_num_batched_tokens=32)
+    fast = spec.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+    assert spec.last_stats.drafted > 0
+    # a draft identical to the target has every draft accepted: 9 tokens are the first one
+    # and two rounds of 3 drafts + 1 bonus token per row
+    same = DraftModel(config, prepare_params(random_params(config), config), "target")
+    twin = make_llm(config, speculative=SpecConfig("draft", 3, draft=same))
+    assert [c.token_ids for c in twin.generate(prompts, max_new_tokens=9, ignore_eos=True)] == \
+        [c.token_ids[:9] for c in plain]
+    assert twin.last_stats.accepted == twin.last_stats.drafted == 3 * 2 * 3

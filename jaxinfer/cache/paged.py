@@ -25,6 +25,8 @@ entries (a rolled-back speculation, a previous occupant of its pages).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,9 @@ class PagedKVCache:
     Attributes:
       layers: tuple of L `LayerKV` pools, in layer order.
       lengths: int32 [S], tokens stored per slot.
+      draft: the draft model's own `PagedKVCache` under speculative decoding
+        with a draft model (the same page ids and block tables, its own
+        pools and lengths), else None.
       page_size: static, tokens per page (ps).
       layer_types: static, per-layer attention type.
       window: static, the sliding window W (0 without sliding layers).
@@ -49,6 +54,7 @@ class PagedKVCache:
 
     layers: tuple[LayerKV, ...]
     lengths: jax.Array
+    draft: Optional["PagedKVCache"] = None
     page_size: int = struct.field(pytree_node=False, default=16)
     layer_types: tuple[str, ...] = struct.field(pytree_node=False, default=())
     window: int = struct.field(pytree_node=False, default=0)
@@ -96,7 +102,7 @@ def init_paged_cache(config: ModelConfig, num_slots: int, num_pages: int, page_s
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     layers = tuple(_pool(config, num_pages, page_size, dtype, kv_cache_dtype)
                    for _ in config.attention_types)
-    return PagedKVCache(layers, jnp.zeros((num_slots,), jnp.int32), page_size,
+    return PagedKVCache(layers, jnp.zeros((num_slots,), jnp.int32), None, page_size,
                         config.attention_types, int(config.sliding_window or 0))
 
 

@@ -30,13 +30,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer import models
-from jaxinfer.cache import paged
 from jaxinfer.cache.paged import PagedKVCache
-from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
-from jaxinfer.engine.forward import run_layers
-from jaxinfer.engine.ragged import AttentionBackend, Segments, attend
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.forward import paged_forward, place
+from jaxinfer.engine.ragged import AttentionBackend, Segments
 from jaxinfer.sampling.rows import NO_TOKEN, RowState, StepOutput, StopTokens, accept_drafts, sample_step
-from jaxinfer.speculative.ngram import NgramConfig, ngram_propose
+from jaxinfer.speculative import DraftConfig, NgramConfig, ngram_propose
+from jaxinfer.engine.draft import propose, settle
 
 
 @struct.dataclass
@@ -107,10 +107,13 @@ def new_rows(inputs: RowInputs) -> RowState:
 def admit(cache: PagedKVCache, rows: RowState, slots: jax.Array, inputs: RowInputs,
           lengths: jax.Array) -> tuple[PagedKVCache, RowState]:
     """Slots `slots` [A] (S: unused) take new requests' rows, and their cache
-    lengths become `lengths` [A] (a prefix-cache hit: the cached tokens)."""
+    lengths (and the draft model's) become `lengths` [A] (a prefix-cache
+    hit: the cached tokens)."""
     put = lambda full, new: full.at[slots].set(new.astype(full.dtype), mode="drop")
     rows = jax.tree_util.tree_map(put, rows, new_rows(inputs))
-    return cache.replace(lengths=cache.lengths.at[slots].set(lengths, mode="drop")), rows
+    if cache.draft is not None:
+        cache = cache.replace(draft=cache.draft.replace(lengths=put(cache.draft.lengths, lengths)))
+    return cache.replace(lengths=put(cache.lengths, lengths)), rows
 
 
 def _gather(rows: RowState, slots: jax.Array) -> RowState:
@@ -123,55 +126,23 @@ def _scatter(rows: RowState, slots: jax.Array, part: RowState, keep: jax.Array) 
     return jax.tree_util.tree_map(lambda full, new: full.at[index].set(new, mode="drop"), rows, part)
 
 
-def _drafts(rows: RowState, batch: StepBatch, live, spec: Optional[NgramConfig]):
-    """(drafts int32 [R, k], num int32 [R]) for the decoding segments."""
-    r = batch.seg_slot.shape[0]
-    if spec is None:
-        return jnp.zeros((r, 0), jnp.int32), jnp.zeros((r,), jnp.int32)
+def _ngram_drafts(rows: RowState, batch: StepBatch, live, spec: NgramConfig):
+    """(drafts int32 [R, k], num int32 [R]) of the n-gram proposer for the decoding segments."""
     drafts, num = ngram_propose(rows.history, rows.history_len, spec.k, spec.ngram_min,
                                 spec.ngram_max)
-    num = jnp.where(batch.seg_decode & live, jnp.minimum(num, batch.max_drafts), 0)
-    return drafts, num
+    return drafts, jnp.where(batch.seg_decode & live, jnp.minimum(num, batch.max_drafts), 0)
 
 
-def _segments(cache: PagedKVCache, rows: RowState, batch: StepBatch, spec):
-    """The step's segments and tokens: counts, token ids and positions."""
-    r, t, s = batch.seg_slot.shape[0], batch.tokens.shape[0], cache.num_slots
-    slot = jnp.clip(batch.seg_slot, 0, s - 1)
-    live = (batch.seg_len > 0) & (batch.seg_slot < s) & ~(batch.seg_decode & rows.done)
-    drafts, num = _drafts(rows, batch, live, spec)
-    count = jnp.where(live, jnp.where(batch.seg_decode, 1 + num, batch.seg_len), 0)
+def _block_ids(rows: RowState, batch: StepBatch, drafts: jax.Array) -> jax.Array:
+    """int32 [T]: each token's id, a decoding segment's from the device (its
+    last token, then its drafts), a prompt's from the batch."""
+    r = batch.seg_slot.shape[0]
     seg = jnp.clip(batch.token_seg, 0, r - 1)
-    j = jnp.arange(t, dtype=jnp.int32) - batch.seg_start[seg]
-    valid = (batch.token_seg < r) & (j >= 0) & (j < count[seg])
+    j = jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) - batch.seg_start[seg]
     decoded = rows.tokens[seg]
     if drafts.shape[1]:
         decoded = jnp.where(j == 0, decoded, drafts[seg, jnp.clip(j - 1, 0, drafts.shape[1] - 1)])
-    tokens = jnp.where(valid, jnp.where(batch.seg_decode[seg], decoded, batch.tokens), 0)
-    start_pos = cache.lengths[slot]
-    positions = jnp.where(valid, start_pos[seg] + j, 0)
-    segments = Segments(slot, batch.seg_start, count, start_pos, jnp.where(valid, slot[seg], s),
-                        positions, valid)
-    return segments, tokens, drafts, num, live
-
-
-def _attend_paged(cache: PagedKVCache, batch: StepBatch, seg: Segments, config: ModelConfig,
-                  backend: AttentionBackend):
-    """The engine's `attend` for a paged step: write the tokens' K/V into
-    their pages, then ragged attention over the pages."""
-    page, offset = paged.token_pages(cache, batch.block_tables, seg.token_slot, seg.token_pos,
-                                     seg.token_valid)
-
-    def layer_attend(layer_type, q, k, v, kv):
-        kv = paged.write(kv, k[0], v[0], page, offset)
-        t, n, h = q.shape[1:]
-        kh = k.shape[2]
-        window = cache.window if layer_type == SLIDING_ATTENTION else 0
-        out = attend(backend, q[0].reshape(t, kh, n // kh, h), kv, batch.block_tables, seg, window,
-                     config.attn_logit_softcapping)
-        return out.reshape(1, t, n, h), kv
-
-    return layer_attend
+    return jnp.where(batch.seg_decode[seg], decoded, batch.tokens)
 
 
 def _logit_rows(h: jax.Array, seg: Segments, batch: StepBatch, width: int) -> jax.Array:
@@ -183,15 +154,7 @@ def _logit_rows(h: jax.Array, seg: Segments, batch: StepBatch, width: int) -> ja
     return h[jnp.clip(idx, 0, h.shape[0] - 1)]
 
 
-def _forward(params, cache: PagedKVCache, tokens, seg: Segments, batch: StepBatch,
-             config: ModelConfig, backend: AttentionBackend):
-    """Embed, every layer (K/V written into the pages), final hidden [T, D]."""
-    x, layers = run_layers(params, cache.layers, tokens[None], config, seg.token_pos[None],
-                           _attend_paged(cache, batch, seg, config, backend))
-    return x[0], cache.replace(layers=layers)
-
-
-def _sample(logits, rows_r: RowState, batch: StepBatch, drafts, num, stop, num_logprobs):
+def _sample(logits, rows_r: RowState, batch: StepBatch, drafts, num, probs, stop, num_logprobs):
     """Sample (W == 1) or verify drafted blocks (W > 1) for every segment's row."""
     if logits.shape[1] == 1:
         rows_r, out = sample_step(logits[:, 0], rows_r, stop, num_logprobs)
@@ -201,18 +164,31 @@ def _sample(logits, rows_r: RowState, batch: StepBatch, drafts, num, stop, num_l
                                     top_ids=None if out.top_ids is None else out.top_ids[:, None],
                                     top_logprobs=None if out.top_logprobs is None
                                     else out.top_logprobs[:, None])
-    return accept_drafts(logits, drafts, num, None, rows_r, stop, num_logprobs)
+    return accept_drafts(logits, drafts, num, probs, rows_r, stop, num_logprobs)
 
 
 def _step(params, cache: PagedKVCache, rows: RowState, batch: StepBatch, stop: StopTokens,
-          config: ModelConfig, backend: AttentionBackend, num_logprobs: int,
-          spec: Optional[NgramConfig]):
-    seg_rows = _gather(rows, jnp.clip(batch.seg_slot, 0, cache.num_slots - 1))
-    seg, tokens, drafts, num, live = _segments(cache, seg_rows, batch, spec)
-    h, cache = _forward(params, cache, tokens, seg, batch, config, backend)
+          config: ModelConfig, backend: AttentionBackend, num_logprobs: int, spec, draft_params):
+    s = cache.num_slots
+    slot = jnp.clip(batch.seg_slot, 0, s - 1)
+    seg_rows = _gather(rows, slot)
+    live = (batch.seg_len > 0) & (batch.seg_slot < s) & ~(batch.seg_decode & seg_rows.done)
+    probs = None
+    if isinstance(spec, DraftConfig):
+        drafts, probs, num, dcache = propose(draft_params, cache, seg_rows, batch, live, stop, spec,
+                                             backend)
+        cache = cache.replace(draft=dcache)
+    elif spec is not None:
+        drafts, num = _ngram_drafts(seg_rows, batch, live, spec)
+    else:
+        drafts, num = jnp.zeros((slot.shape[0], 0), jnp.int32), jnp.zeros_like(slot)
+    count = jnp.where(live, jnp.where(batch.seg_decode, 1 + num, batch.seg_len), 0)
+    seg, tokens = place(cache.lengths, slot, batch.seg_start, count, batch.token_seg,
+                        _block_ids(seg_rows, batch, drafts))
+    h, cache = paged_forward(params, cache, tokens, seg, batch.block_tables, config, backend)
     width = 1 + (spec.k if spec is not None else 0)
     logits = models.family(config.arch).unembed(params, _logit_rows(h, seg, batch, width), config)
-    sampled, out = _sample(logits, seg_rows, batch, drafts, num, stop, num_logprobs)
+    sampled, out = _sample(logits, seg_rows, batch, drafts, num, probs, stop, num_logprobs)
     use = live & batch.seg_sample
     rows = _scatter(rows, seg.slot, sampled, use)
     grown = jnp.where(batch.seg_decode, jnp.where(use, 1 + out.accepted, 0), seg.length)
@@ -220,14 +196,16 @@ def _step(params, cache: PagedKVCache, rows: RowState, batch: StepBatch, stop: S
     token = jnp.where(use[:, None], out.token, jnp.where(seg_rows.done[:, None] & batch.seg_decode[:, None],
                                                          -1, NO_TOKEN))
     out = out._replace(token=token, done=jnp.where(use, out.done, seg_rows.done))
+    if isinstance(spec, DraftConfig):
+        cache = cache.replace(draft=settle(cache.draft, seg, batch, live, out.accepted, spec))
     return cache.replace(lengths=lengths), rows, out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "num_logprobs", "spec"),
                    donate_argnames=("cache", "rows"))
-def step(params: dict, cache: PagedKVCache, rows: RowState, batch: StepBatch, stop: StopTokens, *,
-         config: ModelConfig, backend: AttentionBackend, num_logprobs: int = -1,
-         spec: Optional[NgramConfig] = None) -> tuple[PagedKVCache, RowState, StepOutput]:
+def step(params: dict, cache: PagedKVCache, rows: RowState, batch: StepBatch, stop: StopTokens,
+         draft_params: Optional[dict] = None, *, config: ModelConfig, backend: AttentionBackend,
+         num_logprobs: int = -1, spec=None) -> tuple[PagedKVCache, RowState, StepOutput]:
     """Run one step (module docstring). Compiles one program per (T, R, S,
     M, P, config, backend, num_logprobs, spec).
 
@@ -236,15 +214,17 @@ def step(params: dict, cache: PagedKVCache, rows: RowState, batch: StepBatch, st
       batch: the `StepBatch`; the host guarantees the pages of every
         position it can write (its segments' tokens) and at most one
         segment per slot.
-      stop: `StopTokens`; spec: an `NgramConfig` (k drafted tokens per
-        decoding row, proposed by n-gram lookup on the device) or None.
+      stop: `StopTokens`; spec: None, an `NgramConfig` (k drafted tokens per
+        decoding row, proposed by n-gram lookup on the device) or a
+        `DraftConfig` (k tokens proposed by the draft model whose params
+        are `draft_params` and whose pages are `cache.draft`).
     Returns:
       (cache, rows, StepOutput with token [R, W] (W = 1 + k): the tokens a
       sampling segment's row emitted, NO_TOKEN past its last one and for
       segments that do not sample, -1 for rows already done; done [R];
       log-probs [R, W] when num_logprobs >= 0; drafted / accepted [R]).
     """
-    return _step(params, cache, rows, batch, stop, config, backend, num_logprobs, spec)
+    return _step(params, cache, rows, batch, stop, config, backend, num_logprobs, spec, draft_params)
 
 
 def decode_batch(slots: jax.Array, block_tables: jax.Array, max_drafts: jax.Array,
@@ -263,9 +243,9 @@ def decode_batch(slots: jax.Array, block_tables: jax.Array, max_drafts: jax.Arra
 @functools.partial(jax.jit, static_argnames=("config", "backend", "num_steps", "num_logprobs",
                                              "spec"), donate_argnames=("cache", "rows"))
 def decode_loop(params: dict, cache: PagedKVCache, rows: RowState, slots: jax.Array,
-                block_tables: jax.Array, max_drafts: jax.Array, stop: StopTokens, *,
-                config: ModelConfig, backend: AttentionBackend, num_steps: int,
-                num_logprobs: int = -1, spec: Optional[NgramConfig] = None):
+                block_tables: jax.Array, max_drafts: jax.Array, stop: StopTokens,
+                draft_params: Optional[dict] = None, *, config: ModelConfig,
+                backend: AttentionBackend, num_steps: int, num_logprobs: int = -1, spec=None):
     """`num_steps` decoding steps of `slots` [R] (S: unused) in one
     `lax.scan`, sampling inside the loop; once every row is done the
     remaining steps skip the model. The host gives each slot the pages of
@@ -281,7 +261,7 @@ def decode_loop(params: dict, cache: PagedKVCache, rows: RowState, slots: jax.Ar
     def one(carry):
         cache, rows = carry
         cache, rows, out = _step(params, cache, rows, batch, stop, config, backend, num_logprobs,
-                                 spec)
+                                 spec, draft_params)
         return (cache, rows), out
 
     def idle(carry):

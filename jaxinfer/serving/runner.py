@@ -33,8 +33,7 @@ from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
-from jaxinfer.speculative.ngram import NgramConfig
-from jaxinfer.speculative import SpecConfig
+from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
 # Log-prob counts are compiled for these values only (a request asking for
 # n alternatives runs with the next one and keeps its n).
@@ -137,12 +136,13 @@ class ModelRunner:
         request has ignore_eos).
       cache_dtype: activations' and K/V dtype; kv_cache_dtype: None or a
         `cache.KV_CACHE_DTYPES` name ("int8").
-      speculative: a `SpecConfig` (n-gram proposals verified in the step) or None.
+      speculative: a `SpecConfig` (n-gram or draft-model proposals verified
+        in the step) or None.
       programs: the `ProgramCache` to compile through.
       backend: the attention backend (default `choose_backend(cache_dtype)`).
       token_budget: the most tokens one step runs (its largest bucket).
     Raises:
-      ValueError: a size below 1, or a draft-model SpecConfig.
+      ValueError: a size below 1.
     """
 
     def __init__(self, config: ModelConfig, params: dict, *, max_num_seqs: int, max_seq_len: int,
@@ -164,23 +164,28 @@ class ModelRunner:
         self.backend = backend or choose_backend(cache_dtype)
         self.stop = stop_tokens(stop_token_ids, eos_token_ids)
         self.speculative = speculative
-        self.spec = self._ngram(speculative)
+        self.spec = self._spec(speculative)
+        self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
         self.width = 1 + (self.spec.k if self.spec else 0)
         self.token_buckets = power_of_two_buckets(min(16, token_budget), token_budget)
         self.cache = init_paged_cache(config, self.max_num_seqs, self.num_pages, self.page_size,
                                       cache_dtype, kv_cache_dtype)
+        if self.draft_params is not None:
+            self.cache = self.cache.replace(draft=init_paged_cache(
+                self.spec.config, self.max_num_seqs, self.num_pages, self.page_size, cache_dtype,
+                kv_cache_dtype))
         self.rows = engine_step.new_rows(row_inputs(
             [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
             self.max_seq_len))
         self.decode_steps = 0     # decoding steps dispatched
 
     @staticmethod
-    def _ngram(spec: Optional[SpecConfig]) -> Optional[NgramConfig]:
+    def _spec(spec: Optional[SpecConfig]):
+        """The step's static proposer settings: NgramConfig, DraftConfig or None."""
         if spec is None:
             return None
-        if spec.method != "ngram":
-            raise ValueError("the serving step verifies n-gram proposals; a draft model is not "
-                             "supported by it")
+        if spec.method == "draft":
+            return DraftConfig(spec.num_speculative_tokens, spec.draft.config)
         return NgramConfig(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
 
     @property
@@ -241,7 +246,7 @@ class ModelRunner:
         batch = self.host_batch(segments, block_tables)
         self.cache, self.rows, out = self.programs(
             engine_step.step, self.params, self.cache, self.rows, batch, self.stop,
-            config=self.config, backend=self.backend, num_logprobs=num_logprobs, spec=self.spec)
+            self.draft_params, config=self.config, backend=self.backend, num_logprobs=num_logprobs, spec=self.spec)
         self.decode_steps += any(s.decode for s in segments)
         return Dispatched(out, 1)
 
@@ -257,7 +262,8 @@ class ModelRunner:
         caps[:len(slots)] = max_drafts if max_drafts is not None else 0
         self.cache, self.rows, out = self.programs(
             engine_step.decode_loop, self.params, self.cache, self.rows, jnp.asarray(padded),
-            jnp.asarray(block_tables), jnp.asarray(caps), self.stop, config=self.config,
+            jnp.asarray(block_tables), jnp.asarray(caps), self.stop, self.draft_params,
+            config=self.config,
             backend=self.backend, num_steps=num_steps, num_logprobs=num_logprobs, spec=self.spec)
         self.decode_steps += num_steps
         return Dispatched(out, num_steps)
@@ -288,7 +294,8 @@ class ModelRunner:
             segments = [Segment(0, (0,) * t)]
             batch = abstract(self.host_batch(segments, np.zeros(tables.shape, np.int32)))
             for n in num_logprobs:
-                plan.append((engine_step.step, (self.params, cache, rows, batch, self.stop),
+                plan.append((engine_step.step,
+                             (self.params, cache, rows, batch, self.stop, self.draft_params),
                              dict(config=self.config, backend=self.backend, num_logprobs=n,
                                   spec=self.spec)))
         a = 1
@@ -308,7 +315,8 @@ class ModelRunner:
         one = jax.ShapeDtypeStruct((rows,), jnp.int32)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         return (engine_step.decode_loop,
-                (self.params, abstract(self.cache), abstract(self.rows), one, tables, one, self.stop),
+                (self.params, abstract(self.cache), abstract(self.rows), one, tables, one, self.stop,
+                 self.draft_params),
                 dict(config=self.config, backend=self.backend, num_steps=num_steps,
                      num_logprobs=num_logprobs, spec=self.spec))
 

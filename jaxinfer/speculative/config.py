@@ -34,3 +34,16 @@ class SpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "draft" and self.draft is None:
             raise ValueError("speculative: draft needs a draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Static settings of the draft-model proposer inside a compiled step.
+
+    Attributes:
+      k: tokens the draft model proposes per row per step (>= 1).
+      config: the draft model's `ModelConfig`.
+    """
+
+    k: int
+    config: object
