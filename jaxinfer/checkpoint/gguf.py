@@ -108,7 +108,7 @@ def config_from_gguf(fields: Mapping[str, Any],
         Without it the model is taken as tied and bias-free.
 
     Returns:
-      ModelConfig whose arch is the family's name ("llama", "gemma3").
+      ModelConfig whose arch is the family's name ("llama", "gemma3", "qwen3").
 
     Raises:
       CheckpointError: unsupported architecture or RoPE scaling, or missing

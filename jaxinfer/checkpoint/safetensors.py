@@ -14,7 +14,8 @@ it). bfloat16 tensors come back as `ml_dtypes.bfloat16` arrays (importing
 never needed. Names are already Hugging Face names, so no name table is
 needed. What a model type means (its config keys, defaults, which tensors a
 layer has, layout fixes such as Gemma's `1 + w` norms) is its family's
-(`jaxinfer.models`: `models/llama.py`, `models/gemma3.py`); this module finds the family by `model_type` (or, when
+(`jaxinfer.models`: `models/llama.py`, `models/gemma3.py`,
+`models/qwen3.py`); this module finds the family by `model_type` (or, when
 absent, the `architectures` entry) and reads the tensors it asks for.
 
 A checkpoint holding tensors the model would not use is refused rather
@@ -82,7 +83,8 @@ def config_from_hf(config_json: Mapping[str, Any]) -> ModelConfig:
 
     Returns:
       ModelConfig whose arch is the family's name: "llama" (llama, mistral,
-      qwen2) or "gemma3" (gemma3_text, gemma2), or a registered family's.
+      qwen2), "gemma3" (gemma3_text, gemma2) or "qwen3", or a registered
+      family's.
 
     Raises:
       CheckpointError: unsupported model type (names the supported ones),

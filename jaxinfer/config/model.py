@@ -24,7 +24,7 @@ class ModelConfig:
     Attributes:
       arch: the model family's registered name (`jaxinfer.models.family`:
         "llama" covers Llama, Mistral and Qwen2, "gemma3" Gemma 2 and 3 text
-        models; research code registers its own). Not checked
+        models, "qwen3" Qwen3; research code registers its own). Not checked
         here: the registry lookup fails, naming the registered families,
         before any work is done with the config.
       vocab_size: V, number of token ids.
@@ -53,7 +53,7 @@ class ModelConfig:
         head_dim.
       attn_logit_softcapping / final_logit_softcapping: tanh soft-cap value,
         or None (Gemma 2 style).
-      qk_norm: RMSNorm on each query and key head (Gemma 3).
+      qk_norm: RMSNorm on each query and key head (Gemma 3, Qwen3).
       sandwich_norm: norms after attention and around the MLP (Gemma 2/3).
       scale_embeddings: multiply embeddings by sqrt(hidden_size), the scale
         rounded to the activation dtype (Gemma).

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxinfer.models import gemma3, llama
+from jaxinfer.models import gemma3, llama, qwen3
 from jaxinfer.models.base import CheckpointError, Family
 
 __all__ = ["CheckpointError", "Family", "families", "family", "family_for_gguf",
@@ -106,3 +106,4 @@ def family_for_gguf(architecture: Optional[str]) -> Optional[Family]:
 
 register(llama.FAMILY)
 register(gemma3.FAMILY)
+register(qwen3.FAMILY)

@@ -1,7 +1,8 @@
 """What a model family provides: the `Family` record, and `CheckpointError`.
 
 A family is everything jaxinfer knows about one architecture, in one module
-(`models/llama.py`, `models/gemma3.py`, or research code of its own):
+(`models/llama.py`, `models/gemma3.py`, `models/qwen3.py`, or research code
+of its own):
 
 * its name, the `ModelConfig.arch` value it is registered under
   (`jaxinfer.models.register`);

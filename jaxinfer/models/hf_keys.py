@@ -2,7 +2,7 @@
 the same way: required keys, the common shape fields, RoPE parameters in
 both spellings, per-layer attention types, and the standard decoder layer's
 tensor names. Each family's `config_from_hf` combines these with its own
-defaults and rules (`models/llama.py`, `models/gemma3.py`).
+defaults and rules (`models/llama.py`, `models/gemma3.py`, `models/qwen3.py`).
 """
 
 from __future__ import annotations
