@@ -5,7 +5,7 @@ fixes, preparation and the embed / layer / unembed forward) is one module;
 this registry maps `ModelConfig.arch`, Hugging Face model types and GGUF
 architectures to families. The checkpoint readers and the engine ask it,
 so a new family is one module plus one `register` line below, and research
-code can register its own at run time.
+code can register its own at run time (examples/byo_model.py).
 
     family(config.arch).layer(p, x, kv, rope, attend, config)
 """

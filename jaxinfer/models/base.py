@@ -2,7 +2,7 @@
 
 A family is everything jaxinfer knows about one architecture, in one module
 (`models/llama.py`, `models/gemma3.py`, `models/qwen3.py`, or research code
-of its own):
+of its own; see examples/byo_model.py):
 
 * its name, the `ModelConfig.arch` value it is registered under
   (`jaxinfer.models.register`);
@@ -33,7 +33,9 @@ of its own):
   windows, kernels): queries arrive RoPE-rotated and already multiplied by
   the family's query scale (`config.query_scale` for the built-ins). Model
   code keeps no state, no cache and no mode flags: prefill, decode and
-  verification are the same calls with other shapes.
+  verification are the same calls with other shapes. The KV cache's dtype
+  is that of `params["norm"]` when present, else of the first floating
+  point leaf (`serving.llm.LLM`).
 
 Why a frozen dataclass of functions and tables rather than a
 `typing.Protocol` or a base class to subclass: a family is data (name
