@@ -2,9 +2,12 @@
 
 Every checkpoint reader (`gguf.py`, `safetensors.py`) hands this module
 tensors under Hugging Face names in Hugging Face layout (`nn.Linear.weight`
-is `[out, in]`). All layout surgery happens here, once, at load time:
-transposes, head splits, stacking layers into `[L, ...]`, norm conventions,
-tied embeddings, and a shape check of every tensor against the config.
+is `[out, in]`), with the family's layout fixes applied (`models.base.Family`:
+Gemma's norm offset, llama.cpp's Q/K permute). The layout surgery every
+family shares happens here, once, at load time: transposes, head splits,
+stacking layers into `[L, ...]`, tied embeddings, and a shape check of every
+tensor against the config. Which tensors a layer has is the family's
+`layer_names` table.
 
 The params pytree (shape letters as in DESIGN.md)::
 
@@ -29,7 +32,9 @@ from typing import Callable, Collection
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import models
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.base import CheckpointError  # defined below the readers: families raise it
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -37,46 +42,11 @@ LM_HEAD = "lm_head.weight"
 LAYER_PREFIX = "model.layers.{i}."
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not match the config: missing, misshapen or unsupported tensors."""
-
-
-def gemma_norm_to_scale(w: np.ndarray) -> np.ndarray:
-    """HF Gemma RMSNorm weight -> direct multiplier: returns `w + 1`.
-
-    HF Gemma computes `normalize(x) * (1 + w)` and stores `w` (zeros mean
-    identity); jaxinfer stores the multiplier itself. GGUF Gemma files
-    already hold `w + 1` (llama.cpp's converter folds it in), so GGUF norms
-    need no offset and HF safetensors Gemma norms do. Any shape, float dtype.
-    """
-    return w + 1
-
-
-# Layer param -> (HF suffix under model.layers.{i}., kind). The kind names the
-# HF shape and the layout change; see `_hf_shape` and `_to_param_layout`.
-def _layer_table(config: ModelConfig) -> dict[str, tuple[str, str]]:
-    table = {
-        "input_layernorm": ("input_layernorm.weight", "norm"),
-        "post_attention_layernorm": ("post_attention_layernorm.weight", "norm"),
-        "q_proj": ("self_attn.q_proj.weight", "q_in"),
-        "k_proj": ("self_attn.k_proj.weight", "kv_in"),
-        "v_proj": ("self_attn.v_proj.weight", "kv_in"),
-        "o_proj": ("self_attn.o_proj.weight", "o_out"),
-        "gate_proj": ("mlp.gate_proj.weight", "mlp_in"),
-        "up_proj": ("mlp.up_proj.weight", "mlp_in"),
-        "down_proj": ("mlp.down_proj.weight", "mlp_out"),
-    }
-    if config.sandwich_norm:
-        table["pre_feedforward_layernorm"] = ("pre_feedforward_layernorm.weight", "norm")
-        table["post_feedforward_layernorm"] = ("post_feedforward_layernorm.weight", "norm")
-    if config.qk_norm:
-        table["q_norm"] = ("self_attn.q_norm.weight", "head_norm")
-        table["k_norm"] = ("self_attn.k_norm.weight", "head_norm")
-    if config.attention_bias:
-        table["q_bias"] = ("self_attn.q_proj.bias", "q_bias")
-        table["k_bias"] = ("self_attn.k_proj.bias", "kv_bias")
-        table["v_bias"] = ("self_attn.v_proj.bias", "kv_bias")
-    return table
+def layer_table(config: ModelConfig) -> dict[str, tuple[str, str]]:
+    """Layer param -> (HF suffix under model.layers.{i}., kind): the family's
+    `layer_names` (`jaxinfer.models`). The kind names the HF shape and the
+    layout change; see `_hf_shape` and `_to_param_layout`."""
+    return models.family(config.arch).layer_names(config)
 
 
 def _hf_shape(kind: str, c: ModelConfig) -> tuple[int, ...]:
@@ -192,8 +162,9 @@ def params_from_hf_tensors(get: Callable[[str], np.ndarray], names: Collection[s
       config: the architecture; every tensor's shape is checked against it.
       dtype: jnp dtype of every leaf (converted after stacking, from float32).
       norm_offset: added to every RMSNorm weight (final, layer and q/k norms)
-        to make it a direct multiplier: 1.0 for HF Gemma safetensors (see
-        `gemma_norm_to_scale`), 0.0 for Llama and for GGUF Gemma.
+        to make it a direct multiplier, for callers whose `get` returns HF
+        Gemma norms as stored (1.0, see `gemma_norm_to_scale`). The readers
+        pass 0.0: their `get` applies the family's `fix_hf_tensor` instead.
 
     Returns:
       dict of jax arrays, exactly the pytree in this module's docstring.
@@ -207,6 +178,6 @@ def params_from_hf_tensors(get: Callable[[str], np.ndarray], names: Collection[s
     params["norm"] = jnp.asarray(norm + np.float32(norm_offset), dtype=dtype)
     params["layers"] = {
         key: _stack_layer_param(get, names, config, suffix, kind, norm_offset, dtype)
-        for key, (suffix, kind) in _layer_table(config).items()
+        for key, (suffix, kind) in layer_table(config).items()
     }
     return params

@@ -18,12 +18,12 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import models
 from jaxinfer.checkpoint import prepared as load_cache
 from jaxinfer.checkpoint.gguf import load_gguf, open_reader
 from jaxinfer.checkpoint.safetensors import load_hf_folder
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.progress import Progress
-from jaxinfer.weights.prepare import prepare_params
 
 
 def gguf_reader(path: pathlib.Path, progress: Progress) -> Callable[[], object]:
@@ -45,10 +45,11 @@ def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False
 
     Args:
       dtype: jnp dtype of the params.
-      prepared: return `params.prepare_params` output (the layout `LLM` runs
-        on, packed for the CPU kernels where they are enabled and dtype is
-        float32), through the load cache; else the checkpoint layout
-        (`checkpoint.convert`), read every time.
+      prepared: return the family's `prepare` output (`models.base.Family`;
+        `weights.prepare.prepare_params` for the built-in families: the
+        layout `LLM` runs on, packed for the CPU kernels where they are
+        enabled and dtype is float32), through the load cache; else the
+        checkpoint layout (`checkpoint.convert`), read every time.
       cache: use the load cache for prepared params (None: unless
         `JAXINFER_LOAD_CACHE=0`).
       progress: a `Progress`, or True / False; None reports when stderr is a terminal.
@@ -79,7 +80,8 @@ def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False
 
     def prepare(raw, config):
         with progress.step("preparing params", after_s=0.5):
-            return jax.block_until_ready(prepare_params(raw, config, pack=pack, weights=weights))
+            family = models.family(config.arch)
+            return jax.block_until_ready(family.prepare(raw, config, pack=pack, weights=weights))
 
     return load_cache.load_prepared(path, dtype, pack, read, prepare, cache=cache,
                                     progress=progress, weights=weights)

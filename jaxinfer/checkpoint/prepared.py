@@ -72,7 +72,10 @@ SWITCH = "JAXINFER_LOAD_CACHE"     # "0" turns the load cache off
 # added to that path (e.g. a quantizer prepare_params calls) belongs here.
 PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.config",
                     "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
-                    "jaxinfer.checkpoint.safetensors", "jaxinfer.weights.quant")
+                    "jaxinfer.checkpoint.gguf_blocks", "jaxinfer.checkpoint.safetensors",
+                    "jaxinfer.weights.quant", "jaxinfer.models.base", "jaxinfer.models.hf_keys",
+                    "jaxinfer.models.gguf_keys", "jaxinfer.models.llama", "jaxinfer.models.gemma3",
+                    "jaxinfer.models.qwen3")
 _META = "jaxinfer"                 # safetensors header metadata key of our JSON
 # Older entries kept per (source, dtype, packing) besides the newest, e.g. for
 # two checkouts of different code sharing one cache; the rest are deleted.

@@ -4,9 +4,9 @@ settings (`SamplingParams`) and where jaxinfer keeps its caches (`cache_dir`).
 The lowest layer: it imports nothing else of jaxinfer."""
 
 from jaxinfer.config.generation import GenerationConfig, parse_bytes
-from jaxinfer.config.model import ARCHITECTURES, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config.model import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.config.paths import cache_dir
 from jaxinfer.config.sampling import SamplingParams
 
-__all__ = ["ARCHITECTURES", "FULL_ATTENTION", "SLIDING_ATTENTION", "GenerationConfig", "ModelConfig",
+__all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "GenerationConfig", "ModelConfig",
            "SamplingParams", "cache_dir", "parse_bytes"]

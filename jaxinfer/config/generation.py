@@ -24,7 +24,13 @@ class GenerationConfig:
 
     Attributes:
       model: a named model ("smollm2-135m-instruct", "gemma3-270m"), a .gguf
-        path or a Hugging Face checkpoint folder.
+        path, a Hugging Face checkpoint folder, or research code's own model
+        as a Python factory "python:PATH.py:FUNCTION" (e.g.
+        "python:examples/byo_model.py:build", PATH relative to the working
+        directory): FUNCTION() returns (ModelConfig, params, tokenizer or
+        None) and the file registers the model's family
+        (`jaxinfer.models.register`); see jaxinfer/serving/loading.py.
+        `jaxinfer serve` needs a tokenizer.
       dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
       kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
         "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv

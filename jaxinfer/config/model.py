@@ -15,7 +15,6 @@ from typing import Optional
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-ARCHITECTURES = ("llama", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +22,11 @@ class ModelConfig:
     """Static description of a decoder-only transformer.
 
     Attributes:
-      arch: model family, one of `ARCHITECTURES` ("llama" covers Llama,
-        Mistral and Qwen2; "gemma3" covers Gemma 3 text models).
+      arch: the model family's registered name (`jaxinfer.models.family`:
+        "llama" covers Llama, Mistral and Qwen2, "gemma3" Gemma 2 and 3 text
+        models, "qwen3" Qwen3; research code registers its own). Not checked
+        here: the registry lookup fails, naming the registered families,
+        before any work is done with the config.
       vocab_size: V, number of token ids.
       num_layers: L.
       hidden_size: D.
@@ -51,7 +53,7 @@ class ModelConfig:
         head_dim.
       attn_logit_softcapping / final_logit_softcapping: tanh soft-cap value,
         or None (Gemma 2 style).
-      qk_norm: RMSNorm on each query and key head (Gemma 3).
+      qk_norm: RMSNorm on each query and key head (Gemma 3, Qwen3).
       sandwich_norm: norms after attention and around the MLP (Gemma 2/3).
       scale_embeddings: multiply embeddings by sqrt(hidden_size), the scale
         rounded to the activation dtype (Gemma).
@@ -83,8 +85,8 @@ class ModelConfig:
     scale_embeddings: bool = False
 
     def __post_init__(self):
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"unknown arch {self.arch!r}; expected one of {ARCHITECTURES}")
+        if not isinstance(self.arch, str) or not self.arch:
+            raise ValueError(f"arch must be a non-empty string (a model family's name), got {self.arch!r}")
         for name in ("vocab_size", "num_layers", "hidden_size", "num_heads",
                      "num_kv_heads", "head_dim", "intermediate_size"):
             if int(getattr(self, name)) <= 0:

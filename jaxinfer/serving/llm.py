@@ -20,18 +20,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Generator, Iterator, Optional, Sequence, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import phases as engine
-from jaxinfer import sampling
+from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
 from jaxinfer.cache.paged import page_nbytes
 from jaxinfer.engine.ragged import choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.serving.loading import load_model, speculative_config
-from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.serving.request import Request, RequestOutput
@@ -70,7 +70,9 @@ class LLM:
     Args:
       config: ModelConfig.
       params: params pytree (jax arrays), as loaded or prepared; kept
-        prepared (`params.prepare_params`), the layout the compiled phases run on.
+        prepared by the model family (`models.family(config.arch).prepare`,
+        `weights.prepare.prepare_params` for the built-in families), the
+        layout the compiled phases run on.
       tokenizer: a `jaxinfer.tokenizer.tokenizer.Tokenizer`, or None to accept token-id
         prompts only.
       max_seq_len: KV-cache capacity per request, tokens (prompt + generated).
@@ -100,7 +102,8 @@ class LLM:
         token budget, the largest compiled token bucket).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
-        size below 1, or both num_pages and kv_cache_memory given.
+        size below 1, both num_pages and kv_cache_memory given, or no
+        model family registered as config.arch.
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
@@ -124,7 +127,7 @@ class LLM:
         if num_pages is not None and kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
         self.config = config
-        self.params = prepare_params(params, config)
+        self.params = models.family(config.arch).prepare(params, config)
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
         self.decode_chunk = int(decode_chunk)
@@ -152,7 +155,8 @@ class LLM:
         """Load a named model, a `.gguf` file or a Hugging Face folder.
 
         Args:
-          source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder".
+          source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder",
+            or a Python factory "python:path/to/file.py:function" (`serving.loading`).
           dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
           weights: matmul weight format, one of `params.WEIGHT_FORMATS`.
           progress: a `jaxinfer.progress.Progress`, or True / False; None shows
@@ -454,8 +458,10 @@ class LLM:
 
 def _params_dtype(params: dict):
     """The activation / KV-cache dtype of a params pytree: its final norm's
-    (matmul weights may be quantized codes)."""
-    return params["norm"].dtype
+    (matmul weights may be quantized codes), else its first float leaf's."""
+    if "norm" in params:
+        return params["norm"].dtype
+    return next(w.dtype for w in jax.tree.leaves(params) if jnp.issubdtype(w.dtype, jnp.floating))
 
 
 def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):

@@ -1,6 +1,7 @@
-"""Loading a model for serving: a named model, a `.gguf` file or a Hugging
-Face folder -> (ModelConfig, prepared params, Tokenizer), a draft model for
-speculative decoding, and the persistent XLA compilation cache.
+"""Loading a model for serving: a named model, a `.gguf` file, a Hugging
+Face folder or a Python factory -> (ModelConfig, prepared params,
+Tokenizer), a draft model for speculative decoding, and the persistent XLA
+compilation cache.
 
     path = resolve_model(source)                  # fetch a named model once
     tokenizer = load_tokenizer(path)              # cached conversion; no weights read
@@ -8,17 +9,29 @@ speculative decoding, and the persistent XLA compilation cache.
 
 A GGUF's header is parsed once (`gguf.GGUFReader`) and shared by the
 tokenizer conversion and the weights.
+
+A source "python:PATH:FUNCTION" (e.g. "python:examples/byo_model.py:build")
+is research code bringing its own model: the file at PATH (relative to the
+working directory) is imported once per process and FUNCTION() returns
+(ModelConfig, params, Tokenizer or None); importing the file or calling the
+function registers the model's family (`jaxinfer.models.register`) unless
+config.arch is a built-in one. The params are cast to the requested dtype
+(floating leaves) and prepared by the family's `prepare`; no load cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import pathlib
+import sys
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import models
 from jaxinfer.checkpoint.loading import gguf_reader, load_params
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.config import ModelConfig, cache_dir
@@ -63,21 +76,87 @@ def load_tokenizer(path: pathlib.Path, reader: Optional[Callable[[], object]] = 
         return Tokenizer.from_source(path)
 
 
+PYTHON_SOURCE = "python:"
+
+
+def import_python_file(path: str | os.PathLike):
+    """The module of a Python file, imported once per process (keyed by its
+    resolved path), so that a family it registers is registered once.
+
+    Raises:
+      FileNotFoundError: no such file.
+    """
+    path = pathlib.Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no Python file at {path}")
+    name = f"jaxinfer_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def load_python_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
+                      weights: str = "float32"):
+    """(ModelConfig, params, Tokenizer or None) of a "python:PATH:FUNCTION"
+    source (module docstring): FUNCTION's params with floating leaves cast to
+    `dtype`, prepared by the family (`Family.prepare(..., weights=weights)`)
+    when `prepared`.
+
+    Raises:
+      ValueError: a malformed source, no such function, a result that is not
+        (ModelConfig, params, tokenizer), or an arch no family is registered as.
+      FileNotFoundError: no such file.
+    """
+    path, _, function = source[len(PYTHON_SOURCE):].rpartition(":")
+    if not path or not function:
+        raise ValueError(f"model {source!r}: expected python:PATH.py:FUNCTION")
+    factory = getattr(import_python_file(path), function, None)
+    if not callable(factory):
+        raise ValueError(f"model {source!r}: {path} has no function {function!r}")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], ModelConfig)):
+        raise ValueError(f"model {source!r}: {function}() must return (ModelConfig, params, "
+                         f"tokenizer or None), got {type(result).__name__}")
+    config, params, tokenizer = result
+    family = models.family(config.arch)
+    params = jax.tree.map(lambda w: jnp.asarray(w, dtype) if jnp.issubdtype(w.dtype, jnp.floating)
+                          else w, params)
+    if prepared:
+        params = family.prepare(params, config, weights=weights)
+    return config, params, tokenizer
+
+
 def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
                cache: Optional[bool] = None, progress: Optional[Progress] = None,
                before_weights: Optional[Callable[[object], None]] = None,
                weights: str = "float32"):
-    """(ModelConfig, params, Tokenizer) for a named model, .gguf file or HF folder.
+    """(ModelConfig, params, Tokenizer) for a named model, .gguf file, HF
+    folder or Python factory.
 
     Args: as `load_params`; `source` as `checkpoint.sources.resolve_model`
       (a named model is downloaded on first use, with a bar when `progress`
-      is enabled). `before_weights(tokenizer)` runs once the tokenizer is
-      loaded and before any weight is read, e.g. to check prompt lengths;
-      what it raises propagates.
+      is enabled), or "python:PATH:FUNCTION" (`load_python_model`).
+      `before_weights(tokenizer)` runs once the tokenizer is loaded and
+      before any weight is read (after the factory ran, for a Python
+      source), e.g. to check prompt lengths; what it raises propagates.
     Raises:
       ModelSourceError: the source cannot be found or fetched.
       CheckpointError: a tensor is missing or has the wrong shape.
+      ValueError / FileNotFoundError: see `load_python_model`.
     """
+    if isinstance(source, str) and source.startswith(PYTHON_SOURCE):
+        config, params, tokenizer = load_python_model(source, dtype, prepared=prepared,
+                                                      weights=weights)
+        if before_weights is not None:
+            before_weights(tokenizer)
+        return config, params, tokenizer
     progress = Progress.resolve(progress)
     path = resolve_model(source, progress)
     reader = gguf_reader(path, progress) if path.is_file() else None
