@@ -315,37 +315,3 @@ def test_prepared_params_give_the_same_logits(model):
         runs.append(steps)
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-
-
-def test_idle_when_done_skips_the_step_once_every_row_is_done():
-    """`idle_when_done` runs the chosen step while a row is open, and once
-    all rows are done returns the state untouched with done rows' outputs
-    (token -1, done True, zeros), whatever the step would have done."""
-    from flax import struct
-
-    from jaxinfer.engine.phases import StepOutput, idle_when_done
-
-    @struct.dataclass
-    class Rows:
-        done: jax.Array
-
-    @struct.dataclass
-    class State:
-        rows: Rows
-        count: jax.Array
-
-    def step(add):
-        def run(s):
-            out = StepOutput(jnp.full((2,), 7, jnp.int32), s.rows.done, jnp.ones((2,), jnp.float32))
-            return s.replace(count=s.count + add), out
-        return run
-
-    run = jax.jit(lambda s, i: idle_when_done(s, step(1), step(10), index=i))
-    open_row = State(Rows(jnp.array([True, False])), jnp.int32(0))
-    state, out = run(open_row, jnp.int32(1))
-    assert int(state.count) == 10 and out.token.tolist() == [7, 7]
-    all_done = State(Rows(jnp.array([True, True])), jnp.int32(5))
-    state, out = run(all_done, jnp.int32(1))
-    assert int(state.count) == 5
-    assert out.token.tolist() == [-1, -1] and out.done.tolist() == [True, True]
-    assert out.logprob.tolist() == [0.0, 0.0] and out.top_ids is None

@@ -153,3 +153,32 @@ def test_draft_model_speculation_emits_the_greedy_tokens(name):
     assert [c.token_ids for c in twin.generate(prompts, max_new_tokens=9, ignore_eos=True)] == \
         [c.token_ids[:9] for c in plain]
     assert twin.last_stats.accepted == twin.last_stats.drafted == 3 * 2 * 3
+
+
+def test_a_decode_loop_skips_the_model_once_every_row_is_done():
+    """`decode_loop` runs its steps while a row is open; after the last row
+    finishes, the remaining steps emit -1 and leave lengths and rows as they
+    are."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.serving.runner import Admission, Segment
+    from jaxinfer.serving.request import Request
+
+    llm = make_llm(TINY_LLAMA)
+    runner = llm.runner(2)
+    tables = np.arange(2 * runner.pages_per_seq, dtype=np.int32).reshape(2, -1) % runner.num_pages
+    runner.admit([Admission(0, Request((1, 2, 3), max_new_tokens=3, ignore_eos=True))])
+    runner.fetch(runner.step([Segment(0, (1, 2, 3))], tables))
+    out = runner.fetch(runner.decode([0], tables, num_steps=5))
+    # the first token came from the prompt's step; two more end the row, then three idle steps
+    assert (out.token[:2, 0, 0] >= 0).all() and out.token[2:, 0, 0].tolist() == [-1, -1, -1]
+    assert out.done[2:, 0].all()
+    lengths = np.asarray(jax.device_get(runner.cache.lengths))
+    assert lengths[0] == 3 + 2          # the prompt and the two tokens fed after it
+    before = jax.device_get(runner.rows)
+    runner.fetch(runner.decode([0], tables, num_steps=5))
+    after = jax.device_get(runner.rows)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
+                                                    jax.tree_util.tree_leaves(after))
+               if not jnp.issubdtype(a.dtype, jax.dtypes.prng_key))

@@ -47,33 +47,27 @@ class GenerationConfig:
       min_tokens: stop tokens and stop strings are ignored until this many
         tokens were generated.
       ignore_eos: the tokenizer's EOS does not end a row (fixed-length runs).
-      decode_chunk: decode steps per compiled chunk (streaming granularity;
-        shorter chunks admit waiting requests sooner).
-      max_num_seqs: decode slots, the most requests decoding at once.
-      page_size: tokens per KV-cache page (16 is a good value): the
-        full-attention layers' K/V live in one pool of pages, each request
-        holding the pages it fills through a block table (PagedAttention);
-        null (the default) gives every slot a dense buffer instead (see
-        jaxinfer/serving/runner.py). Dense stays the default because a paged decode
-        step measured slower than the dense one at batch 32 on CPU (the
-        block-table kernel walks one run per page; figures in
-        benchmarks/README.md), beyond the 1.15x the issue allows; paging
-        pays where memory or shared prefixes matter (more concurrent
-        requests per byte, prefix caching).
+      decode_chunk: decoding steps per dispatch (one `lax.scan`) once
+        nothing waits and no request streams (`generate`); streams and
+        `jaxinfer serve` decode one step per dispatch.
+      max_num_seqs: slots, the most requests running at once.
+      page_size: tokens per KV-cache page: every layer's K/V live in one
+        pool of pages, each request holding the pages it fills through a
+        block table (PagedAttention; see jaxinfer/cache/paged.py).
       num_pages: pages in the pool (null: from kv_cache_memory).
-      kv_cache_memory: the paged KV cache's budget in bytes (the page pool
-        and the sliding-window rings of every slot); an int or a string such
-        as 512MiB or 2GiB. null: enough for max_num_seqs requests of
-        max_seq_len tokens, at most 2 GiB. Requests beyond it wait, and the
-        newest running one is preempted (recomputed later) when the pool
-        runs dry.
+      kv_cache_memory: the KV page pool's budget in bytes; an int or a
+        string such as 512MiB or 2GiB. null: enough for max_num_seqs
+        requests of max_seq_len tokens, at most 2 GiB. Requests beyond it
+        wait, and the newest running one is preempted (recomputed later)
+        when the pool runs dry.
       prefix_caching: requests reuse the KV pages of an equal prompt
         prefix computed before (full pages only; a request's cache_salt
-        keeps its pages apart). Paged only; off for models with
-        sliding-window layers (Gemma 3) and with a draft model.
-      prefill_chunk_size: the per-step prefill token budget while requests
-        decode, and the largest piece of a prompt one call prefills; null
-        prefills every prompt whole (see jaxinfer/serving/scheduler.py).
+        keeps its pages apart).
+      prefill_chunk_size: prompt tokens per serving step while requests
+        decode (the bound on a running stream's gap between two tokens);
+        null: the whole token budget (see jaxinfer/serving/scheduler.py).
+      max_num_batched_tokens: the most tokens one serving step runs (its
+        token budget and largest compiled token bucket).
       speculative: null (off), "ngram" (prompt lookup) or "draft" (a draft
         model): speculative decoding (see jaxinfer/speculative/).
       num_speculative_tokens: k, tokens proposed per verification round.
@@ -86,8 +80,8 @@ class GenerationConfig:
         not yet decoding, at most; past it the server answers HTTP 503
         (null: unbounded).
       warmup: `jaxinfer serve` only: before serving, compile ahead of time
-        every program requests can need (every prompt-length and KV-cache
-        bucket; see ModelRunner.warmup), so that no request waits for a compile.
+        the step of every token bucket (ModelRunner.warmup), so that no
+        request waits for a compile.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 
@@ -109,11 +103,12 @@ class GenerationConfig:
     ignore_eos: bool = False
     decode_chunk: int = 16
     max_num_seqs: int = 256
-    page_size: Optional[int] = None
+    page_size: int = 16
     num_pages: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     prefix_caching: bool = True
     prefill_chunk_size: Optional[int] = 512
+    max_num_batched_tokens: int = 512
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1
@@ -135,12 +130,13 @@ class GenerationConfig:
             if getattr(self, name) not in ("float32", "bfloat16", "int8", "q4"):
                 raise ValueError(f"{name} must be float32, bfloat16, int8 or q4, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs"):
+        for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs", "page_size",
+                     "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
-        for name in ("page_size", "num_pages", "kv_cache_memory"):
+        for name in ("num_pages", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or null, got {value}")
@@ -162,7 +158,8 @@ class GenerationConfig:
                  "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
-                 "ngram_min": int, "ngram_max": int, "warmup": bool, "prefix_caching": bool}
+                 "ngram_min": int, "ngram_max": int, "warmup": bool, "prefix_caching": bool,
+                 "page_size": int, "max_num_batched_tokens": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -171,7 +168,7 @@ class GenerationConfig:
             raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
-        for name in ("prefill_chunk_size", "max_waiting_requests", "page_size", "num_pages"):
+        for name in ("prefill_chunk_size", "max_waiting_requests", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be int or null, got {value!r}")

@@ -203,7 +203,8 @@ class LLM:
                   prefill_chunk_size=cfg.prefill_chunk_size, speculative=spec,
                   kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
                   num_pages=cfg.num_pages, kv_cache_memory=cfg.kv_cache_memory,
-                  prefix_caching=cfg.prefix_caching)
+                  prefix_caching=cfg.prefix_caching,
+                  max_num_batched_tokens=cfg.max_num_batched_tokens)
         llm.programs.progress = progress
         return llm
 
