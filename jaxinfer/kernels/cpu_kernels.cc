@@ -570,6 +570,58 @@ struct BlockValues {
   }
 };
 
+// One key block's step of the online softmax for `rows` query rows whose scores against the
+// block's keys s0 + [0, kKeyBlock) are in sc (kKeyBlock apart): row r is query head r % G of
+// the token at position p = p0 + r / G, which sees keys [max(0, p - window + 1), p] (window 0:
+// [0, p]) among the block's first n. Each row's visible scores become exp(score - new max),
+// the rest 0; m (running max), l (running normalizer) and corr (the factor the row's output
+// accumulator takes before this block's values are added; 1 for a row that sees none of the
+// block) are updated. A row's results depend only on its own scores, position and running
+// state, never on the other rows. Returns n_used: the block's keys [0, n_used) some row sees.
+int64_t online_softmax_block(float* sc, int64_t rows, int64_t G, int64_t p0, int64_t s0, int64_t n,
+                             int64_t window, float* m, float* l, float* corr) {
+  int64_t n_used = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = p0 + r / G;
+    const int64_t a = std::max<int64_t>(window ? p - window + 1 : 0, s0) - s0;
+    const int64_t z = std::min<int64_t>(p + 1, s0 + n) - s0;  // visible [a, z) of the block
+    float* row = sc + r * kKeyBlock;
+    if (a >= z) {
+      std::fill(row, row + kKeyBlock, 0.0f);
+      corr[r] = 1.0f;
+      continue;
+    }
+    n_used = std::max(n_used, z);
+    // Softmax of the row's visible [a, z) against its running max: one pass for the max,
+    // one for exp and sum; a partial row (the diagonal block, the window's edge) masked in
+    // registers.
+    const bool full = a == 0 && z == kKeyBlock;
+    const auto keep = [&](int64_t s) {
+      const vi16 key = load_i32(kIota) + static_cast<int32_t>(s);
+      return (key >= static_cast<int32_t>(a)) & (key < static_cast<int32_t>(z));
+    };
+    v16 vm = splat(m[r]);
+    for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
+      const v16 x = full ? load(row + s) : (keep(s) ? load(row + s) : splat(-3.0e38f));
+      vm = x > vm ? x : vm;
+    }
+    const float mx = reduce_max(vm);
+    const float c = std::exp(m[r] - mx);  // 0 on the first block a row sees
+    v16 sum = {};
+    for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
+      v16 e = exp_nonpositive(load(row + s) - mx);
+      if (!full) e = keep(s) ? e : splat(0.0f);
+      store(row + s, e);
+      sum += e;
+    }
+    const float total = reduce_add(sum);
+    l[r] = l[r] * c + total;
+    m[r] = mx;
+    corr[r] = c;
+  }
+  return n_used;
+}
+
 struct CausalDims {
   int64_t B, K, T, G, H, S, window;  // window 0: full attention
   int64_t Tq;                         // query tokens per unit
@@ -610,45 +662,8 @@ void causal_unit(const CausalDims& d, int64_t b, int64_t kh, int64_t t0, const f
       std::fill(w.kb.data() + h * kKeyBlock + n, w.kb.data() + (h + 1) * kKeyBlock, 0.0f);
     }
     by_row_block<BlockScores>(rows, qb, H, static_cast<const float*>(w.kb.data()), w.sc.data());
-    int64_t n_used = 0;  // keys of the block any row sees: [0, n_used)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t p = start + t0 + r / G;
-      const int64_t a = std::max<int64_t>(d.window ? p - d.window + 1 : 0, s0) - s0;
-      const int64_t z = std::min<int64_t>(p + 1, s0 + n) - s0;  // visible [a, z) of the block
-      float* row = w.sc.data() + r * kKeyBlock;
-      if (a >= z) {
-        std::fill(row, row + kKeyBlock, 0.0f);
-        w.corr[r] = 1.0f;
-        continue;
-      }
-      n_used = std::max(n_used, z);
-      // Softmax of the row's visible [a, z) against its running max: one pass for the max,
-      // one for exp and sum; a partial row (the diagonal block, the window's edge) masked in
-      // registers.
-      const bool full = a == 0 && z == kKeyBlock;
-      const auto keep = [&](int64_t s) {
-        const vi16 key = load_i32(kIota) + static_cast<int32_t>(s);
-        return (key >= static_cast<int32_t>(a)) & (key < static_cast<int32_t>(z));
-      };
-      v16 vm = splat(w.m[r]);
-      for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
-        const v16 x = full ? load(row + s) : (keep(s) ? load(row + s) : splat(-3.0e38f));
-        vm = x > vm ? x : vm;
-      }
-      const float mx = reduce_max(vm);
-      const float corr = std::exp(w.m[r] - mx);  // 0 on the first block a row sees
-      v16 sum = {};
-      for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
-        v16 e = exp_nonpositive(load(row + s) - mx);
-        if (!full) e = keep(s) ? e : splat(0.0f);
-        store(row + s, e);
-        sum += e;
-      }
-      const float total = reduce_add(sum);
-      w.l[r] = w.l[r] * corr + total;
-      w.m[r] = mx;
-      w.corr[r] = corr;
-    }
+    const int64_t n_used = online_softmax_block(w.sc.data(), rows, G, start + t0, s0, n, d.window,
+                                                w.m.data(), w.l.data(), w.corr.data());
     by_row_block<BlockValues>(rows, static_cast<const float*>(w.sc.data()), values + s0 * H, H,
                               n_used, static_cast<const float*>(w.corr.data()), w.o.data());
   }
