@@ -787,9 +787,10 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
 // (the values' scalar column tail by explicit FMAs). So a prompt run whole, in chunks or one
 // token at a time gives bitwise identical outputs, whatever the page size
 // (tests/test_ragged_attention.py).
-// One-token segments (decode) take the same path: reading keys in place, it is as fast as
-// PagedDecodeAttention on SmolLM2's decode shapes (measured when this kernel was added: a
-// gathered copy of every key block made it 2.3x slower).
+// One-token segments (decode) take the same path: reading keys in place, it is no slower
+// than PagedDecodeAttention on SmolLM2's decode shapes (measured when this kernel was added;
+// gathering every key block into the copy, as ps = 8 still does with AVX-512, about doubled
+// its time there).
 struct RaggedDims {
   int64_t T, K, G, H, P, ps, S, M, R, window;
   int64_t Tq;  // query tokens per unit
