@@ -67,6 +67,7 @@ _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_paged_decode_attention": "JaxinferPagedDecodeAttention",
             "jaxinfer_chunk_attention": "JaxinferChunkAttention",
             "jaxinfer_causal_attention": "JaxinferCausalAttention",
+            "jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
             "jaxinfer_read_sum": "JaxinferReadSum"}

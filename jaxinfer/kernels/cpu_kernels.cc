@@ -3,6 +3,7 @@
 //   JaxinferPagedDecodeAttention  the same over a paged cache, pages read in place
 //   JaxinferChunkAttention   T new tokens per row, each with its own mask, over the buffer
 //   JaxinferCausalAttention  T tokens per row, causal by position, flash-style (prefill)
+//   JaxinferRaggedPagedAttention  a step's ragged segments of query tokens over a paged cache
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
@@ -81,6 +82,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -520,7 +522,11 @@ void block_values(const float* __restrict p, const float* __restrict v, int64_t 
     for (int j = 0; j < NV; ++j) store(o + r * H + c + j * kLanes, acc[r][j]);
 }
 
-template <int R>
+// All H columns: vector blocks, then the columns past the last whole vector one at a time.
+// kFusedTail: those columns' products are explicit fused multiply-adds, so every row's bits
+// are the same whatever R (left to the compiler, the contraction of o * corr + p * v into one
+// FMA differs between row-block sizes).
+template <int R, bool kFusedTail = false>
 void block_values_all(const float* p, const float* v, int64_t H, int64_t n, const float* corr,
                       float* o) {
   int64_t c = 0;
@@ -535,7 +541,13 @@ void block_values_all(const float* p, const float* v, int64_t H, int64_t n, cons
   for (c += (H - c) / kLanes * kLanes; c < H; ++c)  // columns past the last whole vector
     for (int r = 0; r < R; ++r) {
       float acc = o[r * H + c] * corr[r];
-      for (int64_t s = 0; s < n; ++s) acc += p[r * kKeyBlock + s] * v[s * H + c];
+      for (int64_t s = 0; s < n; ++s) {
+        if constexpr (kFusedTail) {
+          acc = __builtin_fmaf(p[r * kKeyBlock + s], v[s * H + c], acc);
+        } else {
+          acc += p[r * kKeyBlock + s] * v[s * H + c];
+        }
+      }
       o[r * H + c] = acc;
     }
 }
@@ -569,6 +581,66 @@ struct BlockValues {
     block_values_all<R>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
   }
 };
+
+template <int R>
+struct FusedTailBlockValues {
+  static void run(int64_t r, const float* p, const float* v, int64_t H, int64_t n,
+                  const float* corr, float* o) {
+    block_values_all<R, true>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
+  }
+};
+
+// One key block's step of the online softmax for `rows` query rows whose scores against the
+// block's keys s0 + [0, kKeyBlock) are in sc (kKeyBlock apart): row r is query head r % G of
+// the token at position p = p0 + r / G, which sees keys [max(0, p - window + 1), p] (window 0:
+// [0, p]) among the block's first n. Each row's visible scores become exp(score - new max),
+// the rest 0; m (running max), l (running normalizer) and corr (the factor the row's output
+// accumulator takes before this block's values are added; 1 for a row that sees none of the
+// block) are updated. A row's results depend only on its own scores, position and running
+// state, never on the other rows. Returns n_used: the block's keys [0, n_used) some row sees.
+int64_t online_softmax_block(float* sc, int64_t rows, int64_t G, int64_t p0, int64_t s0, int64_t n,
+                             int64_t window, float* m, float* l, float* corr) {
+  int64_t n_used = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = p0 + r / G;
+    const int64_t a = std::max<int64_t>(window ? p - window + 1 : 0, s0) - s0;
+    const int64_t z = std::min<int64_t>(p + 1, s0 + n) - s0;  // visible [a, z) of the block
+    float* row = sc + r * kKeyBlock;
+    if (a >= z) {
+      std::fill(row, row + kKeyBlock, 0.0f);
+      corr[r] = 1.0f;
+      continue;
+    }
+    n_used = std::max(n_used, z);
+    // Softmax of the row's visible [a, z) against its running max: one pass for the max,
+    // one for exp and sum; a partial row (the diagonal block, the window's edge) masked in
+    // registers.
+    const bool full = a == 0 && z == kKeyBlock;
+    const auto keep = [&](int64_t s) {
+      const vi16 key = load_i32(kIota) + static_cast<int32_t>(s);
+      return (key >= static_cast<int32_t>(a)) & (key < static_cast<int32_t>(z));
+    };
+    v16 vm = splat(m[r]);
+    for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
+      const v16 x = full ? load(row + s) : (keep(s) ? load(row + s) : splat(-3.0e38f));
+      vm = x > vm ? x : vm;
+    }
+    const float mx = reduce_max(vm);
+    const float c = std::exp(m[r] - mx);  // 0 on the first block a row sees
+    v16 sum = {};
+    for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
+      v16 e = exp_nonpositive(load(row + s) - mx);
+      if (!full) e = keep(s) ? e : splat(0.0f);
+      store(row + s, e);
+      sum += e;
+    }
+    const float total = reduce_add(sum);
+    l[r] = l[r] * c + total;
+    m[r] = mx;
+    corr[r] = c;
+  }
+  return n_used;
+}
 
 struct CausalDims {
   int64_t B, K, T, G, H, S, window;  // window 0: full attention
@@ -610,45 +682,8 @@ void causal_unit(const CausalDims& d, int64_t b, int64_t kh, int64_t t0, const f
       std::fill(w.kb.data() + h * kKeyBlock + n, w.kb.data() + (h + 1) * kKeyBlock, 0.0f);
     }
     by_row_block<BlockScores>(rows, qb, H, static_cast<const float*>(w.kb.data()), w.sc.data());
-    int64_t n_used = 0;  // keys of the block any row sees: [0, n_used)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t p = start + t0 + r / G;
-      const int64_t a = std::max<int64_t>(d.window ? p - d.window + 1 : 0, s0) - s0;
-      const int64_t z = std::min<int64_t>(p + 1, s0 + n) - s0;  // visible [a, z) of the block
-      float* row = w.sc.data() + r * kKeyBlock;
-      if (a >= z) {
-        std::fill(row, row + kKeyBlock, 0.0f);
-        w.corr[r] = 1.0f;
-        continue;
-      }
-      n_used = std::max(n_used, z);
-      // Softmax of the row's visible [a, z) against its running max: one pass for the max,
-      // one for exp and sum; a partial row (the diagonal block, the window's edge) masked in
-      // registers.
-      const bool full = a == 0 && z == kKeyBlock;
-      const auto keep = [&](int64_t s) {
-        const vi16 key = load_i32(kIota) + static_cast<int32_t>(s);
-        return (key >= static_cast<int32_t>(a)) & (key < static_cast<int32_t>(z));
-      };
-      v16 vm = splat(w.m[r]);
-      for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
-        const v16 x = full ? load(row + s) : (keep(s) ? load(row + s) : splat(-3.0e38f));
-        vm = x > vm ? x : vm;
-      }
-      const float mx = reduce_max(vm);
-      const float corr = std::exp(w.m[r] - mx);  // 0 on the first block a row sees
-      v16 sum = {};
-      for (int64_t s = 0; s < kKeyBlock; s += kLanes) {
-        v16 e = exp_nonpositive(load(row + s) - mx);
-        if (!full) e = keep(s) ? e : splat(0.0f);
-        store(row + s, e);
-        sum += e;
-      }
-      const float total = reduce_add(sum);
-      w.l[r] = w.l[r] * corr + total;
-      w.m[r] = mx;
-      w.corr[r] = corr;
-    }
+    const int64_t n_used = online_softmax_block(w.sc.data(), rows, G, start + t0, s0, n, d.window,
+                                                w.m.data(), w.l.data(), w.corr.data());
     by_row_block<BlockValues>(rows, static_cast<const float*>(w.sc.data()), values + s0 * H, H,
                               n_used, static_cast<const float*>(w.corr.data()), w.o.data());
   }
@@ -718,6 +753,262 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
   parallel_units(pool, d.B * d.K, [=](int64_t unit) {
     thread_local std::vector<float> scratch;
     attend_paged_unit(d, unit, qp, kp, vp, tp, mp, op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+// --- Ragged paged attention ---
+// One scheduler step's T query tokens, flat, in R segments, over a paged cache that already
+// holds the step's own K/V (the caller writes them first):
+//   q            f32 [T, K, G, H]   the step's queries, pre-scaled (query head k*G + g reads kv head k)
+//   k_pages      f32 [P, K, H, ps]  the key pool of one layer (positions minor)
+//   v_pages      f32 [P, K, ps, H]  the value pool
+//   block_tables s32 [S, M]         slot s's position p is in page block_tables[s, p / ps], offset p % ps
+//   seg_slot, seg_start, seg_len, seg_pos  s32 [R]: segment r is tokens [start, start + len) of
+//                                    the step, at positions pos .. pos + len - 1 of slot `slot`
+//                                    (len 0: unused, its other fields are not read)
+//   window       attribute           0, or W: the query at p sees positions [p - W + 1, p], else [0, p]
+//   out          f32 [T, K, G, H]   zeros for tokens no segment covers
+// Flash-style like causal_unit, with units (segment, kv head, block of up to Tq query tokens),
+// the unit's query rows copied out of [T, K, G, H] into contiguous scratch. A key block
+// (kKeyBlock positions, aligned to absolute positions) spans several pages. Its keys are read
+// in place one vector (kLanes positions) at a time when ps is a multiple of kLanes, so that
+// each vector lies in one page; otherwise they are gathered into the contiguous
+// [H, kKeyBlock] scratch one page run at a time. Its values are read in place one page run at
+// a time, the running-max correction applied with the first run only, so the sums are those
+// of one contiguous pass whatever the page size. Only pages holding a position that some
+// query of the unit sees are read; a value there must be finite (0 x NaN would reach the
+// unit's other queries).
+//
+// Every output row is a function of its own position, q row and the K/V it sees: the key
+// blocks are aligned to absolute positions, blocks before a row's first visible key leave
+// its state at exactly zero, blocks and keys past its last add exact zeros, and the
+// register-blocked products compute each row alone, the same way in every row-block size
+// (the values' scalar column tail by explicit FMAs). So a prompt run whole, in chunks or one
+// token at a time gives bitwise identical outputs, whatever the page size
+// (tests/test_ragged_attention.py).
+// One-token segments (decode) take the same path: reading keys in place, it is no slower
+// than PagedDecodeAttention on SmolLM2's decode shapes (measured when this kernel was added;
+// gathering every key block into the copy, as ps = 8 still does with AVX-512, about doubled
+// its time there).
+struct RaggedDims {
+  int64_t T, K, G, H, P, ps, S, M, R, window;
+  int64_t Tq;  // query tokens per unit
+};
+
+struct Segments {
+  const int32_t *slot, *start, *len, *pos;
+};
+
+struct RaggedScratch {
+  std::vector<float> q, kb, sc, o, m, l, corr, ones;
+};
+
+// Where the kAttnVectors vectors of a key block's keys are: the h-th row of vector j (its
+// kLanes positions' keys for head dimension h) starts at row[j] + h * stride[j].
+struct KeyVectors {
+  const float* row[kAttnVectors];
+  int64_t stride[kAttnVectors];
+};
+
+alignas(64) constexpr float kZeros[16] = {};  // a vector of keys nobody sees (stride 0)
+
+// block_scores with the keys' vectors wherever `keys` says: the same products, in the same
+// order, as block_scores over a contiguous copy of them.
+template <int R>
+void block_scores_from(const float* __restrict q, int64_t H, const KeyVectors& keys,
+                       float* __restrict sc) {
+  v16 acc[R][kAttnVectors] = {};
+  const float* rows[kAttnVectors];
+  for (int j = 0; j < kAttnVectors; ++j) rows[j] = keys.row[j];
+  for (int64_t h = 0; h < H; ++h) {
+    v16 kv[kAttnVectors];
+    for (int j = 0; j < kAttnVectors; ++j) {
+      kv[j] = load(rows[j]);
+      rows[j] += keys.stride[j];
+    }
+    for (int r = 0; r < R; ++r) {
+      const v16 qs = splat(q[r * H + h]);
+      for (int j = 0; j < kAttnVectors; ++j) acc[r][j] += qs * kv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kAttnVectors; ++j) store(sc + r * kKeyBlock + j * kLanes, acc[r][j]);
+}
+
+template <int R>
+struct BlockScoresFrom {
+  static void run(int64_t r, const float* q, int64_t H, const KeyVectors* keys, float* sc) {
+    block_scores_from<R>(q + r * H, H, *keys, sc + r * kKeyBlock);
+  }
+};
+
+// f(s, n, page, off) for each run of the positions [a, z) that share a page, in order:
+// positions s .. s + n - 1 are at offsets off .. off + n - 1 of page `page`.
+template <typename F>
+inline void page_runs(const int32_t* pages, int64_t ps, int64_t a, int64_t z, F f) {
+  for (int64_t s = a; s < z;) {
+    const int64_t i = s / ps, off = s - i * ps, n = std::min(z, (i + 1) * ps) - s;
+    f(s, n, static_cast<int64_t>(pages[i]), off);
+    s += n;
+  }
+}
+
+// One (segment r, kv head, query tokens [i0, i1) of the segment) unit.
+void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh, int64_t i0,
+                 int64_t i1, const float* q, const float* kp, const float* vp,
+                 const int32_t* tables, float* out, RaggedScratch& w) {
+  const int64_t K = d.K, G = d.G, H = d.H, ps = d.ps, tokens = i1 - i0, rows = tokens * G;
+  const int64_t t0 = seg.start[r] + i0, p0 = seg.pos[r] + i0, p_last = p0 + tokens - 1;
+  const int32_t* pages = tables + static_cast<int64_t>(seg.slot[r]) * d.M;
+  w.q.resize(rows * H);
+  for (int64_t i = 0; i < tokens; ++i)
+    std::memcpy(w.q.data() + i * G * H, q + ((t0 + i) * K + kh) * G * H, G * H * sizeof(float));
+  w.kb.resize(H * kKeyBlock);
+  w.sc.resize(rows * kKeyBlock);
+  w.o.assign(rows * H, 0.0f);
+  w.m.assign(rows, -3.0e38f);
+  w.l.assign(rows, 0.0f);
+  w.corr.resize(rows);
+  w.ones.assign(rows, 1.0f);
+  float *kb = w.kb.data(), *sc = w.sc.data();
+  // With ps a multiple of kLanes, each vector of a key block lies in one page and is read in
+  // place; otherwise the block's keys are gathered into kb [H, kKeyBlock], a run at a time.
+  const bool in_place = ps % kLanes == 0;
+  const int64_t lo = d.window ? std::max<int64_t>(0, p0 - d.window + 1) : 0;  // keys [lo, p_last]
+  for (int64_t s0 = lo / kKeyBlock * kKeyBlock; s0 <= p_last; s0 += kKeyBlock) {
+    const int64_t a = std::max(lo, s0), z = std::min(p_last + 1, s0 + kKeyBlock);  // read [a, z)
+    KeyVectors keys;
+    for (int j = 0; j < kAttnVectors; ++j) {
+      const int64_t s = s0 + j * kLanes;
+      if (!in_place) {
+        keys.row[j] = kb + j * kLanes;
+        keys.stride[j] = kKeyBlock;
+      } else if (s + kLanes <= a || s >= z) {  // positions nobody sees (maybe in no page)
+        keys.row[j] = kZeros;
+        keys.stride[j] = 0;
+      } else {  // in a page that holds a visible position; the others are masked
+        keys.row[j] = kp + (pages[s / ps] * K + kh) * H * ps + s % ps;
+        keys.stride[j] = ps;
+      }
+    }
+    if (!in_place) {
+      if (a > s0 || z < s0 + kKeyBlock)
+        for (int64_t h = 0; h < H; ++h) {  // zero the block's keys that nobody sees
+          std::fill(kb + h * kKeyBlock, kb + h * kKeyBlock + (a - s0), 0.0f);
+          std::fill(kb + h * kKeyBlock + (z - s0), kb + (h + 1) * kKeyBlock, 0.0f);
+        }
+      page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
+        const float* src = kp + (page * K + kh) * H * ps + off;
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(kb + h * kKeyBlock + (s - s0), src + h * ps, n * sizeof(float));
+      });
+    }
+    by_row_block<BlockScoresFrom>(rows, static_cast<const float*>(w.q.data()), H,
+                                  static_cast<const KeyVectors*>(&keys), sc);
+    online_softmax_block(sc, rows, G, p0, s0, kKeyBlock, d.window, w.m.data(), w.l.data(),
+                         w.corr.data());
+    const float* corr = w.corr.data();
+    page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
+      by_row_block<FusedTailBlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
+                                         vp + ((page * K + kh) * ps + off) * H, H, n, corr,
+                                         w.o.data());
+      corr = w.ones.data();  // the block's correction is applied once, with its first run
+    });
+  }
+  for (int64_t i = 0; i < tokens; ++i) {
+    float* o_out = out + ((t0 + i) * K + kh) * G * H;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = i * G + g;
+      const float inv = w.l[row] > 0.0f ? 1.0f / w.l[row] : 0.0f;
+      for (int64_t h = 0; h < H; ++h) o_out[g * H + h] = w.o[row * H + h] * inv;
+    }
+  }
+}
+
+std::string ragged_error(const std::string& what) { return "ragged_paged_attention: " + what; }
+
+// Checks the segments against the contract (header), marking owner[t] = the segment that
+// covers token t (-1: none). Returns the first violation's message, empty when none.
+std::string check_segments(const RaggedDims& d, const Segments& seg, const int32_t* tables,
+                           std::vector<int32_t>& owner) {
+  using std::to_string;
+  owner.assign(d.T, -1);
+  for (int64_t r = 0; r < d.R; ++r) {
+    const int64_t start = seg.start[r], len = seg.len[r], pos = seg.pos[r], slot = seg.slot[r];
+    const std::string name = "segment " + to_string(r);
+    if (len == 0) continue;
+    if (len < 0 || start < 0 || start + len > d.T)
+      return name + "'s tokens [" + to_string(start) + ", " + to_string(start + len) +
+             ") are not within [0, T=" + to_string(d.T) + ")";
+    for (int64_t t = start; t < start + len; ++t) {
+      if (owner[t] >= 0)
+        return "segments " + to_string(owner[t]) + " and " + to_string(r) + " overlap at token " +
+               to_string(t);
+      owner[t] = static_cast<int32_t>(r);
+    }
+    if (pos < 0) return name + "'s seg_pos " + to_string(pos) + " is negative";
+    if (slot < 0 || slot >= d.S)
+      return name + "'s slot " + to_string(slot) + " is not within [0, S=" + to_string(d.S) + ")";
+    const int64_t last = pos + len - 1, lo = d.window ? std::max<int64_t>(0, pos - d.window + 1) : 0;
+    if (last / d.ps >= d.M)
+      return name + "'s position " + to_string(last) + " needs block-table column " +
+             to_string(last / d.ps) + ", past M=" + to_string(d.M);
+    for (int64_t i = lo / d.ps; i <= last / d.ps; ++i) {
+      const int64_t page = tables[slot * d.M + i];
+      if (page < 0 || page >= d.P)
+        return name + " reads block_tables[" + to_string(slot) + ", " + to_string(i) + "] = " +
+               to_string(page) + ", not a page in [0, P=" + to_string(d.P) + ")";
+    }
+  }
+  return "";
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v,
+                                Table2 tables, Vector1i seg_slot, Vector1i seg_start,
+                                Vector1i seg_len, Vector1i seg_pos, int64_t window,
+                                ffi::Result<Tensor4> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
+  RaggedDims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1],
+               seg_slot.dimensions()[0], window, 1};
+  if (kd[1] != d.K || kd[2] != d.H || vd[0] != d.P || vd[1] != d.K || vd[2] != d.ps ||
+      vd[3] != d.H || seg_start.dimensions()[0] != d.R || seg_len.dimensions()[0] != d.R ||
+      seg_pos.dimensions()[0] != d.R)
+    return ffi::Error::InvalidArgument(ragged_error(
+        "expected q [T,K,G,H], k_pages [P,K,H,ps], v_pages [P,K,ps,H], block_tables [S,M], "
+        "seg_slot, seg_start, seg_len, seg_pos [R]"));
+  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
+  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
+                     seg_pos.typed_data()};
+  const int32_t* tp = tables.typed_data();
+  std::vector<int32_t> owner;
+  const std::string bad = check_segments(d, seg, tp, owner);
+  if (!bad.empty()) return ffi::Error::InvalidArgument(ragged_error(bad));
+  float* op = out->typed_data();
+  const int64_t token_size = d.K * d.G * d.H;
+  for (int64_t t = 0; t < d.T; ++t)
+    if (owner[t] < 0) std::fill(op + t * token_size, op + (t + 1) * token_size, 0.0f);
+  // Query blocks of about 96 rows (tokens x G heads), as in CausalAttention; the costliest
+  // (rows x keys read) first, so the pool's threads end together.
+  d.Tq = std::max<int64_t>(1, 96 / d.G);
+  struct Block {
+    int64_t r, i0, i1, cost;
+  };
+  std::vector<Block> blocks;
+  for (int64_t r = 0; r < d.R; ++r)
+    for (int64_t i0 = 0; i0 < seg.len[r]; i0 += d.Tq) {
+      const int64_t i1 = std::min<int64_t>(seg.len[r], i0 + d.Tq), p_last = seg.pos[r] + i1 - 1;
+      const int64_t lo = d.window ? std::max<int64_t>(0, seg.pos[r] + i0 - d.window + 1) : 0;
+      blocks.push_back(Block{r, i0, i1, (i1 - i0) * (p_last + 1 - lo)});
+    }
+  std::stable_sort(blocks.begin(), blocks.end(),
+                   [](const Block& x, const Block& y) { return x.cost > y.cost; });
+  const Block* bp = blocks.data();
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  parallel_units(pool, static_cast<int64_t>(blocks.size()) * d.K, [=, &d, &seg](int64_t u) {
+    thread_local RaggedScratch scratch;
+    const Block& b = bp[u / d.K];
+    ragged_unit(d, seg, b.r, u % d.K, b.i0, b.i1, qp, kp, vp, tp, op, scratch);
   });
   return ffi::Error::Success();
 }
@@ -1063,6 +1354,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention
                                   .Arg<Tensor4>()
                                   .Arg<Table2>()
                                   .Arg<Mask2>()
+                                  .Ret<Tensor4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Table2>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Attr<int64_t>("window")
                                   .Ret<Tensor4>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmul, PackedMatmul,

@@ -1,0 +1,169 @@
+"""Ragged paged attention: one scheduler step's tokens over a paged KV cache.
+
+A step's T query tokens are flat and made of segments, one per request:
+1 token for a decoding row, 1 + k to verify k drafted tokens, a prompt chunk
+or a whole prompt, each at its request's own position in its own slot of the
+paged cache (vLLM v1's one forward per step; tpu-inference's "ragged paged
+attention"). The step's new K/V are written into the pages before attention
+runs, so every query attends over pages only.
+
+- `ragged_paged_attention`: the C++ kernel (`JaxinferRaggedPagedAttention`
+  in `cpu_kernels.cc`), flash-style like `cpu.causal_attention`, reading
+  keys and values from the pages through the block tables. Each output row
+  depends only on its query, its position and the K/V it sees, bit for bit:
+  a prompt run whole, in chunks or one token at a time gives identical bits.
+- `ragged_paged_attention_xla`: the same function in pure JAX, for other
+  backends, in blocks of query tokens so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.kernels.cpu import _require_enabled, check_operands
+
+TOKEN_BLOCK = 32  # query tokens per step of `ragged_paged_attention_xla`'s lax.map
+
+
+def _check(fn: str, q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
+           window) -> None:
+    """Trace-time shape, dtype and window checks shared by both versions."""
+    t, kv_heads, g, h = q.shape
+    p, ps = k_pages.shape[0], k_pages.shape[-1]
+    s, m = block_tables.shape if block_tables.ndim == 2 else (0, 0)
+    r = seg_slot.shape[0] if seg_slot.ndim == 1 else 0
+    expected = {"q": (q, (t, kv_heads, g, h), jnp.float32),
+                "k_pages": (k_pages, (p, kv_heads, h, ps), jnp.float32),
+                "v_pages": (v_pages, (p, kv_heads, ps, h), jnp.float32),
+                "block_tables": (block_tables, (s, m), jnp.int32),
+                "seg_slot": (seg_slot, (r,), jnp.int32), "seg_start": (seg_start, (r,), jnp.int32),
+                "seg_len": (seg_len, (r,), jnp.int32), "seg_pos": (seg_pos, (r,), jnp.int32)}
+    check_operands(fn, expected)
+    if window is not None and window < 1:
+        raise ValueError(f"{fn}: window={window} must be None or >= 1")
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, seg_slot: jax.Array, seg_start: jax.Array,
+                           seg_len: jax.Array, seg_pos: jax.Array,
+                           window: int | None = None) -> jax.Array:
+    """Attention of a step's ragged query tokens over a paged cache (C++ kernel).
+
+    Segment r is the step's tokens [seg_start[r], seg_start[r] + seg_len[r]);
+    its query i sits at position p = seg_pos[r] + i of slot seg_slot[r] and
+    sees that slot's keys at positions [max(0, p - window + 1), p] (all of
+    [0, p] without a window). Slot s's position x is stored in page
+    block_tables[s, x // page_size] at offset x % page_size. The output is
+    softmax(q . k over the visible keys) . v, and exact zeros for tokens no
+    segment covers. The step's own K/V must already be in the pages. K/V at
+    positions no query of a segment sees may hold anything (NaN included);
+    values a segment sees must be finite (a NaN there reaches its other
+    queries' outputs, as 0 x NaN).
+
+    Args:
+      q: float32 [T, K, G, H], the step's queries already multiplied by the
+        query scale (query head k*G + g reads kv head k): [T, N, H] reshaped.
+      k_pages: float32 [P, K, H, page_size], one layer's key pool (positions minor).
+      v_pages: float32 [P, K, page_size, H], the value pool.
+      block_tables: int32 [S, M].
+      seg_slot, seg_start, seg_len, seg_pos: int32 [R]; a segment with
+        seg_len 0 is unused and its other entries are not read.
+      window: None, or the sliding window W >= 1.
+    Returns:
+      float32 [T, K, G, H].
+    Raises:
+      ValueError: shapes or dtypes that do not match the above, or a window
+        below 1 (at trace time).
+      RuntimeError: the kernels are not `cpu.enabled()`.
+      JaxRuntimeError (when run; nothing is clamped, nothing read out of
+        bounds): a used segment whose tokens are not within [0, T), two used
+        segments that overlap, a negative seg_pos, a slot outside [0, S), a
+        visible position whose block-table column p // page_size is >= M, or
+        a visible position's block-table entry outside [0, P).
+    """
+    _check("ragged_paged_attention", q, k_pages, v_pages, block_tables, seg_slot, seg_start,
+           seg_len, seg_pos, window)
+    _require_enabled()
+    return jax.ffi.ffi_call("jaxinfer_ragged_paged_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
+        window=np.int64(window or 0))
+
+
+def token_positions(t: int, seg_slot, seg_start, seg_len, seg_pos) -> tuple[jax.Array, jax.Array]:
+    """(position, slot) of each of the T query tokens, int32 [T] each: the
+    position is -1 for a token no used segment covers (its slot is then 0).
+    Where used segments overlap, the lowest-numbered one wins."""
+    tok = jnp.arange(t, dtype=jnp.int32)[:, None]
+    inside = (tok >= seg_start) & (tok < seg_start + seg_len) & (seg_len > 0)  # [T, R]
+    r = jnp.argmax(inside, axis=1)
+    covered = inside.any(axis=1)
+    pos = jnp.where(covered, seg_pos[r] + tok[:, 0] - seg_start[r], -1)
+    return pos.astype(jnp.int32), jnp.where(covered, seg_slot[r], 0).astype(jnp.int32)
+
+
+def _attend_block(q, pos, slot, k_pages, v_pages, block_tables, window):
+    """One block of query tokens: q [B, K, G, H], pos and slot int32 [B] ->
+    [B, K, G, H]. Gathers each token's pages (entries clamped into [0, P));
+    keys and values at positions a token cannot see are masked out, so
+    whatever they hold (NaN included) does not reach its output."""
+    b, kv_heads, g, h = q.shape
+    p, _, _, ps = k_pages.shape
+    m = block_tables.shape[1]
+    pages = jnp.clip(block_tables[slot], 0, p - 1)                          # [B, M]
+    keys = k_pages[pages]                                                   # [B, M, K, H, ps]
+    scores = jnp.einsum("bkgh,bmkhs->bkgms", q, keys).reshape(b, kv_heads, g, m * ps)
+    key_pos = jnp.arange(m * ps, dtype=jnp.int32)
+    visible = (key_pos <= pos[:, None]) & (pos[:, None] >= 0)               # [B, M * ps]
+    if window is not None:
+        visible &= key_pos > pos[:, None] - window
+    seen = visible[:, None, None, :]
+    scores = jnp.where(seen, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(seen, jnp.exp(scores - top), 0.0)
+    total = jnp.sum(weights, axis=-1)[..., None]
+    values = v_pages[pages]                                                 # [B, M, K, ps, H]
+    values = jnp.where(visible.reshape(b, m, 1, ps, 1), values, 0.0)
+    out = jnp.einsum("bkgms,bmksh->bkgh", weights.reshape(b, kv_heads, g, m, ps), values)
+    return out / jnp.where(total > 0, total, 1.0)
+
+
+def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                               block_tables: jax.Array, seg_slot: jax.Array, seg_start: jax.Array,
+                               seg_len: jax.Array, seg_pos: jax.Array,
+                               window: int | None = None) -> jax.Array:
+    """`ragged_paged_attention`'s function in pure JAX (any backend), equal
+    up to float32 rounding on the inputs the kernel accepts.
+
+    Query tokens go in blocks of `TOKEN_BLOCK` (a `lax.map`); each token
+    gathers its slot's pages, so memory holds [TOKEN_BLOCK, K, G, M * page_size]
+    scores (and the block's gathered K/V), never [T, M * page_size]. Nothing
+    is validated at run time: inputs the kernel rejects give unspecified
+    values here (block-table entries are clamped into [0, P); overlapping
+    segments: the lower-numbered one wins).
+
+    Args, Returns: as `ragged_paged_attention`.
+    Raises:
+      ValueError: shapes or dtypes that do not match, or a window below 1
+        (at trace time).
+    """
+    _check("ragged_paged_attention_xla", q, k_pages, v_pages, block_tables, seg_slot, seg_start,
+           seg_len, seg_pos, window)
+    q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos = map(
+        jnp.asarray, (q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos))
+    t = q.shape[0]
+    if t == 0:
+        return jnp.zeros(q.shape, jnp.float32)
+    pos, slot = token_positions(t, seg_slot, seg_start, seg_len, seg_pos)
+    blocks = -(-t // TOKEN_BLOCK)
+    pad = blocks * TOKEN_BLOCK - t
+    q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(
+        blocks, TOKEN_BLOCK, *q.shape[1:])
+    pos_blocks = jnp.pad(pos, (0, pad), constant_values=-1).reshape(blocks, TOKEN_BLOCK)
+    slot_blocks = jnp.pad(slot, (0, pad)).reshape(blocks, TOKEN_BLOCK)
+    out = jax.lax.map(lambda x: _attend_block(*x, k_pages, v_pages, block_tables, window),
+                      (q_blocks, pos_blocks, slot_blocks))
+    return out.reshape(blocks * TOKEN_BLOCK, *q.shape[1:])[:t]
