@@ -81,9 +81,9 @@ def test_fifty_random_prompts_compile_a_handful_of_times(np_params):
     for i in range(0, 50, 10):  # five batches of ten, lengths 1..49
         fresh.generate(prompts[i:i + 10], GREEDY, max_new_tokens=3)
     fresh.generate(prompts, GREEDY, max_new_tokens=3)  # all 50 at once
-    # every request is prefilled alone (batch 1) into a cache of 64 (the one cache bucket):
-    # start x prompt buckets {16, 32, 64}; insert and decode_chunk x slot counts {16, 64}
-    assert fresh.programs.num_compiles <= 7
+    # per slot count {16, 64}: the step at the token buckets the prompts fill, admission
+    # at the admission buckets, and no decode loop (none compiled ahead of time)
+    assert fresh.programs.num_compiles <= 12
 
 
 def test_logprobs_match_reference(llm, np_params):

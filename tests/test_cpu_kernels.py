@@ -480,7 +480,7 @@ def test_avx2_blocking_matches_reference(tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 only")
     env = dict(os.environ, JAXINFER_KERNEL_ARCH="x86-64-v3", JAXINFER_CACHE_DIR=str(tmp_path))
-    code = ("from jaxinfer import cpu_kernels as c; assert c.enabled(); i = c.kernel_info(); "
+    code = ("from jaxinfer.kernels import cpu as c; assert c.enabled(); i = c.kernel_info(); "
             "print(i['panel_width'], i['row_block'], i['vector_lanes'], i['bf16_dot_built'])")
     info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert info.returncode == 0, info.stderr[-2000:]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxinfer.cache import paged
 from jaxinfer.cache.kv import LayerKV
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import ragged as ragged_kernel
 from jaxinfer.nn import masked_softmax
 
 # Query tokens per block of the XLA path (each block gathers its tokens' pages).
@@ -116,4 +117,9 @@ def attend(backend: AttentionBackend, q: jax.Array, kv: LayerKV, block_tables: j
     """Ragged attention of q [T, K, G, H] over a layer's pool: the C++ kernel
     where `backend` has it and it applies (float32 pool, no soft-cap), else
     `attend_xla`."""
+    if (backend.kernels and not softcap and kv.key_scale is None
+            and q.dtype == kv.keys.dtype == jnp.float32):
+        return ragged_kernel.ragged_paged_attention(q, kv.keys, kv.values, block_tables, seg.slot,
+                                                    seg.start, seg.length, seg.position,
+                                                    window=window or None)
     return attend_xla(q, kv, block_tables, seg, window, softcap)
