@@ -9,10 +9,12 @@ can assert how many programs a workload needs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
 import jax
+
 from jaxinfer.progress import Progress
 
 
@@ -26,8 +28,8 @@ class ProgramCache:
     """
 
     def __init__(self):
-
         self._compiled = {}
+        self._compiling: dict = {}        # key -> Future of a compile under way
         self._lock = threading.Lock()
         self.num_compiles = 0
         self.compile_s = 0.0
@@ -40,20 +42,38 @@ class ProgramCache:
     def compiled(self, fn, *args, **static):
         """The compiled program of `fn` for these arguments' shapes and dtypes
         (arrays or `jax.ShapeDtypeStruct`s: abstract arguments compile
-        without running anything), compiling it on the first request."""
+        without running anything), compiling it on the first request.
+        Threads may compile different programs at once (XLA compiles
+        outside the GIL); a second request for a program being compiled
+        waits for it. compile_s adds each compile's seconds, so it exceeds
+        the wall time that concurrent compiles took."""
         key = self._key(fn, args, static)
-        program = self._compiled.get(key)
-        if program is None:
+        with self._lock:
+            program = self._compiled.get(key)
+            if program is not None:
+                return program
+            future = self._compiling.get(key)
+            owner = future is None
+            if owner:
+                future = self._compiling[key] = concurrent.futures.Future()
+        if not owner:
+            return future.result()
+        try:
+            t0 = time.perf_counter()
+            with self.progress.step(f"compiling {fn.__name__}"):
+                program = fn.lower(*args, **static).compile()
             with self._lock:
-                program = self._compiled.get(key)
-                if program is None:
-                    t0 = time.perf_counter()
-                    with self.progress.step(f"compiling {fn.__name__}"):
-                        program = fn.lower(*args, **static).compile()
-                    self.compile_s += time.perf_counter() - t0
-                    self.num_compiles += 1
-                    self._compiled[key] = program
-        return program
+                self.compile_s += time.perf_counter() - t0
+                self.num_compiles += 1
+                self._compiled[key] = program
+            future.set_result(program)
+            return program
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._compiling[key]
 
     def has(self, fn, *args, **static) -> bool:
         """Whether `compiled(fn, *args, **static)` would return a program

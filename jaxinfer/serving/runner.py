@@ -17,7 +17,9 @@ warm-up and dispatch share.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Optional, Sequence
 
 import jax
@@ -34,6 +36,11 @@ from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
+
+# The smallest token bucket: a decoding batch of up to this many rows runs
+# at this width (below it the step costs about the same: the weights are
+# read once either way).
+MIN_TOKEN_BUCKET = 4
 
 # Log-prob counts are compiled for these values only (a request asking for
 # n alternatives runs with the next one and keeps its n).
@@ -167,7 +174,7 @@ class ModelRunner:
         self.spec = self._spec(speculative)
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
         self.width = 1 + (self.spec.k if self.spec else 0)
-        self.token_buckets = power_of_two_buckets(min(16, token_budget), token_budget)
+        self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
         self.cache = init_paged_cache(config, self.max_num_seqs, self.num_pages, self.page_size,
                                       cache_dtype, kv_cache_dtype)
         if self.draft_params is not None:
@@ -326,12 +333,16 @@ class ModelRunner:
         fn, args, static = self.decode_plan(rows, num_steps, num_logprobs)
         return self.programs.has(fn, *args, **static)
 
-    def warmup(self, num_logprobs: Sequence[int] = (-1,)) -> int:
-        """Compile `compile_plan` ahead of time (nothing runs). Returns the
+    def warmup(self, num_logprobs: Sequence[int] = (-1,), threads: int = 0) -> int:
+        """Compile `compile_plan` ahead of time (nothing runs), on `threads`
+        threads (0: one per CPU core), largest programs first. Returns the
         programs compiled now."""
         before = self.programs.num_compiles
-        for fn, args, static in self.compile_plan(num_logprobs):
-            self.programs.compiled(fn, *args, **static)
+        plan = self.compile_plan(num_logprobs)[::-1]
+        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            for done in [pool.submit(self.programs.compiled, fn, *args, **static)
+                         for fn, args, static in plan]:
+                done.result()
         return self.programs.num_compiles - before
 
 

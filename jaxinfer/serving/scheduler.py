@@ -94,6 +94,9 @@ class Scheduler:
       policy: "continuous" or "static" (see the module docstring).
       max_waiting_requests: bound of the waiting queue (None: unbounded).
       prefix_caching: share the pages of equal prompt prefixes.
+      compile_loops: a decode loop may compile when steady state first needs
+        it (offline generation); False: loops run only once compiled, so no
+        request ever waits for a compile (serving).
       clock: the time source of request timings (seconds).
     Raises:
       ValueError: an unknown policy or a size below 1.
@@ -103,7 +106,7 @@ class Scheduler:
                  stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
                  decode_chunk: int = 16, policy: str = "continuous",
                  max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
+                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if (prefill_chunk_size is not None and prefill_chunk_size < 1) or decode_chunk < 1:
@@ -114,6 +117,7 @@ class Scheduler:
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
         self.decode_chunk, self.policy = decode_chunk, policy
+        self.compile_loops = compile_loops
         self.max_waiting_requests = max_waiting_requests
         self.clock = clock
         self.pages = KVPageManager(runner.num_pages, runner.page_size, runner.max_num_seqs,
@@ -275,7 +279,8 @@ class Scheduler:
         if self.pages.shortfall({s.slot: self._length_bound(s) + more for s in decoding}):
             return 1
         logprobs = self._num_logprobs(s.state.request_id for s in decoding)
-        return self.decode_chunk if self.runner.has_decode_loop(rows, self.decode_chunk, logprobs) else 1
+        ready = self.compile_loops or self.runner.has_decode_loop(rows, self.decode_chunk, logprobs)
+        return self.decode_chunk if ready else 1
 
     def _dispatch_loop(self, decoding: list[_Seq], steps: int):
         width = self.runner.width
