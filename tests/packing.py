@@ -1,5 +1,5 @@
-"""Test helper: the plain [I, O] matrix a `cpu_kernels.PackedWeight` holds
-(the inverse of `cpu_kernels.pack_weight`), for comparing packed params with
+"""Test helper: the plain [I, O] matrix a `kernels.packed.PackedWeight` holds
+(the inverse of `kernels.packed.pack_weight`), for comparing packed params with
 plain ones."""
 
 import numpy as np

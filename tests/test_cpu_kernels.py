@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import attention as attention_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from packing import unpack_weight
 
 ATOL = 2e-6
@@ -78,7 +80,7 @@ def test_kernels_build_where_a_compiler_exists():
 def test_decode_attention_matches_reference(b, kv_heads, g, h, s, q_scale, atol):
     q, k, v = _inputs(b, kv_heads, g, h, s, q_scale)
     mask = _masks(b, s)
-    out = jax.jit(cpu_kernels.decode_attention)(q, k, v, mask)
+    out = jax.jit(attention_kernels.decode_attention)(q, k, v, mask)
     assert out.shape == (b, kv_heads, g, h) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, mask), atol=atol, rtol=0)
 
@@ -88,7 +90,7 @@ def test_row_that_sees_nothing_is_zero():
     q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
     mask = np.zeros((2, 48), bool)
     mask[1, 5:9] = True
-    out = np.asarray(cpu_kernels.decode_attention(q, k, v, mask))
+    out = np.asarray(attention_kernels.decode_attention(q, k, v, mask))
     assert np.all(out[0] == 0.0)
     np.testing.assert_allclose(out[1], reference_attention(q, k, v, mask)[1], atol=ATOL, rtol=0)
 
@@ -107,7 +109,7 @@ def test_chunk_attention_matches_reference_per_query(b, kv_heads, t, g, h, s):
     q = (rng.standard_normal((b, kv_heads, t, g, h)) / np.sqrt(h)).astype(np.float32)
     _, k, v = _inputs(b, kv_heads, g, h, s, 1.0)
     mask = np.stack([_masks(b, s, seed=i) for i in range(t)], axis=1)   # [B, T, S]
-    out = np.asarray(jax.jit(cpu_kernels.chunk_attention)(q, k, v, mask))
+    out = np.asarray(jax.jit(attention_kernels.chunk_attention)(q, k, v, mask))
     assert out.shape == (b, kv_heads, t, g, h)
     for i in range(t):
         np.testing.assert_allclose(out[:, :, i], reference_attention(q[:, :, i], k, v, mask[:, i]),
@@ -157,7 +159,7 @@ def test_causal_attention_matches_reference(b, kv_heads, t, g, h, s, starts, cou
     q = (rng.standard_normal((b, kv_heads, t, g, h)) / np.sqrt(h)).astype(np.float32)
     k = rng.standard_normal((b, kv_heads, h, s)).astype(np.float32)
     v = rng.standard_normal((b, kv_heads, s, h)).astype(np.float32)
-    run = jax.jit(lambda *a: cpu_kernels.causal_attention(*a, window=window))
+    run = jax.jit(lambda *a: attention_kernels.causal_attention(*a, window=window))
     out = np.asarray(run(q, k, v, np.array(starts, np.int32), np.array(counts, np.int32)))
     assert out.shape == (b, kv_heads, t, g, h) and out.dtype == np.float32
     np.testing.assert_allclose(out, reference_causal(q, k, v, starts, counts, window),
@@ -178,11 +180,11 @@ def test_causal_attention_is_differentiable_through_the_xla_function(window):
     v = rng.standard_normal((2, 2, 50, 16)).astype(np.float32)
     starts, counts = np.array([0, 10], np.int32), np.array([37, 20], np.int32)
     np.testing.assert_allclose(
-        np.asarray(cpu_kernels.causal_attention_xla(q, k, v, starts, counts, window)),
+        np.asarray(attention_kernels.causal_attention_xla(q, k, v, starts, counts, window)),
         reference_causal(q, k, v, starts, counts, window), atol=ATOL, rtol=0)
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, starts, counts, window)))
-    got = jax.jit(jax.grad(loss(cpu_kernels.causal_attention), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(loss(cpu_kernels.causal_attention_xla), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(attention_kernels.causal_attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(attention_kernels.causal_attention_xla), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want):   # the same backward at forwards 2e-6 apart
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=0)
 
@@ -193,9 +195,9 @@ def test_causal_attention_rejects_bad_input():
     ok = np.zeros(2, np.int32), np.full(2, 4, np.int32)
     with pytest.raises(ValueError, match=r"causal_attention: counts is int32\[3\], "
                                          r"expected int32\[2\]"):
-        cpu_kernels.causal_attention(q, k, v, ok[0], np.zeros(3, np.int32))
+        attention_kernels.causal_attention(q, k, v, ok[0], np.zeros(3, np.int32))
     with pytest.raises(ValueError, match=r"causal_attention: window=0 must be None or >= 1"):
-        cpu_kernels.causal_attention(q, k, v, *ok, window=0)
+        attention_kernels.causal_attention(q, k, v, *ok, window=0)
 
 
 @needs_kernels
@@ -207,7 +209,7 @@ def test_causal_attention_refuses_rows_that_do_not_fit(starts, counts):
     q = np.zeros((2, 1, 4, 3, 16), np.float32)
     k, v = np.zeros((2, 1, 16, 8), np.float32), np.zeros((2, 1, 8, 16), np.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="do not fit its T and S"):
-        jax.block_until_ready(jax.jit(cpu_kernels.causal_attention)(
+        jax.block_until_ready(jax.jit(attention_kernels.causal_attention)(
             q, k, v, np.array(starts, np.int32), np.array(counts, np.int32)))
 
 
@@ -216,16 +218,16 @@ def test_chunk_attention_rejects_mismatched_shapes():
     _, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
     with pytest.raises(ValueError, match=r"chunk_attention: mask is bool\[2, 48\], "
                                          r"expected bool\[2, 3, 48\]"):
-        cpu_kernels.chunk_attention(q, k, v, np.ones((2, 48), bool))
+        attention_kernels.chunk_attention(q, k, v, np.ones((2, 48), bool))
 
 
 def test_decode_attention_rejects_mismatched_shapes():
     q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
     with pytest.raises(ValueError, match=r"decode_attention: v is float32\[2, 2, 47, 64\], "
                                          r"expected float32\[2, 2, 48, 64\]"):
-        cpu_kernels.decode_attention(q, k, v[:, :, :47], np.ones((2, 48), bool))
+        attention_kernels.decode_attention(q, k, v[:, :, :47], np.ones((2, 48), bool))
     with pytest.raises(ValueError, match=r"mask is int32\[2, 48\], expected bool\[2, 48\]"):
-        cpu_kernels.decode_attention(q, k, v, np.ones((2, 48), np.int32))
+        attention_kernels.decode_attention(q, k, v, np.ones((2, 48), np.int32))
 
 
 def test_switch_turns_kernels_off(monkeypatch):
@@ -233,7 +235,7 @@ def test_switch_turns_kernels_off(monkeypatch):
     assert not cpu_kernels.enabled()
     q, k, v = _inputs(1, 1, 1, 16, 4, 1.0)
     with pytest.raises(RuntimeError, match="CPU kernels are not enabled"):
-        cpu_kernels.decode_attention(q, k, v, np.ones((1, 4), bool))
+        attention_kernels.decode_attention(q, k, v, np.ones((1, 4), bool))
 
 
 # Matmul shapes [I, O] the models run today: SmolLM2-135M (qkv, o, gate_up, down, LM
@@ -289,7 +291,7 @@ def test_packed_matmul_matches_reference(m, k, n, variant, monkeypatch, restore_
     rng = np.random.default_rng(m * n + k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = jnp.asarray((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)).astype(dtype)
-    packed = cpu_kernels.pack_weight(w)
+    packed = packed_kernels.pack_weight(w)
     width = cpu_kernels.panel_width()
     pairs = dtype == jnp.bfloat16
     assert packed.panels.shape == ((-(-n // width), -(-k // 2), 2 * width) if pairs
@@ -297,7 +299,7 @@ def test_packed_matmul_matches_reference(m, k, n, variant, monkeypatch, restore_
     assert packed.dtype == dtype and packed.shape == (k + (k % 2 if pairs else 0), n)
     np.testing.assert_array_equal(unpack_weight(packed)[:k], np.asarray(w.astype(jnp.float32)))
     # a new function per test: jit's cache would keep another variant's trace
-    out = jax.jit(lambda x, w: cpu_kernels.packed_matmul(x, w))(x, packed)
+    out = jax.jit(lambda x, w: packed_kernels.packed_matmul(x, w))(x, packed)
     assert out.shape == (m, n) and out.dtype == jnp.float32
     # outputs ~N(0, 1); float32 sums of up to 2048 products in another order than float64
     np.testing.assert_allclose(np.asarray(out), _expected(x, w, variant), atol=2e-5, rtol=0)
@@ -309,23 +311,23 @@ def test_packed_matmul_keeps_leading_axes_and_takes_columns(dtype):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 40)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((40, 130)).astype(np.float32)).astype(dtype)
-    packed = cpu_kernels.pack_weight(w)
-    out = np.asarray(cpu_kernels.packed_matmul(jnp.asarray(x), packed))
+    packed = packed_kernels.pack_weight(w)
+    out = np.asarray(packed_kernels.packed_matmul(jnp.asarray(x), packed))
     variant = "float32" if dtype == jnp.float32 else ("bf16-dot" if cpu_kernels.bf16_dot() else
                                                        "bf16-widen")
     np.testing.assert_allclose(out, _expected(x, w, variant), atol=2e-5 * np.sqrt(40), rtol=0)
     ids = np.array([[0, 47, 48], [129, 96, 5]])
-    columns = cpu_kernels.take_columns(packed, ids)
+    columns = packed_kernels.take_columns(packed, ids)
     assert columns.dtype == dtype
     np.testing.assert_array_equal(np.asarray(columns), np.moveaxis(np.asarray(w)[:, ids], 0, -1))
 
 
 def test_packed_matmul_and_pack_reject_bad_input():
-    packed = cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.float32))
+    packed = packed_kernels.pack_weight(jnp.ones((40, 50), jnp.float32))
     with pytest.raises(ValueError, match=r"packed_matmul: x is float32\[2, 39\], expected float\[..., 40\]"):
-        cpu_kernels.packed_matmul(jnp.ones((2, 39), jnp.float32), packed)
+        packed_kernels.packed_matmul(jnp.ones((2, 39), jnp.float32), packed)
     with pytest.raises(ValueError, match=r"expected a float32 or bfloat16 \[I, O\] matrix, got float16\[40, 50\]"):
-        cpu_kernels.pack_weight(jnp.ones((40, 50), jnp.float16))
+        packed_kernels.pack_weight(jnp.ones((40, 50), jnp.float16))
     with pytest.raises(ValueError, match=r"read_sum: expected a float32 vector, got float32\[2, 3\]"):
         cpu_kernels.read_sum(jnp.ones((2, 3), jnp.float32))
 
@@ -448,7 +450,7 @@ def test_bf16_dot_that_fails_its_probe_falls_back_to_widening(monkeypatch, resto
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 576)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((576, 96)) / 24, jnp.bfloat16)
-    out = np.asarray(jax.jit(lambda x, w: cpu_kernels.packed_matmul(x, w))(x, cpu_kernels.pack_weight(w)))
+    out = np.asarray(jax.jit(lambda x, w: packed_kernels.packed_matmul(x, w))(x, packed_kernels.pack_weight(w)))
     np.testing.assert_allclose(out, _expected(x, w, "bf16-widen"), atol=2e-5, rtol=0)
     # x was not rounded to bfloat16 (the dot product's result is ~1e-3 away)
     assert np.abs(out - _expected(x, w, "bf16-dot")).max() > 1e-4

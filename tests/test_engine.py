@@ -11,6 +11,7 @@ import pytest
 
 import reference
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.cache.kv import cache_nbytes, grow_cache, init_cache
 from jaxinfer.serving.buckets import cache_buckets
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
@@ -282,7 +283,7 @@ def test_prepared_params_give_the_same_logits(model):
     and three decode steps agree within 1e-5 (float32 summation order differs)."""
     config, np_params, params = model
     prepared = prepare_params(params, config)
-    packed = isinstance(prepared["lm_head"], cpu_kernels.PackedWeight)
+    packed = isinstance(prepared["lm_head"], packed_kernels.PackedWeight)
     assert packed == cpu_kernels.enabled()
     plain = lambda w: np.asarray(unpack_weight(w) if packed else w)
     assert prepare_params(prepared, config) is prepared

@@ -17,7 +17,7 @@ import reference
 from jaxinfer.cache import kv as kv_cache
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.engine import phases as engine
-from jaxinfer.cache.kv import init_cache, insert, resize, truncate
+from jaxinfer.cache.kv import init_cache, resize, truncate
 from jaxinfer.engine.phases import decode_step, extend, prefill
 from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
@@ -157,7 +157,7 @@ def _kernel_calls(params, config, cache, chunk, kernel="jaxinfer_chunk_attention
 
 @pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
 def test_prompts_and_long_chunks_attend_through_the_causal_kernel(model):
-    """Prefill attends through `cpu_kernels.causal_attention` on every layer
+    """Prefill attends through `kernels.attention.causal_attention` on every layer
     (the window applied on sliding ones). An `extend` chunk longer than
     CHUNK_KERNEL_TOKENS takes it on layers whose slot s holds position s:
     full layers, and a ring as long as the cache; a shorter ring keeps the
@@ -183,7 +183,7 @@ def test_prompts_and_long_chunks_attend_through_the_causal_kernel(model):
 @pytest.mark.parametrize("ring_extra", [0, 3])
 def test_chunk_kernel_serves_exact_layers_only(model, ring_extra):
     """Chunks of 4 across the window edge: full layers always write first
-    and attend through `cpu_kernels.chunk_attention`; a ring of W slots
+    and attend through `kernels.attention.chunk_attention`; a ring of W slots
     (ring_extra 0) would lose keys the chunk's first query still sees, so
     sliding layers keep the read-then-write XLA path there, and take the
     kernel once the ring has W + 3 slots. Logits equal the reference
@@ -224,33 +224,6 @@ def test_truncated_positions_are_never_visible(model):
     logits, cache = extend(params, cache, jnp.asarray(ids[None, 7:]), jnp.array([3], jnp.int32),
                            config=config, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits)[0], reference.forward(np_params, ids, config)[7:],
-                               atol=ATOL, rtol=0)
-
-
-def test_insert_copies_one_row_into_a_slot_of_another_size(model):
-    """A one-row cache (16 positions) inserted into slot 2 of a 4-row cache of
-    24 positions whose slot held another sequence: decoding the slot
-    continues the inserted sequence exactly, and the other rows are untouched."""
-    config, np_params, params = model
-    ids, other = _ids(9, config, seed=7), _ids(12, config, seed=8)
-    tokens = np.zeros((4, 16), np.int32)
-    tokens[:, :12] = other
-    _, dest = prefill(params, init_cache(config, 4, 24), jnp.asarray(tokens),
-                      jnp.full((4,), 12, jnp.int32), config=config)
-    one = np.zeros((1, 16), np.int32)
-    one[0, :8] = ids[:8]
-    _, src = prefill(params, init_cache(config, 1, 16), jnp.asarray(one), jnp.array([8], jnp.int32),
-                     config=config)
-    before = jax.tree_util.tree_map(np.array, dest)
-    dest = jax.jit(insert)(dest, src, jnp.int32(2))
-    assert np.asarray(dest.lengths).tolist() == [12, 12, 8, 12]
-    for old, kv in zip(before.layers, dest.layers):
-        for row in (0, 1, 3):
-            np.testing.assert_array_equal(np.asarray(kv.keys)[row], old.keys[row])
-    active = jnp.array([False, False, True, False])
-    step = jnp.array([0, 0, int(ids[8]), 0], jnp.int32)
-    logits, _ = decode_step(params, dest, step, active, config=config)
-    np.testing.assert_allclose(np.asarray(logits)[2], reference.forward(np_params, ids, config)[-1],
                                atol=ATOL, rtol=0)
 
 

@@ -14,6 +14,7 @@ import pytest
 from test_cpu_kernels import _masks, reference_attention
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import attention as attention_kernels
 from jaxinfer.cache import int8 as kv_quant
 from jaxinfer.kernels import quant as quant_kernels
 
@@ -85,7 +86,7 @@ def test_int8_kernel_matches_float_attention_on_dequantized_kv(b, kv_heads, g, h
     mask = jnp.asarray(_masks(b, s))  # prefix, ring with holes, one position, none
     out = np.asarray(jax.jit(quant_kernels.decode_attention_int8)(q, k, ks, v, vs, mask))
     keys, values = kv_quant.dequantize_kv(k, ks, axis=-2), kv_quant.dequantize_kv(v, vs, axis=-1)
-    float_kernel = np.asarray(cpu_kernels.decode_attention(q, keys, values, mask))
+    float_kernel = np.asarray(attention_kernels.decode_attention(q, keys, values, mask))
     np.testing.assert_allclose(out, float_kernel, atol=ATOL, rtol=0)
     np.testing.assert_allclose(out, reference_attention(q, keys, values, mask), atol=ATOL, rtol=0)
     if b > 3:

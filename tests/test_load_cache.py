@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.checkpoint import prepared as load_cache
 from jaxinfer.checkpoint.loading import load_params
 from tiny import tiny_llama_folder
@@ -57,7 +58,7 @@ def test_second_load_hits_and_is_bitwise_equal(cache_root, folder):
     assert_bitwise_equal(first, fresh)
     assert_bitwise_equal(second, fresh)
     if cpu_kernels.enabled():   # packed weights (a flax dataclass with a static field) survive
-        assert isinstance(second["lm_head"], cpu_kernels.PackedWeight)
+        assert isinstance(second["lm_head"], packed_kernels.PackedWeight)
         assert second["lm_head"].n == config.vocab_size
     [entry] = entries(cache_root)
     if jax.default_backend() == "cpu":   # zero-copy: every leaf lives in the mapped entry file
@@ -138,7 +139,7 @@ def test_dtype_packing_and_code_give_different_entries(cache_root, folder, monke
     path32 = load_cache.entry_path(root, folder, k32)
     assert load_cache.entry_path(root, folder, load_cache.cache_key(folder, jnp.bfloat16, False)) != path32
     assert load_cache.entry_path(root, folder, load_cache.cache_key(folder, jnp.float32, False)) != path32
-    monkeypatch.setattr(cpu_kernels, "PACK_VERSION", cpu_kernels.PACK_VERSION + 1)
+    monkeypatch.setattr(packed_kernels, "PACK_VERSION", packed_kernels.PACK_VERSION + 1)
     assert load_cache.entry_path(root, folder, load_cache.cache_key(folder, jnp.float32, True)) != path32
     monkeypatch.undo()
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(root))
@@ -179,7 +180,7 @@ def test_changed_source_is_a_miss(cache_root, folder):
 def test_any_pytree_round_trips(tmp_path):
     """Quantized layouts: int8 arrays, scales, nested tuples, None, dataclass static fields."""
     width = 48  # a panel width; the tree is only stored and read back, never multiplied
-    packed = cpu_kernels.PackedWeight(jnp.arange(2 * 3 * width, dtype=jnp.float32)
+    packed = packed_kernels.PackedWeight(jnp.arange(2 * 3 * width, dtype=jnp.float32)
                                       .reshape(2, 3, width), 60)
     tree = {"layers": ({"w": jnp.array([[1, -2], [3, 4]], jnp.int8), "scale": jnp.ones(2, jnp.bfloat16),
                         "packed": packed, "none": None},),

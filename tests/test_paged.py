@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import attention as attention_kernels
 from jaxinfer.cache.kv import init_cache, init_paged_cache, pages_per_seq
 from jaxinfer.engine.phases import extend, prefill
 from jaxinfer.serving.llm import LLM
@@ -141,7 +142,7 @@ def test_reused_pages_never_expose_the_previous_owner(kernels):
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_paged_kernel_matches_dense_kernel(page_size):
-    """`cpu_kernels.paged_decode_attention` reading shuffled pages in place
+    """`attention_kernels.paged_decode_attention` reading shuffled pages in place
     equals `decode_attention` on the rows gathered from them (2e-6, outputs
     ~1), with spans that start and end inside pages, a row that sees nothing,
     and block-table entries past a row's span that name no page (P)."""
@@ -161,8 +162,8 @@ def test_paged_kernel_matches_dense_kernel(page_size):
     table[1, pages_per_seq(max(2, s // 2), page_size):] = p   # no page beyond the span
     gathered_k = k_pages[table.clip(0, p - 1)].transpose(0, 2, 3, 1, 4).reshape(b, k, h, s)
     gathered_v = v_pages[table.clip(0, p - 1)].transpose(0, 2, 1, 3, 4).reshape(b, k, s, h)
-    paged = cpu_kernels.paged_decode_attention(*map(jnp.asarray, (q, k_pages, v_pages, table, mask)))
-    dense = cpu_kernels.decode_attention(*map(jnp.asarray, (q, gathered_k, gathered_v, mask)))
+    paged = attention_kernels.paged_decode_attention(*map(jnp.asarray, (q, k_pages, v_pages, table, mask)))
+    dense = attention_kernels.decode_attention(*map(jnp.asarray, (q, gathered_k, gathered_v, mask)))
     np.testing.assert_allclose(np.asarray(paged), np.asarray(dense), atol=2e-6, rtol=0)
     assert not np.asarray(paged)[2].any()                # row 2 sees nothing: zeros
 

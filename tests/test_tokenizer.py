@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.tokenizer.gguf import read_gguf_tokenizer_scalars
-from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 try:
     from hypothesis import HealthCheck, given, settings

@@ -22,14 +22,14 @@ prepared params depend on:
 * the source: each file's name, size and sha256 (the .gguf, or a Hugging Face
   folder's .json and .safetensors files);
 * the dtype, and the kernel packing: whether weights are packed, and
-  `cpu_kernels.PACK_VERSION` / `cpu_kernels.PANEL`;
+  `kernels.packed.PACK_VERSION` / the build's panel width;
 * the layout: a digest of the source code of the modules that produce the
   params (`PRODUCER_MODULES`), so a changed conversion, layout or packing never
   reuses an old entry, plus the jax, numpy and gguf versions and this module's
   `FORMAT_VERSION`.
 
 Any pytree works (dicts, tuples, lists, None, and `flax.struct` dataclasses
-such as `cpu_kernels.PackedWeight`, with their static fields): the file holds
+such as `packed_kernels.PackedWeight`, with their static fields): the file holds
 the array leaves under their tree paths, and the header holds a JSON
 description of the tree (containers, dataclass types, static field values)
 plus the leaves' shapes and dtypes. On read every one of these is checked;
@@ -63,6 +63,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.progress import Progress
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.checkpoint.sources import file_sha256
 from jaxinfer.config import cache_dir
 
@@ -70,7 +71,8 @@ FORMAT_VERSION = 2   # 2: tensors 64-byte aligned (mapped without a copy)
 SWITCH = "JAXINFER_LOAD_CACHE"     # "0" turns the load cache off
 # Modules whose code decides the prepared params' values or layout. A module
 # added to that path (e.g. a quantizer prepare_params calls) belongs here.
-PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.config",
+PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.kernels.packed",
+                    "jaxinfer.config", "jaxinfer.config.model",
                     "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
                     "jaxinfer.checkpoint.gguf_blocks", "jaxinfer.checkpoint.safetensors",
                     "jaxinfer.weights.quant", "jaxinfer.models.base", "jaxinfer.models.hf_keys",
@@ -144,7 +146,7 @@ def cache_key(path: pathlib.Path, dtype, pack: bool, weights: str = "float32") -
         "format": FORMAT_VERSION,
         "sources": [[p.name, p.stat().st_size, file_sha256(p)] for p in source_files(path)],
         "dtype": jnp.dtype(dtype).name,
-        "pack": bool(pack), "weights": weights, "pack_version": cpu_kernels.PACK_VERSION,
+        "pack": bool(pack), "weights": weights, "pack_version": packed_kernels.PACK_VERSION,
         "panel": cpu_kernels.panel_width() if pack and cpu_kernels.enabled() else 0,
         "code": code_digest(),
         "versions": {"jax": jax.__version__, "numpy": np.__version__, "gguf": gguf_version},

@@ -24,13 +24,13 @@ Three attention implementations serve it, chosen from static shapes:
     sliding layers the ring is read before it is overwritten, so a chunk that
     crosses the window edge (or is longer than the window) stays exact.
     Chunks of up to CHUNK_KERNEL_TOKENS on CPU write first and attend per
-    query through `cpu_kernels.chunk_attention` instead, on the layers where
+    query through `attention_kernels.chunk_attention` instead, on the layers where
     writing first is exact (full layers; rings of at least W + C - 1 slots,
     as speculative decoding's W + k); longer chunks write first and attend
-    through `cpu_kernels.causal_attention` on layers whose slot s holds
+    through `attention_kernels.causal_attention` on layers whose slot s holds
     position s (full layers; rings as long as the cache).
   * `prefill`, a chunk on an empty cache: [T, T] causal scores only, through
-    `cpu_kernels.causal_attention` (flash-style) on CPU, else on XLA with
+    `attention_kernels.causal_attention` (flash-style) on CPU, else on XLA with
     long prompts in blocks of query rows (`query_blocks`); RoPE tables as
     compile-time constants.
 
@@ -50,6 +50,7 @@ import numpy as np
 
 from jaxinfer.cache import kv as kv_cache
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import attention as attention_kernels
 from jaxinfer.cache.kv import KVCache, LayerKV
 from jaxinfer.engine.forward import Attend, logits_at as _logits, run_layers
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
@@ -80,7 +81,7 @@ def _heads_major(v: jax.Array) -> jax.Array:
 
 
 # Chunks of up to CHUNK_KERNEL_TOKENS new tokens per row attend through
-# `cpu_kernels.chunk_attention` where it applies (verification blocks, short
+# `attention_kernels.chunk_attention` where it applies (verification blocks, short
 # pieces); XLA:CPU's batched dots over the cached keys cost more than the
 # whole decode step at these shapes (benchmarks/README.md).
 CHUNK_KERNEL_TOKENS = 16
@@ -129,10 +130,10 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
 
     Kernel paths: the chunk's K/V are written first. A short chunk
     (`_chunk_kernel_applies`) then attends per query over the whole buffer
-    under its own mask (`cpu_kernels.chunk_attention`), as a decode step
+    under its own mask (`attention_kernels.chunk_attention`), as a decode step
     does for one token; a longer one on a layer whose slot s holds position
     s (`_causal_chunk_applies`) attends flash-style by position
-    (`cpu_kernels.causal_attention`, the kernel prefill uses)."""
+    (`attention_kernels.causal_attention`, the kernel prefill uses)."""
     new_pos = jnp.where(valid, positions, -1)
     seen = lambda t: kv_cache.visible(kv_cache.key_positions(cache, t), positions, t, cache.window)
     masks = {layer_type: (seen(layer_type),
@@ -146,12 +147,12 @@ def _chunk_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     def attend(layer_type, q, k, v, kv):
         if _chunk_kernel_applies(config, cache, layer_type, q.shape[1], q.dtype, kv):
             kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
-            out = cpu_kernels.chunk_attention(group_heads(q, k.shape[2]), kv.keys, kv.values,
+            out = attention_kernels.chunk_attention(group_heads(q, k.shape[2]), kv.keys, kv.values,
                                               written(layer_type))
             return ungroup_heads(out), kv
         if _causal_chunk_applies(config, cache, layer_type, q.dtype, kv):
             kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
-            out = cpu_kernels.causal_attention(
+            out = attention_kernels.causal_attention(
                 group_heads(q, k.shape[2]), kv.keys, kv.values, cache.lengths, counts,
                 cache.window if layer_type == SLIDING_ATTENTION else None)
             return ungroup_heads(out), kv
@@ -174,7 +175,7 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     """One new token per row: its K/V are written first (inactive rows write
     nothing), then its query attends [1, t] over the layer's whole buffer,
     which now holds its own key too. On CPU the attention runs in
-    `cpu_kernels.decode_attention` where it applies (float32 K/V, no
+    `attention_kernels.decode_attention` where it applies (float32 K/V, no
     soft-cap); an int8 cache's in `cache.int8.decode_attention_int8`."""
     after = kv_cache.advance(cache, cache.layers, positions, valid)
     seen = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t, cache.window)
@@ -193,7 +194,7 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
             return ungroup_heads(out[:, :, None].astype(q.dtype)), kv
         if use_kernel and f32:
             qg = group_heads(q, view.keys.shape[1])[:, :, 0]
-            out = cpu_kernels.decode_attention(qg, view.keys, view.values, masks[layer_type][:, 0])
+            out = attention_kernels.decode_attention(qg, view.keys, view.values, masks[layer_type][:, 0])
             return ungroup_heads(out[:, :, None]), kv
         keys, values = view.dequantized()
         out = _grouped_attention(group_heads(q, keys.shape[1]), keys.astype(q.dtype),
@@ -275,7 +276,7 @@ FLASH_PROMPT = 1024
 
 
 def _causal_kernel_applies(config: ModelConfig, q: jax.Array) -> bool:
-    """The C++ causal kernel (`cpu_kernels.causal_attention`) serves this
+    """The C++ causal kernel (`attention_kernels.causal_attention`) serves this
     prompt's attention: CPU kernels on, float32 queries, no soft-cap."""
     return not config.attn_logit_softcapping and q.dtype == jnp.float32 and cpu_kernels.enabled()
 
@@ -297,7 +298,7 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     the row's pages.
 
     On CPU with the kernels on (`_causal_kernel_applies`: float32, no
-    soft-cap) every prompt attends through `cpu_kernels.causal_attention`:
+    soft-cap) every prompt attends through `attention_kernels.causal_attention`:
     flash-style, register-blocked, O(block) scores per unit, key blocks
     outside the causal band (and the window) never read. Otherwise (XLA):
     long prompts attend block by block (`query_blocks`): the rows of block
@@ -315,7 +316,7 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     def attend(layer_type, q, k, v, kv):
         keys, values, qg = _keys_minor(k), _heads_major(v), group_heads(q, k.shape[2])
         if _causal_kernel_applies(config, q):
-            out = ungroup_heads(cpu_kernels.causal_attention(
+            out = ungroup_heads(attention_kernels.causal_attention(
                 qg, keys, values, jnp.zeros_like(counts), counts,
                 window if layer_type == SLIDING_ATTENTION else None))
         elif t >= FLASH_PROMPT:

@@ -1,22 +1,12 @@
-"""Native CPU kernels, called from jit code through the XLA FFI.
+"""Native CPU kernels, called from jit code through the XLA FFI: the C++
+library they live in.
 
-- `decode_attention`: XLA:CPU runs decode attention (`nn.attention_scores`
-  -> `masked_softmax` -> `attention_output` at T = 1) as separate fusions that
-  read each layer's K/V buffers well below the machine's memory bandwidth,
-  one of them on a single core. The kernel does the same math in one pass
-  over K and V per (row, kv head).
-- `chunk_attention`: T new tokens per row, each with its own mask, over
-  the row's buffer (an `extend` chunk such as k drafted tokens to verify).
-- `causal_attention`: a prompt's queries over its own keys (prefill), or a
-  chunk's over a full layer's buffer, flash-style: register-blocked products
-  over key blocks with an online softmax, key blocks nobody sees skipped.
-- `paged_decode_attention`: the same over a paged KV cache, reading each
-  row's pages in place through its block table.
-- `packed_matmul`: x @ W with W packed once (`pack_weight`) into column
-  panels that stream sequentially, faster than XLA:CPU's dots at the decode
-  shapes (benchmarks/README.md has the measurements).
+This module builds, loads and switches them; the wrappers are
+`kernels.attention` (decode, chunk, causal and paged decode attention),
+`kernels.ragged` (the serving step's ragged paged attention) and
+`kernels.packed` (the packed matmul).
 
-Both split their work across XLA's intra-op thread pool
+Every kernel splits its work across XLA's intra-op thread pool
 (`jaxinfer/kernels/*.cc`, every source compiled into one library). They are
 C++ built on first use with the host compiler (`$CXX`, else `c++`, `g++` or
 `clang++`; `-O3 -march=native`) against the FFI headers that ship with
@@ -49,20 +39,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import struct
 from jaxinfer.config import cache_dir
-from jaxinfer.nn import blocked_attention
 
 SWITCH = "JAXINFER_CPU_KERNELS"  # "0" keeps every phase on XLA's own kernels
 REBUILD = "JAXINFER_REBUILD_KERNELS"  # "1" retries a build that failed before
 ARCH = "JAXINFER_KERNEL_ARCH"  # the -march the library targets (default "native")
 BF16_DOT = "JAXINFER_BF16_DOT"  # "0" widens bfloat16 weights even where VDPBF16PS runs
 SOURCE_DIR = pathlib.Path(__file__).parent
-# Version of the PackedWeight layout `pack_weight` writes; part of the load
-# cache's key (jaxinfer/checkpoint/prepared.py, with the build's panel width): bump it
-# whenever packing changes.
-PACK_VERSION = 1
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_paged_decode_attention": "JaxinferPagedDecodeAttention",
             "jaxinfer_chunk_attention": "JaxinferChunkAttention",
@@ -274,143 +257,6 @@ def enabled() -> bool:
             and (mesh.empty or mesh.size == 1) and hasattr(jax, "ffi") and _load())
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """One query token per row attends over its K/V cache buffer (GQA).
-
-    Same function as `nn.attention_scores` (no soft-cap) ->
-    `nn.masked_softmax` -> `nn.attention_output` at T = 1, including
-    all-zero output for a row that sees no position.
-
-    Args:
-      q: float32 [B, K, G, H], grouped queries already multiplied by the query
-        scale (query head k*G + g reads kv head k).
-      k: float32 [B, K, H, S], keys (positions minor, the KV-cache layout).
-      v: float32 [B, K, S, H], values.
-      mask: bool [B, S], True where the row may attend.
-    Returns:
-      float32 [B, K, G, H].
-    Raises:
-      ValueError: shapes or dtypes that do not match the above (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-    """
-    b, kv_heads, g, h = q.shape
-    s = k.shape[-1]
-    expected = {"q": (q, (b, kv_heads, g, h), jnp.float32), "k": (k, (b, kv_heads, h, s), jnp.float32),
-                "v": (v, (b, kv_heads, s, h), jnp.float32), "mask": (mask, (b, s), jnp.bool_)}
-    check_operands("decode_attention", expected)
-    _require_enabled()
-    return jax.ffi.ffi_call("jaxinfer_decode_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, mask)
-
-
-def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """T query tokens per row attend over the row's K/V buffer, each under
-    its own mask row: `decode_attention` per (row, query token).
-
-    Same function as `nn.attention_scores` (no soft-cap) ->
-    `nn.masked_softmax` -> `nn.attention_output` over the buffer,
-    all-zero output for a query that sees no position. The chunk's own keys
-    must already be in the buffer (the caller writes them first).
-
-    Args:
-      q: float32 [B, K, T, G, H], grouped queries already multiplied by the
-        query scale (query head k*G + g reads kv head k).
-      k: float32 [B, K, H, S]; v: float32 [B, K, S, H].
-      mask: bool [B, T, S], True where query t of the row may attend.
-    Returns:
-      float32 [B, K, T, G, H].
-    Raises:
-      ValueError: shapes or dtypes that do not match the above (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-    """
-    b, kv_heads, t, g, h = q.shape
-    s = k.shape[-1]
-    expected = {"q": (q, (b, kv_heads, t, g, h), jnp.float32),
-                "k": (k, (b, kv_heads, h, s), jnp.float32),
-                "v": (v, (b, kv_heads, s, h), jnp.float32), "mask": (mask, (b, t, s), jnp.bool_)}
-    check_operands("chunk_attention", expected)
-    _require_enabled()
-    return jax.ffi.ffi_call("jaxinfer_chunk_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, v, mask)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,
-                     counts: jax.Array, window: int | None = None) -> jax.Array:
-    """Causal attention by position, flash-style (online softmax over key
-    blocks; Dao et al. 2022, arXiv:2205.14135): a prompt's queries over its
-    own keys (prefill), or a chunk's over a full layer's buffer that already
-    holds the chunk's keys.
-
-    Key slot s holds position s. Query t of row b (t < counts[b]) sits at
-    position p = starts[b] + t and sees slots [p - window + 1, p] (all of
-    [0, p] without a window); queries t >= counts[b] output zeros. The same
-    function as `nn.attention_scores` (no soft-cap) ->
-    `nn.masked_softmax` (mask from `nn.visible_keys`) ->
-    `nn.attention_output`, up to float32 rounding; memory O(block) per
-    unit, key blocks no query of a unit sees are never read. Differentiable:
-    the backward pass is `causal_attention_xla`'s (the same function on XLA).
-
-    Args:
-      q: float32 [B, K, T, G, H], grouped queries already multiplied by the
-        query scale.
-      k: float32 [B, K, H, S]; v: float32 [B, K, S, H].
-      starts, counts: int32 [B], with 0 <= counts[b] <= T and
-        starts[b] + counts[b] <= S (checked in the kernel: a row that breaks
-        this fails the call with an XLA error, nothing is clamped).
-      window: None, or the sliding window W >= 1.
-    Returns:
-      float32 [B, K, T, G, H].
-    Raises:
-      ValueError: shapes or dtypes that do not match the above, or a window
-        below 1 (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-    """
-    b, kv_heads, t, g, h = q.shape
-    s = k.shape[-1]
-    expected = {"q": (q, (b, kv_heads, t, g, h), jnp.float32),
-                "k": (k, (b, kv_heads, h, s), jnp.float32),
-                "v": (v, (b, kv_heads, s, h), jnp.float32),
-                "starts": (starts, (b,), jnp.int32), "counts": (counts, (b,), jnp.int32)}
-    check_operands("causal_attention", expected)
-    if window is not None and window < 1:
-        raise ValueError(f"causal_attention: window={window} must be None or >= 1")
-    _require_enabled()
-    return _causal_attention(q, k, v, starts, counts, window)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _causal_attention(q, k, v, starts, counts, window):
-    return jax.ffi.ffi_call("jaxinfer_causal_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k, v, starts, counts, window=np.int64(window or 0))
-
-
-def causal_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,
-                         counts: jax.Array, window: int | None = None) -> jax.Array:
-    """`causal_attention`'s function in pure JAX (`nn.blocked_attention`
-    with the positions it implies); differentiable, and the kernel's
-    backward pass."""
-
-    t, s = q.shape[2], k.shape[-1]
-    q_pos = jnp.arange(t, dtype=jnp.int32)[None] + starts[:, None]
-    q_pos = jnp.where(jnp.arange(t)[None] < counts[:, None], q_pos, -1)
-    k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (q.shape[0], s))
-    return blocked_attention(q, k, v, q_pos, k_pos, window)
-
-
-def _causal_attention_fwd(q, k, v, starts, counts, window):
-    return _causal_attention(q, k, v, starts, counts, window), (q, k, v, starts, counts)
-
-
-def _causal_attention_bwd(window, residuals, grad):
-    q, k, v, starts, counts = residuals
-    _, vjp = jax.vjp(lambda q, k, v: causal_attention_xla(q, k, v, starts, counts, window), q, k, v)
-    return (*vjp(grad), None, None)
-
-
-_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
-
-
 def check_operands(fn: str, expected: dict) -> None:
     """Raise ValueError naming the first operand whose shape or dtype is not
     the expected one; `expected` maps name -> (array, shape, dtype)."""
@@ -420,136 +266,9 @@ def check_operands(fn: str, expected: dict) -> None:
                              f"expected {jnp.dtype(dtype)}{list(shape)}")
 
 
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           block_tables: jax.Array, mask: jax.Array) -> jax.Array:
-    """`decode_attention` over a paged cache: row b's position p is stored in
-    page block_tables[b, p // page_size] at offset p % page_size, and the
-    kernel reads the pages overlapping the row's visible span in place (no
-    gathered copy of the context). Same function as `decode_attention` on
-    the gathered rows (`cache.layer_view`).
-
-    Args:
-      q: float32 [B, K, G, H], grouped queries already multiplied by the query scale.
-      k_pages: float32 [P, K, H, page_size], the key pool (positions minor).
-      v_pages: float32 [P, K, page_size, H], the value pool.
-      block_tables: int32 [B, M]; the entries of pages holding a visible
-        position must be in [0, P) (others are never read).
-      mask: bool [B, M * page_size], True where the row may attend (index p = position p).
-    Returns:
-      float32 [B, K, G, H].
-    Raises:
-      ValueError: shapes or dtypes that do not match the above (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-      XlaRuntimeError (when run): a visible position's block-table entry outside [0, P).
-    """
-    b, kv_heads, g, h = q.shape
-    p, ps = k_pages.shape[0], k_pages.shape[-1]
-    m = block_tables.shape[-1]
-    expected = {"q": (q, (b, kv_heads, g, h), jnp.float32),
-                "k_pages": (k_pages, (p, kv_heads, h, ps), jnp.float32),
-                "v_pages": (v_pages, (p, kv_heads, ps, h), jnp.float32),
-                "block_tables": (block_tables, (b, m), jnp.int32),
-                "mask": (mask, (b, m * ps), jnp.bool_)}
-    check_operands("paged_decode_attention", expected)
-    _require_enabled()
-    return jax.ffi.ffi_call("jaxinfer_paged_decode_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_pages, v_pages, block_tables, mask)
-
-
 def _require_enabled():
     if not enabled():
         raise RuntimeError("jaxinfer CPU kernels are not enabled (see cpu_kernels.enabled)")
-
-
-@struct.dataclass
-class PackedWeight:
-    """A weight W [I, O] (float32 or bfloat16) as column panels for `packed_matmul`.
-
-    Attributes:
-      panels: float32 [ceil(O / P), I, P] with panels[p, i, j] = W[i, p*P + j];
-        or bfloat16 [ceil(O / P), ceil(I / 2), 2P] with panels[p, i, 2j + e] =
-        W[2i + e, p*P + j] (input rows in pairs, as VDPBF16PS reads them);
-        zero past column O (and past row I). P = `panel_width()`.
-      n: O, the number of output columns (static).
-    """
-
-    panels: jax.Array
-    n: int = struct.field(pytree_node=False)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(I, O), the shape of the unpacked weight (I rounded up to even for bfloat16)."""
-        rows = self.panels.shape[1] * (2 if self.dtype == jnp.bfloat16 else 1)
-        return (rows, self.n)
-
-    @property
-    def dtype(self):
-        return self.panels.dtype
-
-
-def pack_weight(w: jax.Array) -> PackedWeight:
-    """Pack W [I, O] (float32 or bfloat16, kept as is) into `PackedWeight`
-    panels (a copy, done once at load).
-
-    Raises:
-      ValueError: w is not a float32 or bfloat16 matrix.
-      RuntimeError: the kernels are not `enabled()` (the panel width is the build's).
-    """
-    if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"pack_weight: expected a float32 or bfloat16 [I, O] matrix, got "
-                         f"{w.dtype}{list(w.shape)}")
-    width = panel_width()
-    rows, cols = w.shape
-    p = -(-cols // width)
-    if w.dtype == jnp.float32:
-        panels = jnp.pad(w, ((0, 0), (0, p * width - cols))).reshape(rows, p, width)
-        return PackedWeight(panels.transpose(1, 0, 2), cols)
-    pairs = -(-rows // 2)
-    padded = jnp.pad(w, ((0, 2 * pairs - rows), (0, p * width - cols)))
-    panels = padded.reshape(pairs, 2, p, width).transpose(2, 0, 3, 1)  # [P, I/2, width, 2]
-    return PackedWeight(panels.reshape(p, pairs, 2 * width), cols)
-
-
-def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x @ W for x [..., I] (any float dtype, read as float32) and a packed
-    W [I, O] -> float32 [..., O], accumulated in float32.
-
-    float32 panels: float32 products. bfloat16 panels: VDPBF16PS products of
-    x rounded to bfloat16 where `bf16_dot()`, else W widened to float32 and
-    x as is.
-
-    Raises:
-      ValueError: x's last axis is not I (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-    """
-    rows, n = w.shape
-    k = x.shape[-1]
-    bf16 = w.dtype == jnp.bfloat16
-    if not jnp.issubdtype(x.dtype, jnp.floating) or not (k == rows or (bf16 and k == rows - 1)):
-        raise ValueError(f"packed_matmul: x is {x.dtype}{list(x.shape)}, expected float[..., {rows}]")
-    _require_enabled()
-    flat = x.reshape(-1, k).astype(jnp.float32)
-    result = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
-    if bf16:
-        out = jax.ffi.ffi_call("jaxinfer_packed_matmul_bf16", result)(
-            flat, w.panels, dot=np.int32(bf16_dot()))
-    else:
-        out = jax.ffi.ffi_call("jaxinfer_packed_matmul", result)(flat, w.panels)
-    return out.reshape(*x.shape[:-1], n)
-
-
-def take_columns(w: PackedWeight, ids: jax.Array) -> jax.Array:
-    """Columns W[:, ids] of a packed W [I, O], as rows [..., I] in W's dtype
-    (a tied model's embedding lookup from its packed LM head). ids must be in
-    [0, O)."""
-    width = w.panels.shape[-1] // (2 if w.dtype == jnp.bfloat16 else 1)
-    if w.dtype != jnp.bfloat16:
-        return w.panels[ids // width, :, ids % width]
-    ids = jnp.asarray(ids)
-    col = 2 * (ids % width)[..., None] + jnp.arange(2)
-    pairs = w.panels[(ids // width)[..., None], :, col]  # [..., 2, I/2]
-    return jnp.swapaxes(pairs, -1, -2).reshape(*ids.shape, -1)
 
 
 def read_sum(x: jax.Array) -> jax.Array:

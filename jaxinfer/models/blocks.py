@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels.cpu import PackedWeight, take_columns
+from jaxinfer.kernels.packed import PackedWeight, take_columns
 from jaxinfer.nn.norm import rms_norm
 from jaxinfer.nn.rope import apply_rope
 from jaxinfer.weights import quant

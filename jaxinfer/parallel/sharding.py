@@ -56,6 +56,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.engine import phases as engine
 from jaxinfer.cache.kv import KVCache, LayerKV
 from jaxinfer.config import ModelConfig
@@ -200,12 +201,12 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh,
       [D, tp, ...] fused columns where split); run them with
       `plan.model_config(config)`.
     Raises:
-      ValueError: params packed for the CPU kernels (`cpu_kernels.PackedWeight`).
+      ValueError: params packed for the CPU kernels (`packed_kernels.PackedWeight`).
     """
     plan = plan or mesh_plan(config, mesh)
     params = prepare_params(params, config, pack=False)
-    if any(isinstance(x, cpu_kernels.PackedWeight)
-           for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, cpu_kernels.PackedWeight))):
+    if any(isinstance(x, packed_kernels.PackedWeight)
+           for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, packed_kernels.PackedWeight))):
         raise ValueError("shard_params needs unpacked params: load raw params or prepare them with "
                          "prepare_params(..., pack=False)")
     tp = plan.tp

@@ -39,7 +39,7 @@ from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative import SpecConfig
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.stats import RunStats
-from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
+from jaxinfer.tokenizer import IncrementalDetokenizer
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kernels.cpu import PackedWeight, packed_matmul
+from jaxinfer.kernels.packed import PackedWeight, packed_matmul
 from jaxinfer.weights import quant
 from jaxinfer.weights.quant import QuantizedWeight
 
@@ -18,7 +18,7 @@ def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
     if given, else x's dtype.
 
     A `PackedWeight` (float32 or bfloat16 panels on CPU, see
-    `params.prepare_params`) goes through `cpu_kernels.packed_matmul`, a
+    `params.prepare_params`) goes through `kernels.packed.packed_matmul`, a
     `QuantizedWeight` (int8, 4-bit or bfloat16 codes) through `quant.matmul`;
     both accumulate in float32."""
     if isinstance(w, PackedWeight):

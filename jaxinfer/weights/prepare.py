@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.weights import quant
 from jaxinfer.config import ModelConfig
 
@@ -37,8 +38,8 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
 
     With `pack` (default: where `cpu_kernels.enabled()` and the weights
     are float32 or bfloat16), the four projections and the LM head become
-    `cpu_kernels.PackedWeight` column panels (o_proj as [N*H, D]) for
-    `cpu_kernels.packed_matmul`. The jitted phases prepare raw params
+    `packed_kernels.PackedWeight` column panels (o_proj as [N*H, D]) for
+    `packed_kernels.packed_matmul`. The jitted phases prepare raw params
     without packing, so they stay differentiable (the toy trainer
     differentiates `prefill`; FFI calls have no gradient).
 
@@ -115,14 +116,14 @@ _MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _pack_matmul_weights(params: dict) -> dict:
-    """Prepared params with every matmul weight as a `cpu_kernels.PackedWeight`."""
+    """Prepared params with every matmul weight as a `packed_kernels.PackedWeight`."""
     def pack(p):
         p = dict(p, o_proj=p["o_proj"].reshape(-1, p["o_proj"].shape[-1]))
-        return {name: cpu_kernels.pack_weight(w) if name in _MATMUL_WEIGHTS else w
+        return {name: packed_kernels.pack_weight(w) if name in _MATMUL_WEIGHTS else w
                 for name, w in p.items()}
 
     return dict(params, layers=tuple(pack(p) for p in params["layers"]),
-                lm_head=cpu_kernels.pack_weight(params["lm_head"]))
+                lm_head=packed_kernels.pack_weight(params["lm_head"]))
 
 
 def _concat_columns(parts: list, d: int):

@@ -19,7 +19,7 @@ formats, a min:
 
 `BlockCodes` holds such a weight on the host, unpacked ([K, N] codes);
 `pack` turns it into a `QuantizedWeight`: column panels of 48 like
-`cpu_kernels.PackedWeight`, which `matmul` multiplies with the CPU kernel
+`kernels.packed.PackedWeight`, which `matmul` multiplies with the CPU kernel
 (`quant_kernels.quant_matmul`, dequantizing in registers) or, where the
 kernels are off, with XLA after `dequantize` inside the jitted phase (one
 weight at a time, nothing float32 kept). GGUF block layouts: ggml's
@@ -201,7 +201,7 @@ def quantize_q4(w: np.ndarray, bs: int = 32) -> BlockCodes:
 
 @struct.dataclass
 class QuantizedWeight:
-    """A weight W [K, N] in column panels of 48 (the layout of `cpu_kernels.PackedWeight`).
+    """A weight W [K, N] in column panels of 48 (the layout of `kernels.packed.PackedWeight`).
 
     Attributes:
       codes: "int8": int8 [P, K, 48]; "q4": uint8 [P, K/2, 48], byte (i, j)

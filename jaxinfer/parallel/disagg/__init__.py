@@ -19,7 +19,7 @@ from __future__ import annotations
 from jaxinfer.parallel.disagg.scheduler import DisaggScheduler, FailedOutput, PrefillResult
 from jaxinfer.parallel.disagg.transfer import LocalTransport, PullTransport, Ticket, TransferError
 from jaxinfer.parallel.sharding import kv_heads_for
-from jaxinfer.tokenizer.tokenizer import IncrementalDetokenizer
+from jaxinfer.tokenizer import IncrementalDetokenizer
 
 
 def make_scheduler(decode_llm, client, max_num_seqs=None, **kwargs) -> DisaggScheduler:

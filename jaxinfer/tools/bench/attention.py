@@ -1,5 +1,5 @@
 """Micro-benchmark: `layers.blocked_attention` and, where the CPU kernels run,
-`cpu_kernels.causal_attention` (what prefill uses on CPU) against dense
+`attention_kernels.causal_attention` (what prefill uses on CPU) against dense
 masked attention on one causal prompt, at SmolLM2's head shapes by default
 (9 query heads, 3 kv heads, head_dim 64), one layer.
 
@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import attention as attention_kernels
 from jaxinfer import nn as layers
 from jaxinfer.tools.bench.common import loadavg
 
@@ -65,7 +66,7 @@ def compare(t: int, batch: int = 1, num_heads: int = 9, num_kv_heads: int = 3, h
     kernel_s = None
     if cpu_kernels.enabled():
         lengths = jnp.full((batch,), t, jnp.int32)
-        kernel_s = _best_seconds(jax.jit(lambda qg, k, v, n: cpu_kernels.causal_attention(
+        kernel_s = _best_seconds(jax.jit(lambda qg, k, v, n: attention_kernels.causal_attention(
             qg, k, v, jnp.zeros_like(n), n, window)), (qg, k, v, lengths), repeats)
     pairs = sum(min(p + 1, window or p + 1) for p in range(t))   # visible (query, key) pairs
     qb, kb = min(block, t), min(block, t)

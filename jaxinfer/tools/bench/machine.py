@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.tools.bench.common import run_worker
 
 # /proc/cpuinfo flags worth reporting: what the kernels, XLA, oneDNN and llama.cpp may use.
@@ -107,7 +108,7 @@ def _shapes(n: int, model_shape: Optional[tuple]) -> dict:
 
 def measure_matmul(n: int = 2048, repeats: int = 5, model_shape: Optional[tuple] = None) -> dict:
     """Achievable float32 matmul FLOP/s in this process: XLA's `jnp.matmul`
-    and, where enabled, `cpu_kernels.packed_matmul` (weights packed before
+    and, where enabled, `packed_kernels.packed_matmul` (weights packed before
     timing, as at load), on an [n, n] x [n, n] product (2 n^3 FLOPs) and
     optionally a model-shaped [M, D] x [D, F] one; best of `repeats` each.
 
@@ -125,8 +126,8 @@ def measure_matmul(n: int = 2048, repeats: int = 5, model_shape: Optional[tuple]
         out[f"xla_{name}"] = 2 * m * k * f / _best_seconds(jax.jit(jnp.matmul), a, b,
                                                          repeats=repeats) / 1e9
         if cpu_kernels.enabled():
-            packed = cpu_kernels.pack_weight(b)
-            t = _best_seconds(jax.jit(cpu_kernels.packed_matmul), a, packed, repeats=repeats)
+            packed = packed_kernels.pack_weight(b)
+            t = _best_seconds(jax.jit(packed_kernels.packed_matmul), a, packed, repeats=repeats)
             out[f"packed_{name}"] = 2 * m * k * f / t / 1e9
     return {"peak_flops": max(out.values()) * 1e9, "kernels": out}
 
