@@ -45,8 +45,9 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
                          f"and {max_request_bytes}")
     scheduler = llm.scheduler(max_num_seqs, decode_chunk=1)
     if warmup:
-        seconds, n = warm_up(llm, scheduler)
-        log(f"warm-up: {n} programs compiled ahead of time, {seconds:.1f} s")
+        seconds, n = warm_up(llm, scheduler, log=log)
+        log(f"ready after {seconds:.1f} s: {n} programs compiled now, the other token buckets "
+            "compile in the background")
     engine = EngineThread(scheduler, max_waiting_requests=max_waiting_requests)
     return build_engine_server(llm, engine, model_name=model_name, defaults=defaults,
                                api_key=api_key, max_request_bytes=max_request_bytes)
@@ -62,18 +63,20 @@ def build_engine_server(llm, engine, *, model_name: str, defaults: SamplingParam
     return OpenAIServer(llm, AsyncEngine(engine), settings)
 
 
-def warm_up(llm, scheduler, max_steps: int = 10_000) -> tuple[float, int]:
-    """Compile the serving programs ahead of time (`ModelRunner.warmup`: the
-    step of every token bucket and admission), then run one short request
-    through `scheduler` so the first request does not pay the programs'
-    first-execution costs. Programs for log-probs still compile on first use.
+def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tuple[float, int]:
+    """Compile what serving needs before it answers (`ModelRunner.warmup` in
+    the background mode: the largest token bucket and admission now, the
+    other buckets on a thread while requests are served), then run one short
+    request through `scheduler` so the first request does not pay the
+    programs' first-execution costs. Programs for log-probs still compile on
+    first use.
 
     Returns (seconds, programs compiled).
     Raises:
       RuntimeError: the short request did not finish within max_steps.
     """
     t0 = time.perf_counter()
-    compiled = scheduler.runner.warmup()
+    compiled = scheduler.runner.warmup(background=True, log=log)
     scheduler.add_request(Request((0,), SamplingParams(), 2, ignore_eos=True))
     for _ in range(max_steps):
         if not scheduler.has_unfinished():

@@ -17,9 +17,12 @@ warm-up and dispatch share.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import os
+import threading
+import time
 from typing import Optional, Sequence
 
 import jax
@@ -41,6 +44,9 @@ from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 # at this width (below it the step costs about the same: the weights are
 # read once either way).
 MIN_TOKEN_BUCKET = 4
+
+# Rows one admission program writes (more admissions take several calls).
+ADMIT_ROWS = 8
 
 # Log-prob counts are compiled for these values only (a request asking for
 # n alternatives runs with the next one and keeps its n).
@@ -185,6 +191,11 @@ class ModelRunner:
             [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
             self.max_seq_len))
         self.decode_steps = 0     # decoding steps dispatched
+        # Token buckets a step may use: all of them (compiled on first use),
+        # or, once `warmup` ran, those compiled so far (a larger bucket pads).
+        self.ready_buckets: list[int] = []
+        self._background: Optional[threading.Thread] = None
+        self._stop_compiling = threading.Event()
 
     @staticmethod
     def _spec(spec: Optional[SpecConfig]):
@@ -206,10 +217,13 @@ class ModelRunner:
     # --- dispatch ------------------------------------------------------------------------
 
     def admit(self, admissions: Sequence[Admission]) -> None:
-        """Dispatch the rows of newly admitted requests (padded to a power of two)."""
-        if not admissions:
-            return
-        a = 1 << (len(admissions) - 1).bit_length()
+        """Dispatch the rows of newly admitted requests, `admit_rows` per call
+        (padded: one program whatever the count)."""
+        for i in range(0, len(admissions), self.admit_rows):
+            self._admit(admissions[i:i + self.admit_rows])
+
+    def _admit(self, admissions: Sequence[Admission]) -> None:
+        a = self.admit_rows
         pad = [admissions[0].request] * (a - len(admissions))
         inputs = row_inputs([x.request for x in admissions] + pad, self.config.vocab_size,
                             self.max_seq_len, [x.generated for x in admissions] + [()] * len(pad))
@@ -226,8 +240,13 @@ class ModelRunner:
         Raises:
           ValueError: more tokens than `token_budget`.
         """
-        t = bucket_for(num_tokens, self.token_buckets)
+        t = bucket_for(num_tokens, self.ready_buckets or self.token_buckets)
         return t, min(t, self.max_num_seqs)
+
+    @property
+    def admit_rows(self) -> int:
+        """Rows one admission call writes (ADMIT_ROWS, at most the slots)."""
+        return min(ADMIT_ROWS, self.max_num_seqs)
 
     def host_batch(self, segments: Sequence[Segment], block_tables: np.ndarray) -> engine_step.StepBatch:
         """The `StepBatch` of `segments` (at most one per slot), padded to its bucket."""
@@ -289,15 +308,15 @@ class ModelRunner:
 
     def compile_plan(self, num_logprobs: Sequence[int] = (-1,)) -> list[tuple]:
         """Every program serving runs, as (function, abstract args, static args):
-        the step for each token bucket, and admission for each admit bucket.
-        Warm-up compiles exactly these; dispatch compiles nothing else except
-        other log-prob counts and decode loops (`decode_plan`)."""
+        the step for each token bucket (largest first), and admission. Warm-up
+        compiles exactly these; dispatch compiles nothing else except other
+        log-prob counts and decode loops (`decode_plan`)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         abstract = lambda tree: jax.tree_util.tree_map(shape, tree)
         cache, rows = abstract(self.cache), abstract(self.rows)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         plan = []
-        for t in self.token_buckets:
+        for t in reversed(self.token_buckets):
             segments = [Segment(0, (0,) * t)]
             batch = abstract(self.host_batch(segments, np.zeros(tables.shape, np.int32)))
             for n in num_logprobs:
@@ -305,13 +324,11 @@ class ModelRunner:
                              (self.params, cache, rows, batch, self.stop, self.draft_params),
                              dict(config=self.config, backend=self.backend, num_logprobs=n,
                                   spec=self.spec)))
-        a = 1
-        while a <= self.max_num_seqs:
-            inputs = abstract(row_inputs([Request((0,), max_new_tokens=1)] * a, self.config.vocab_size,
-                                         self.max_seq_len))
-            one = jax.ShapeDtypeStruct((a,), jnp.int32)
-            plan.append((engine_step.admit, (cache, rows, one, inputs, one), {}))
-            a *= 2
+        a = self.admit_rows
+        inputs = abstract(row_inputs([Request((0,), max_new_tokens=1)] * a, self.config.vocab_size,
+                                     self.max_seq_len))
+        one = jax.ShapeDtypeStruct((a,), jnp.int32)
+        plan.append((engine_step.admit, (cache, rows, one, inputs, one), {}))
         return plan
 
     def decode_plan(self, rows: int, num_steps: int, num_logprobs: int = -1) -> tuple:
@@ -333,17 +350,74 @@ class ModelRunner:
         fn, args, static = self.decode_plan(rows, num_steps, num_logprobs)
         return self.programs.has(fn, *args, **static)
 
-    def warmup(self, num_logprobs: Sequence[int] = (-1,), threads: int = 0) -> int:
-        """Compile `compile_plan` ahead of time (nothing runs), on `threads`
-        threads (0: one per CPU core), largest programs first. Returns the
-        programs compiled now."""
+    def warmup(self, num_logprobs: Sequence[int] = (-1,), background: bool = False,
+               log=lambda msg: None) -> int:
+        """Compile `compile_plan` ahead of time (nothing runs); from then on
+        steps use compiled token buckets only (`ready_buckets`).
+
+        With background=False everything compiles now, on one thread per
+        CPU core. With background=True only the largest token bucket (every
+        step fits it, padded) and admission compile now; the other buckets
+        compile on a daemon thread, smallest first, each used as soon as it
+        is ready. `log` gets one line per compile and one at the end.
+        Returns the programs compiled before returning.
+        """
         before = self.programs.num_compiles
-        plan = self.compile_plan(num_logprobs)[::-1]
-        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            for done in [pool.submit(self.programs.compiled, fn, *args, **static)
-                         for fn, args, static in plan]:
-                done.result()
+        plan = self.compile_plan(num_logprobs)
+        steps = [item for item in plan if item[0] is engine_step.step]
+        first = [item for item in plan if item not in steps] + steps[:len(num_logprobs)]
+        rest = steps[len(num_logprobs):][::-1]
+        self._compile(first if background else plan, log, threads=0)
+        if background and rest:
+            self._stop_compiling = threading.Event()
+            self._background = threading.Thread(target=self._compile_behind, args=(rest, log),
+                                                name="jaxinfer-compile", daemon=True)
+            self._background.start()
+            atexit.register(self.stop_compiling)
         return self.programs.num_compiles - before
+
+    def _compile(self, plan, log, threads: int) -> None:
+        """Compile plan items on `threads` threads (0: one per core); a step's
+        token bucket becomes ready as soon as its programs are."""
+        def one(item):
+            fn, args, static = item
+            t0 = time.perf_counter()
+            self.programs.compiled(fn, *args, **static)
+            if fn is engine_step.step:
+                t = args[3].tokens.shape[0]
+                self.ready_buckets = sorted(set(self.ready_buckets) | {t})
+                log(f"compiled the step for {t} tokens in {time.perf_counter() - t0:.1f} s")
+            else:
+                log(f"compiled {fn.__name__} in {time.perf_counter() - t0:.1f} s")
+
+        if threads == 1:
+            for item in plan:
+                if self._stop_compiling.is_set():
+                    return
+                one(item)
+            return
+        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            for done in [pool.submit(one, item) for item in plan]:
+                done.result()
+
+    def _compile_behind(self, plan, log) -> None:
+        with self.programs.background():
+            self._compile(plan, log, threads=1)
+        log("every token bucket compiled")
+
+    def stop_compiling(self) -> None:
+        """Stop a background warm-up after the compile under way (at exit: a
+        thread killed inside XLA's compiler aborts the process)."""
+        self._stop_compiling.set()
+        if self._background is not None:
+            self._background.join()
+
+    def wait_compiled(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait for a background warm-up; True once it is done (or none ran)."""
+        if self._background is not None:
+            self._background.join(timeout_s)
+            return not self._background.is_alive()
+        return True
 
 
 __all__ = ["Admission", "Dispatched", "LOGPROB_BUCKETS", "ModelRunner", "NO_TOKEN", "Segment",
