@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.cache.int8 import quantize_kv
+from jaxinfer.cache.int8 import decode_attention_int8, quantize_kv
 
 
 class LayerKV(NamedTuple):
@@ -56,9 +56,25 @@ class LayerKV(NamedTuple):
     key_scale: Optional[jax.Array] = None
     value_scale: Optional[jax.Array] = None
 
+    @property
+    def plain(self) -> bool:
+        """The buffers hold the K/V values themselves (no codec): a kernel
+        may read them in place. False for int8 codes with scales."""
+        return self.key_scale is None
+
+    def decode_attention(self, qg: jax.Array, mask: jax.Array) -> Optional[jax.Array]:
+        """The codec's own one-token attention over these (row-laid-out)
+        buffers, qg [B, K, G, H] float32, mask bool [B, S] -> [B, K, G, H]
+        float32 (int8: dequantized inside the kernel, `int8.decode_attention_int8`);
+        None for plain buffers (any attention reads them)."""
+        if self.plain:
+            return None
+        return decode_attention_int8(qg, self.keys, self.key_scale, self.values, self.value_scale,
+                                     mask)
+
     def dequantized(self) -> tuple[jax.Array, jax.Array]:
         """(keys, values) in float32 (the buffers themselves when not int8)."""
-        if self.key_scale is None:
+        if self.plain:
             return self.keys, self.values
         return (self.keys.astype(jnp.float32) * self.key_scale[:, :, None, :],
                 self.values.astype(jnp.float32) * self.value_scale[..., None])

@@ -56,7 +56,6 @@ from jaxinfer.engine.forward import Attend, logits_at as _logits, run_layers
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.nn import (attention_output, attention_scores, blocked_attention, group_heads,
                          masked_softmax, ungroup_heads)
-from jaxinfer.cache.int8 import decode_attention_int8
 
 
 def _grouped_attention(qg, k, v, mask, config: ModelConfig):
@@ -104,8 +103,7 @@ def _chunk_kernel_applies(config: ModelConfig, cache: KVCache, layer_type: str, 
     K/V (not int8), no soft-cap, a short chunk, and writing first
     exact (`_write_first_is_exact`)."""
     return (chunk <= CHUNK_KERNEL_TOKENS and not config.attn_logit_softcapping
-            and kv.key_scale is None
-            and q_dtype == kv.keys.dtype == kv.values.dtype == jnp.float32
+            and kv.plain and q_dtype == kv.keys.dtype == kv.values.dtype == jnp.float32
             and _write_first_is_exact(cache, layer_type, chunk) and cpu_kernels.enabled())
 
 
@@ -115,7 +113,7 @@ def _causal_chunk_applies(config: ModelConfig, cache: KVCache, layer_type: str, 
     slot s holds position s (full layers, and rings that hold every
     position), float32 K/V (not int8), no soft-cap."""
     return ((layer_type == FULL_ATTENTION or cache.ring_size >= cache.max_seq_len)
-            and not config.attn_logit_softcapping and kv.key_scale is None
+            and not config.attn_logit_softcapping and kv.plain
             and q_dtype == kv.keys.dtype == kv.values.dtype == jnp.float32 and cpu_kernels.enabled())
 
 
@@ -176,7 +174,7 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
     nothing), then its query attends [1, t] over the layer's whole buffer,
     which now holds its own key too. On CPU the attention runs in
     `attention_kernels.decode_attention` where it applies (float32 K/V, no
-    soft-cap); an int8 cache's in `cache.int8.decode_attention_int8`."""
+    soft-cap); a coded cache's (int8) in its own kernel (`LayerKV.decode_attention`)."""
     after = kv_cache.advance(cache, cache.layers, positions, valid)
     seen = lambda t: kv_cache.visible(kv_cache.key_positions(after, t), positions, t, cache.window)
     masks = {layer_type: seen(layer_type)
@@ -187,11 +185,10 @@ def _decode_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
         kv = kv_cache.write(cache, layer_type, kv, k, v, positions, valid)
         f32 = q.dtype == kv.keys.dtype == kv.values.dtype == jnp.float32
         view = kv
-        if view.key_scale is not None and not config.attn_logit_softcapping:   # int8 K/V, dequantized inside
-            qg = group_heads(q, view.keys.shape[1])[:, :, 0].astype(jnp.float32)
-            out = decode_attention_int8(qg, view.keys, view.key_scale, view.values, view.value_scale,
-                                        masks[layer_type][:, 0])
-            return ungroup_heads(out[:, :, None].astype(q.dtype)), kv
+        coded = None if config.attn_logit_softcapping else kv.decode_attention(
+            group_heads(q, kv.keys.shape[1])[:, :, 0].astype(jnp.float32), masks[layer_type][:, 0])
+        if coded is not None:    # the codec's own kernel (int8: dequantized inside)
+            return ungroup_heads(coded[:, :, None].astype(q.dtype)), kv
         if use_kernel and f32:
             qg = group_heads(q, view.keys.shape[1])[:, :, 0]
             out = attention_kernels.decode_attention(qg, view.keys, view.values, masks[layer_type][:, 0])
@@ -331,7 +328,7 @@ def _prefill_attend(config: ModelConfig, cache: KVCache, positions: jax.Array,
                 outs.append(_grouped_attention(qg[:, :, a:b], keys[..., lo:b], values[:, :, lo:b],
                                                masks[layer_type][:, a:b, lo:b], config))
             out = ungroup_heads(jnp.concatenate(outs, axis=2))
-        if layer_type == FULL_ATTENTION and kv.key_scale is None:
+        if layer_type == FULL_ATTENTION and kv.plain:
             put = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype),
                                                                 (0, 0, 0, 0))
             return out, LayerKV(put(kv.keys, keys), put(kv.values, values))

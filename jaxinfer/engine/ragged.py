@@ -117,7 +117,7 @@ def attend(backend: AttentionBackend, q: jax.Array, kv: LayerKV, block_tables: j
     """Ragged attention of q [T, K, G, H] over a layer's pool: the C++ kernel
     where `backend` has it and it applies (float32 pool, no soft-cap), else
     `attend_xla`."""
-    if (backend.kernels and not softcap and kv.key_scale is None
+    if (backend.kernels and not softcap and kv.plain
             and q.dtype == kv.keys.dtype == jnp.float32):
         return ragged_kernel.ragged_paged_attention(q, kv.keys, kv.values, block_tables, seg.slot,
                                                     seg.start, seg.length, seg.position,
