@@ -1,0 +1,14 @@
+"""The KV cache: K and V of every layer, never attention weights.
+
+Layouts, each one module that owns where a position lives, what a query may
+see, writing, growing and copying:
+  `kv`     dense rows (one buffer per row; sliding-window layers in rings):
+           the library's phases (`engine.phases`)
+  `paged`  pages in a pool, found through per-slot block tables: serving
+           (`engine.step`); sliding layers keep every position, the window
+           bounds what is read
+  `int8`   the int8 codec any layout stores K/V with (codes plus a float32
+           scale per token per kv head), and its decode-attention kernel
+A layout answers the engine's questions itself (`LayerKV.plain`,
+`LayerKV.decode_attention`): no layout or codec branch lives outside here.
+"""

@@ -1,0 +1,11 @@
+"""The compiled phases: pure functions over a KV cache and per-row state.
+
+  `step`     the serving step: one ragged forward over a token budget on the
+             paged cache (decoding rows, speculative blocks and prompt chunks
+             together), sampling in the same program; `decode_loop` scans it
+  `draft`    the draft-model proposer inside the step
+  `ragged`   ragged attention over pages, and the attention backend (XLA or
+             the C++ kernels) chosen once per loaded model
+  `forward`  the model forward every phase shares (RoPE, embed, layers, logits)
+  `phases`   the library's extend / prefill / decode_step on a dense cache
+"""
