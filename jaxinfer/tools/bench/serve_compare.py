@@ -82,7 +82,7 @@ class LoadSweep:
     long_chat_tokens: int = 128
     request_timeout_s: float = 600.0
     run_timeout_s: float = 1800.0
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = 1800.0
 
 
 QUICK_LOAD = LoadSweep(rates=(1.0, 4.0), num_requests=8, prompt_len=(16, 128), output_len=(8, 32),

@@ -20,7 +20,8 @@ def setup_peers(choice: str, config: str, smoke: bool = True, with_jaxinfer: boo
                 out: str = "bench-out") -> int:
     """Set up the peers of `choice` ("all" or one of PEERS) for `config`'s
     GGUF and, with `smoke`, start each server once (jaxinfer too with
-    `with_jaxinfer`, on an empty compilation cache), send it one streamed
+    `with_jaxinfer`, on $JAXINFER_XLA_CACHE_DIR where set, else on an
+    empty compilation cache under `out`), send it one streamed
     completion and one streamed chat request of 8 tokens, and stop it.
     Prints one JSON line per server ({"server", "setup_s" (this call's
     seconds of set-up, 0 when it was set up before), "setup" (the recorded
@@ -55,7 +56,7 @@ def setup_peers(choice: str, config: str, smoke: bool = True, with_jaxinfer: boo
         row["setup"] = {"vllm": setup_info(peers_dir() / "vllm-cpu"),
                         "llamacpp": setup_info(peers_dir() / "llama-server")}.get(name)
         if name == "jaxinfer":
-            env = {**env, XLA_CACHE_ENV: str(logs / "xla-cache")}
+            env = {**env, XLA_CACHE_ENV: os.environ.get(XLA_CACHE_ENV) or str(logs / "xla-cache")}
         if smoke:
             row.update(_smoke(name, cmd, env, sweep, count, logs, log))
         failed += row.get("status", "ok") != "ok"
