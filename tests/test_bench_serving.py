@@ -32,3 +32,223 @@ def test_worker_error_tail_drops_progress_bars():
               "Converting: 90%|######### | 246/272 [00:01<00:00, 290.69it/s]\n")
     assert error_tail(stderr) == "Traceback (most recent call last):\n  ...\nMemoryError: out of memory"
     assert error_tail(stderr, chars=9) == "of memory"
+
+
+# --- jaxinfer bench --serve-load: traces, targets, peer skips (no server is started) ---
+
+class _WordTokenizer:
+    """A tokenizer whose tokens are 200 whole words (" aaa", " aab", ...): a
+    text encodes to one token per word, exactly."""
+
+    def __init__(self):
+        letters = "abcdefghij"
+        self.words = [" " + letters[i // 100] + letters[i // 10 % 10] + letters[i % 10] + "x"
+                      for i in range(200)]
+        self.vocab_size = len(self.words)
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.words.index(" " + w) for w in text.split()]
+
+
+def test_serve_load_traces_have_the_sweeps_lengths():
+    from jaxinfer.tools.bench.serve_compare import LoadSweep, make_traces
+
+    sweep = LoadSweep(num_requests=12, short_requests=5, long_prompts=3)
+    t = make_traces(_WordTokenizer(), sweep)
+    assert (len(t.rates), len(t.warmup), len(t.short), len(t.long), len(t.chat)) == (12, 16, 5, 3, 32)
+    assert t.long.prompt_tokens == (2048, 2048, 2048)
+    assert t.long.output_tokens == (16, 16, 16)
+    assert t.short.output_tokens == (8, 8, 8, 8, 8)
+    assert all(16 <= n <= 64 for n in t.short.prompt_tokens)
+    assert all(32 <= n <= 512 for n in t.rates.prompt_tokens)
+    assert all(32 <= n <= 256 for n in t.rates.output_tokens)
+    again = make_traces(_WordTokenizer(), sweep)
+    assert again.rates == t.rates and again.rates != t.warmup
+    assert t.rates.arrivals(2.0)[0] == 0.0
+
+
+def test_serve_load_request_bodies():
+    from jaxinfer.tools.bench.serve_load import chunk_text, request_body
+
+    path, body = request_body("m", "hi", 8, chat=True)
+    assert path == "/v1/chat/completions"
+    assert body == {"model": "m", "max_tokens": 8, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "messages": [{"role": "user", "content": "hi"}], "min_tokens": 8,
+                    "ignore_eos": True}
+    path, body = request_body("m", "hi", 4, fixed_length=False)
+    assert path == "/v1/completions"
+    assert body == {"model": "m", "max_tokens": 4, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "prompt": "hi"}
+    assert chunk_text({"text": "a"}) == "a"
+    assert chunk_text({"delta": {"content": "b"}}) == "b"
+    assert chunk_text({"delta": {"role": "assistant"}}) == ""
+
+
+def test_serve_load_summaries_count_chunk_gaps_and_tokens():
+    from jaxinfer.tools.bench.serve_load import RequestResult, summarize_load
+    from jaxinfer.tools.bench.serve_workloads import summarize_long_prompts
+
+    a = RequestResult(ok=True, ttft=0.5, e2e=1.0, output_tokens=17, gaps=[0.1, 0.4],
+                      chunk_tokens=[1, 8, 8])
+    b = RequestResult(ok=True, ttft=0.2, e2e=0.4, output_tokens=2, gaps=[0.2], chunk_tokens=[1, 1])
+    bad = RequestResult(error="HTTP 500")
+    s = summarize_load([a, b, bad], 2.0, 1.0, 0.15)
+    assert (s["completed"], s["failed"], s["request_throughput"], s["output_tokens_per_s"]) == (2, 1, 1.0, 9.5)
+    assert (s["gap_s"]["n"], s["gap_s"]["max"], s["gap_s"]["p50"]) == (3, 0.4, 0.2)
+    assert (s["tokens_per_chunk"]["max"], s["tokens_per_chunk"]["n"]) == (8, 5)
+    long = summarize_long_prompts([a, b], [RequestResult(ok=True, ttft=3.0), bad], 10.0)
+    assert (long["chat_completed"], long["long_completed"], long["long_failed"]) == (2, 1, 1)
+    assert long["gap_ratio"] == long["gap_s"]["p99"] / 0.2
+    assert long["long_ttft_s"]["p50"] == 3.0
+
+
+def _run(rate, ttft_p99, gap_p99, tok_s, failed=0):
+    return {"rate": rate, "failed": failed, "ttft_s": {"p99": ttft_p99}, "gap_s": {"p99": gap_p99},
+            "output_tokens_per_s": tok_s}
+
+
+def test_serve_targets_from_a_hand_made_summary():
+    from jaxinfer.tools.bench.serve_compare import LoadSweep
+    from jaxinfer.tools.bench.serve_report import best_rate, serve_targets
+
+    servers = {
+        "jaxinfer": {"rates": {"1": _run(1.0, 0.3, 0.05, 100.0), "2": _run(2.0, 0.8, 0.12, 190.0),
+                               "4": _run(4.0, 0.9, 0.2, 300.0)},
+                     "short": {"request_throughput": 6.0, "failed": 0},
+                     "long_prompts": {"gap_ratio": 2.5},
+                     "start": {"healthy_s": 4.0}, "start_cold": {"healthy_s": 31.0}},
+        "vllm": {"rates": {"1": _run(1.0, 0.5, 0.1, 80.0), "2": _run(2.0, 1.5, 0.1, 150.0)},
+                 "short": {"request_throughput": 4.0, "failed": 0}},
+        "llamacpp": {"rates": {"1": _run(1.0, 1.2, 0.1, 60.0, failed=0), "2": _run(2.0, 0.5, 0.1, 70.0, 1)}},
+    }
+    assert best_rate(servers["jaxinfer"], 1.0, 0.15) == 2.0    # 4/s misses the gap
+    assert best_rate(servers["llamacpp"], 1.0, 0.15) is None   # 1/s misses TTFT, 2/s failed one
+    rows = serve_targets(servers, LoadSweep())
+    assert [(r["value"], r["op"], r["goal"], r["result"]) for r in rows] == [
+        (2.0, ">=", 1.25, "PASS"),
+        (None, ">=", 2.0, "PASS (peer met it at no rate)"),
+        (2.0, ">=", 1.2, "PASS"),
+        (1.5, ">=", 1.2, "PASS"),
+        (2.5, "<=", 3.0, "PASS"),
+        (31.0, "<", 30.0, "FAIL"),
+        (4.0, "<", 5.0, "PASS")]
+    assert rows[0]["name"] == "best rate (p99 TTFT <= 1 s, p99 gap <= 150 ms): jaxinfer 2/s / vLLM 1/s"
+    missing = serve_targets({"jaxinfer": servers["jaxinfer"], "vllm": {"status": "skipped: x"}},
+                            LoadSweep())
+    assert [r["result"] for r in missing[:4]] == ["n/a", "n/a", "n/a", "n/a"]
+
+
+def test_saturation_rule():
+    from jaxinfer.tools.bench.serve_compare import saturated
+
+    assert saturated({"request_throughput": 1.3, "ttft_s": {"p99": 6.0}}, 2.0, 1.0)
+    assert not saturated({"request_throughput": 1.5, "ttft_s": {"p99": 60.0}}, 2.0, 1.0)
+    assert not saturated({"request_throughput": 0.5, "ttft_s": {"p99": 4.0}}, 2.0, 1.0)
+    assert saturated({"request_throughput": 0.0, "ttft_s": None}, 2.0, 1.0)
+
+
+def test_missing_peers_are_skipped_with_the_reason(monkeypatch, tmp_path):
+    import pathlib
+
+    from jaxinfer.tools.bench import serve_peers
+    from jaxinfer.tools.bench.serve_compare import LoadSweep, peer_names, run_servers
+
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    servers = run_servers(["vllm", "llamacpp"], config="c.yaml", overrides=(), gguf="m.gguf",
+                          traces=None, sweep=LoadSweep(), count_tokens=len, logs=tmp_path / "logs",
+                          log=lambda m: None, setup=False)
+    assert servers == {
+        "vllm": {"status": f"skipped: vLLM is not installed ({tmp_path}/peers/vllm-cpu has no "
+                           "finished set-up)"},
+        "llamacpp": {"status": f"skipped: llama-server is not built ({tmp_path}/peers/llama-server/"
+                               "build/bin/llama-server missing)"}}
+    monkeypatch.setattr(serve_peers.shutil, "which", lambda name: None)
+    with pytest.raises(serve_peers.PeerUnavailable,
+                       match="^building llama-server needs cmake and c\\+\\+ on PATH$"):
+        serve_peers.llama_server_binary(setup=True)
+    assert not pathlib.Path(tmp_path, "peers").exists()
+    assert peer_names("all") == ["jaxinfer", "vllm", "llamacpp"]
+    assert peer_names("none") == ["jaxinfer"]
+    with pytest.raises(ValueError, match="compares with vllm, llamacpp"):
+        peer_names("hf")
+
+
+def test_server_commands(monkeypatch, tmp_path):
+    from jaxinfer.tools.bench import serve_peers
+
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    exe = tmp_path / "peers" / "llama-server" / "build" / "bin" / "llama-server"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("")
+    cmd, env = serve_peers.server_command("llamacpp", 8000, config="c.yaml", overrides=(),
+                                          gguf="m.gguf", max_seq_len=2560, max_num_seqs=16, threads=2)
+    assert cmd == [str(exe), "-m", "m.gguf", "--alias", "bench-model", "--host", "127.0.0.1",
+                   "--port", "8000", "-np", "16", "-c", "40960", "-t", "2", "-tb", "2"]
+    assert env == {}
+    cmd, env = serve_peers.server_command("jaxinfer", 8001, config="c.yaml", overrides=("decode_chunk=4",),
+                                          gguf="m.gguf", max_seq_len=1024, max_num_seqs=8, threads=2)
+    assert cmd[-4:] == ["max_num_seqs=8", "decode_chunk=8", "max_seq_len=1024", "decode_chunk=4"]
+
+
+def test_compilation_cache_dir_from_the_environment(monkeypatch, tmp_path):
+    import jax
+
+    from jaxinfer.checkpoint.loading import XLA_CACHE_ENV, enable_compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
+    monkeypatch.setenv(XLA_CACHE_ENV, str(tmp_path / "xla"))
+    try:
+        assert enable_compilation_cache() == str(tmp_path / "xla")
+        assert (tmp_path / "xla").is_dir()
+        assert enable_compilation_cache(str(tmp_path / "given")) == str(tmp_path / "given")
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+
+
+def test_serve_load_harness_against_a_fake_server(tmp_path):
+    """Every workload, the targets and the report through a stand-in
+    server (tests/fake_openai_server.py): nothing is timed or compared."""
+    import dataclasses
+    import pathlib
+    import sys
+
+    from jaxinfer.tools.bench.serve_compare import (LoadSweep, _Runner, free_port, make_traces,
+                                                    start_server)
+    from jaxinfer.tools.bench.serve_report import format_load, plot_load, serve_targets
+
+    sweep = LoadSweep(rates=(50.0,), num_requests=4, prompt_len=(4, 8), output_len=(2, 4),
+                      warmup_requests=2, short_requests=4, short_concurrency=2, short_prompt_len=(2, 4),
+                      long_prompt_tokens=16, long_output_tokens=2, long_prompts=2, long_every_s=0.05,
+                      long_streams=2, long_chat_tokens=4, max_seq_len=64, start_timeout_s=60.0,
+                      request_timeout_s=30.0, run_timeout_s=60.0)
+    traces = make_traces(_WordTokenizer(), sweep)
+    count = lambda text: len(text.split())  # noqa: E731
+    script = pathlib.Path(__file__).with_name("fake_openai_server.py")
+    cmd = [sys.executable, str(script), "--port", str(free_port())]
+    runner = _Runner("fake", traces, sweep, count, lambda m: None)
+    out = start_server("fake", cmd, {}, sweep, count, tmp_path / "fake.log", runner)
+    assert out["status"] == "ok"
+    assert (out["start"]["ok"], out["start"]["text_tokens"], out["start"]["chunks"]) == (True, 8, 8)
+    assert out["start"]["first_request_s"] > out["start"]["healthy_s"] > 0
+    assert out["warmup"]["failed"] == 0
+    run = out["rates"]["50"]
+    assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, sum(traces.rates.output_tokens))
+    assert run["tokens_per_chunk"]["max"] == 1
+    assert (out["short"]["completed"], out["short"]["output_tokens"]) == (4, 4 * sweep.short_tokens)
+    long = out["long_prompts"]
+    assert (long["long_completed"], long["long_failed"], long["chat_failed"]) == (2, 0, 0)
+    assert long["chat_completed"] >= 2 and long["gap_ratio"] >= 1.0
+    results = {"servers": {"jaxinfer": out, "vllm": out, "llamacpp": {"status": "skipped: why"}},
+               "sweep": dataclasses.asdict(sweep), "targets": serve_targets({"jaxinfer": out, "vllm": out},
+                                                                            sweep)}
+    assert [r["value"] for r in results["targets"][2:4]] == [1.0, 1.0]
+    report = format_load(results)
+    assert "| jaxinfer | 50 | " in report and "| llamacpp | skipped: why |" in report
+    assert plot_load(results, str(tmp_path / "p.png")) == str(tmp_path / "p.png")

@@ -40,18 +40,22 @@ from jaxinfer.speculative import DraftModel, SpecConfig, check_draft
 from jaxinfer.tokenizer.tokenizer import Tokenizer
 
 
+XLA_CACHE_ENV = "JAXINFER_XLA_CACHE_DIR"
+
+
 def enable_compilation_cache(path: Optional[str] = None) -> str:
     """Turn on JAX's persistent compilation cache for every program (no
     minimum compile time or size), so a second start compiles nothing.
 
     Args:
-      path: cache directory; None means `<jaxinfer cache dir>/xla-cache`
+      path: cache directory; None means `$JAXINFER_XLA_CACHE_DIR` (XLA_CACHE_ENV)
+        when set and not empty, else `<jaxinfer cache dir>/xla-cache`
         (`JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
         `~/.cache/jaxinfer`).
     Returns:
       The directory used (created if missing).
     """
-    path = str(path or cache_dir() / "xla-cache")
+    path = str(path or os.environ.get(XLA_CACHE_ENV) or cache_dir() / "xla-cache")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -109,6 +109,8 @@ def run_bench(args) -> dict:
         enable_persistent_cache()
     results = {"model": cfg.model, "dtype": cfg.dtype, "env": _env(args.quick),
                "sweep": dataclasses.asdict(sweep), "chunk": cfg.decode_chunk}
+    if args.peers == "vllm":
+        raise ValueError("--peers vllm is for --serve-load; this bench's peers are hf and llamacpp")
     peer_names = {"none": [], "all": ["hf", "llamacpp"]}.get(args.peers, [args.peers])
     t0 = time.perf_counter()
     llm = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=cfg.max_seq_len,
@@ -201,17 +203,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "step cost, shared-prefix TTFT with the prefix cache on and off); see "
                         "jaxinfer/tools/bench/paged.py")
     p.add_argument("--serve-load", action="store_true",
-                   help="the HTTP load test instead: one request trace at several Poisson rates "
-                        "against `jaxinfer serve`, llama.cpp's server and transformers' server "
-                        "(subprocesses; --peers picks the peers); see "
+                   help="the HTTP load test instead: Poisson rates, short requests, long "
+                        "prompts arriving and start-up time against `jaxinfer serve`, vLLM's CPU "
+                        "server and llama.cpp's llama-server (subprocesses, set up on first use "
+                        "under the jaxinfer cache; --peers picks the peers); see "
                         "jaxinfer/tools/bench/serve_compare.py")
+    p.add_argument("--no-peer-setup", action="store_true",
+                   help="--serve-load: use only peers already set up (skip the others) instead of "
+                        "building llama-server / installing vLLM on first use")
     p.add_argument("--rates", help="--serve-load: comma-separated request rates (requests/s)")
     p.add_argument("--num-requests", type=int, help="--serve-load: requests per rate")
     p.add_argument("--max-concurrency", type=int,
                    help="--serve-load: requests in flight at most (default: unbounded)")
     p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
-    p.add_argument("--peers", choices=("all", "hf", "llamacpp", "none"), default="all",
-                   help="peers to compare with when installed (default all)")
+    p.add_argument("--peers", choices=("all", "hf", "llamacpp", "vllm", "none"), default="all",
+                   help="peers to compare with when installed (default all; hf is not a "
+                        "--serve-load peer, vllm only one)")
     p.add_argument("--prefill-lengths", help="comma-separated prompt lengths, e.g. 32,128,512")
     p.add_argument("--prefill-batches", help="comma-separated prefill batch sizes")
     p.add_argument("--decode-batches", help="comma-separated decode batch sizes")
@@ -294,8 +301,25 @@ def _serving_peer_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _setup_peers_main(argv: Sequence[str]) -> int:
+    from jaxinfer.tools.bench.serve_setup import setup_peers
+
+    p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --setup-peers",
+                                description="set up --serve-load's peers and smoke-test each server")
+    p.add_argument("--setup-peers", choices=("all", "vllm", "llamacpp"), required=True)
+    p.add_argument("--config", required=True, help="YAML generation config (its model's GGUF)")
+    p.add_argument("--no-smoke", action="store_true", help="set up only; start no server")
+    p.add_argument("--with-jaxinfer", action="store_true", help="smoke-test `jaxinfer serve` too")
+    p.add_argument("--out", default="bench-out", help="folder for the servers' logs")
+    a = p.parse_args(argv)
+    return setup_peers(a.setup_peers, a.config, smoke=not a.no_smoke, with_jaxinfer=a.with_jaxinfer,
+                       out=a.out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--setup-peers" in argv:
+        return _setup_peers_main(argv)
     if "--serving-peer" in argv:
         return _serving_peer_main(argv)
     if "--compile-probe" in argv:

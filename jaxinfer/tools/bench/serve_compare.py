@@ -1,39 +1,38 @@
-"""`jaxinfer bench --serve-load`: the same request trace against `jaxinfer
-serve`, llama.cpp's OpenAI-compatible server and transformers' server, one
-server at a time, at several request rates.
+"""`jaxinfer bench --serve-load`: the same workloads against `jaxinfer serve`,
+vLLM's CPU server and llama.cpp's C++ `llama-server`, one server at a time.
 
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml --serve-load [--quick]
-                   [--peers all|llamacpp|hf|none] [--rates 0.25,0.5,1,2,4] [--num-requests 32]
+                   [--peers all|vllm|llamacpp|none] [--rates 0.5,1,2,4] [--num-requests 40]
                    [--max-concurrency N] [key=value ...]
 
-Each server runs in its own subprocess on a free loopback port and is
-stopped (SIGTERM) before the next starts:
+Each server runs in its own subprocess on a free loopback port with
+`max_num_seqs` sequences of up to `max_seq_len` tokens and is stopped
+(SIGTERM) before the next starts; `serve_peers` sets the peers up on first
+use and builds their command lines (a peer that cannot be set up or does
+not start is reported as skipped, with the reason). Per server, in order:
 
-* jaxinfer: `jaxinfer serve --config ... SERVER_DEFAULTS key=value...`
-  (the command line's overrides win over SERVER_DEFAULTS);
-* llama.cpp: `python -m llama_cpp.server` (llama-cpp-python[server]) on the
-  same GGUF file, n_ctx = max_seq_len, all cores, `--interrupt_requests
-  False` (its default lets a new request cut off the running one);
-* transformers: `transformers serve --continuous-batching`, float32 on the
-  CPU, on a Hugging Face folder of the same GGUF's weights as transformers
-  dequantizes them (it cannot serve a local GGUF file); it rejects vLLM's
-  min_tokens / ignore_eos, so its requests may end early at EOS (the
-  output tokens counted are the ones it sent).
+1. healthy after: start, first 200 from /health, one streamed request
+   (`serve_workloads`). jaxinfer starts twice, both times with
+   JAXINFER_XLA_CACHE_DIR pointing at a compilation cache made for this
+   run: empty (cold; stopped after its first request), then warm.
+2. warm-up, untimed: a trace of another seed at the highest rate, a few
+   short requests and a long-prompt run with two long prompts (jaxinfer
+   compiles a program for each new shape; the programs it compiles during
+   each timed workload are recorded).
+3. Poisson rates in increasing order, `num_requests` completion requests
+   each (`serve_load`: prompts of random words, log-uniform lengths, greedy,
+   min_tokens = max_tokens and ignore_eos, streamed). Once a server
+   completes under 70% of the offered rate with a p99 TTFT over 5x the SLO,
+   its higher rates are skipped (saturated).
+4. short requests: `short_requests` chat requests of `short_tokens` new
+   tokens from `short_concurrency` closed-loop clients.
+5. long prompts arriving (`serve_workloads.run_long_prompts`).
 
-A server that is not installed or does not start is reported as skipped,
-with the reason. Before the timed rates, each server gets the same
-warm-up requests (a trace of another seed, at the highest rate: jaxinfer
-compiles a program for each new shape a request mix produces, and the
-programs compiled during each timed run are recorded). Rates run in
-increasing order; once a server completes less than half the offered rate
-with a p99 TTFT over 5x the SLO, its higher rates are skipped (it is
-saturated). The load average is recorded with every run. Outputs:
-`<out>/serve-load-<model>-<time>.json`, `.md` (table and targets) and `.png`
-(throughput and p99 latencies against the offered rate).
-
-Target (issue 13): at the highest rate where llama.cpp meets a p99 TTFT of
-`slo_ttft_s`, its request throughput R; jaxinfer's highest request
-throughput at any rate where it meets the same p99 TTFT must be >= 2 R.
+The load average is recorded before and after every workload, and the
+CPU model with the results. Outputs (`report.publish`):
+`<out>/serve-load-<model>-<time>.json`, `.md` (tables and the targets of
+`serve_report.serve_targets`) and `.png`; server logs in
+`<out>/serve-load-logs-<time>/`.
 """
 
 from __future__ import annotations
@@ -44,202 +43,193 @@ import math
 import os
 import pathlib
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
+from jaxinfer.serving.loading import XLA_CACHE_ENV
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.tools.bench.serve_load import make_trace, run_load, summarize_load
-from jaxinfer.config import cache_dir
-from jaxinfer.tools.bench.report import targets_table
+from jaxinfer.tools.bench.serve_peers import MODEL_NAME, PEERS, PeerUnavailable, server_command
+from jaxinfer.tools.bench.serve_workloads import (ServerProcess, first_request, run_long_prompts,
+                                                  summarize_long_prompts)
 from jaxinfer.checkpoint.sources import resolve_model
-from jaxinfer.config import GenerationConfig
 from jaxinfer.tokenizer.tokenizer import Tokenizer
-from jaxinfer.tools.bench.machine import cpu_info
-from jaxinfer.tools.bench.report import write_results
-
-SERVER_DEFAULTS = ("max_num_seqs=16", "decode_chunk=8", "max_seq_len=1024")
-MODEL_NAME = "bench-model"
+from jaxinfer.tools.bench.report import publish
+from jaxinfer.tools.bench.serve_report import format_load, plot_load, serve_targets
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadSweep:
     """What the comparison runs (lengths in tokens, rates in requests/s, times in seconds)."""
 
-    rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
-    num_requests: int = 32
+    rates: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+    num_requests: int = 40
     prompt_len: tuple[int, int] = (32, 512)
-    output_len: tuple[int, int] = (16, 128)
+    output_len: tuple[int, int] = (32, 256)
     max_concurrency: Optional[int] = None
-    warmup_requests: int = 32
+    warmup_requests: int = 16
+    max_num_seqs: int = 16
+    max_seq_len: int = 2560
     seed: int = 0
-    slo_ttft_s: float = 2.0
-    slo_tpot_s: float = 0.25
+    slo_ttft_s: float = 1.0
+    slo_gap_s: float = 0.150
+    short_requests: int = 200
+    short_tokens: int = 8
+    short_concurrency: int = 8
+    short_prompt_len: tuple[int, int] = (16, 64)
+    long_prompt_tokens: int = 2048
+    long_output_tokens: int = 16
+    long_prompts: int = 8
+    long_every_s: float = 2.0
+    long_streams: int = 8
+    long_chat_tokens: int = 128
     request_timeout_s: float = 600.0
     run_timeout_s: float = 1800.0
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = 1800.0
 
 
-QUICK_LOAD = LoadSweep(rates=(0.5, 2.0), num_requests=8, prompt_len=(16, 128), output_len=(8, 32),
-                       warmup_requests=4, run_timeout_s=600.0)
+QUICK_LOAD = LoadSweep(rates=(1.0, 4.0), num_requests=8, prompt_len=(16, 128), output_len=(8, 32),
+                       warmup_requests=4, max_seq_len=1024, short_requests=16, long_prompt_tokens=512,
+                       long_prompts=2, long_chat_tokens=32, run_timeout_s=600.0)
 
 
-class ServerProcess:
-    """A server subprocess, up once GET <url>/v1/models answers 200; stopped on exit.
+@dataclasses.dataclass(frozen=True)
+class Traces:
+    """Every server's requests (`serve_load.LoadTrace`s, seeded by the sweep)."""
 
-    Raises:
-      RuntimeError: from `__enter__`, when it exits or does not answer within
-        start_timeout_s (the log's tail attached).
-    """
-
-    def __init__(self, cmd: Sequence[str], url: str, log_path: pathlib.Path, start_timeout_s: float):
-        self.cmd, self.url, self.log_path, self.start_timeout_s = list(cmd), url, log_path, start_timeout_s
-        self.proc: Optional[subprocess.Popen] = None
-
-    def __enter__(self) -> "ServerProcess":
-        import httpx
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w", encoding="utf-8")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        log.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=10).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.__exit__()
-        raise RuntimeError(f"{self.cmd[:4]} did not start: {self.log_tail()}")
-
-    def log_tail(self, chars: int = 1500) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+    rates: object
+    warmup: object
+    short: object
+    long: object
+    chat: object
 
 
-def _free_port() -> int:
+def make_traces(tok, sweep: LoadSweep) -> Traces:
+    """The sweep's traces from the model's tokenizer: the Poisson trace
+    (seed), warm-up (seed + 1), short chat prompts (seed + 2), long
+    prompts of exactly long_prompt_tokens (seed + 3), and the long-prompt
+    run's chat prompts (seed + 4, short_prompt_len)."""
+    s = sweep
+    short_out = (s.short_tokens, s.short_tokens)
+    long_len = (s.long_prompt_tokens, s.long_prompt_tokens)
+    long_out = (s.long_output_tokens, s.long_output_tokens)
+    return Traces(rates=make_trace(tok, s.num_requests, s.prompt_len, s.output_len, s.seed),
+                  warmup=make_trace(tok, s.warmup_requests, s.prompt_len, s.output_len, s.seed + 1),
+                  short=make_trace(tok, s.short_requests, s.short_prompt_len, short_out, s.seed + 2),
+                  long=make_trace(tok, s.long_prompts, long_len, long_out, s.seed + 3),
+                  chat=make_trace(tok, 4 * s.long_streams, s.short_prompt_len, long_out, s.seed + 4))
+
+
+def saturated(summary: dict, rate: float, slo_ttft_s: float) -> bool:
+    """True when a run completed under 70% of the offered `rate` with a p99
+    TTFT over 5 x slo_ttft_s (or no TTFT at all)."""
+    ttft = summary.get("ttft_s") or {}
+    return summary["request_throughput"] < 0.7 * rate and ttft.get("p99", math.inf) > 5 * slo_ttft_s
+
+
+def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def server_command(name: str, port: int, *, config: str, overrides: Sequence[str], gguf: str,
-                   max_seq_len: int, threads: int) -> Optional[list[str]]:
-    """The command line that starts server `name` on `port`, or None when
-    it is not installed."""
-    import importlib.util
+class _Runner:
+    """One server's workloads (module docstring, steps 2-5) against a started server."""
 
-    host = ["--host", "127.0.0.1", "--port", str(port)]
-    if name == "jaxinfer":
-        return [sys.executable, "-m", "jaxinfer.cli", "serve", "--config", config, *host,
-                "--served-model-name", MODEL_NAME, "-q", *SERVER_DEFAULTS, *overrides]
-    if name == "llamacpp":
-        if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("sse_starlette") is None:
-            return None
-        return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL_NAME,
-                "--n_ctx", str(max_seq_len), "--n_threads", str(threads), "--n_threads_batch",
-                str(threads), "--interrupt_requests", "False", "--verbose", "False", *host]
-    if name == "hf":
-        exe = shutil.which("transformers")
-        if exe is None:
-            return None
-        # a bounded paged KV cache: 256 blocks of 32 tokens (its default sizing took 13 GiB here)
-        return [exe, "serve", "--continuous-batching", "--cb-block-size", "32", "--cb-num-blocks", "256",
-                "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *host,
-                str(hf_folder_from_gguf(gguf))]
-    raise ValueError(f"unknown server {name!r}")
+    def __init__(self, name: str, traces: Traces, sweep: LoadSweep, count_tokens, log):
+        self.name, self.traces, self.sweep, self.count, self.log = name, traces, sweep, count_tokens, log
+        self.kwargs = dict(count_tokens=count_tokens, request_timeout_s=sweep.request_timeout_s,
+                           run_timeout_s=sweep.run_timeout_s)
+
+    def phase(self, out: dict, key: str, url: str, fn) -> dict:
+        """out[key] = fn() with the load average around it and, for jaxinfer,
+        the programs compiled meanwhile ([count, seconds]); a timeout is
+        recorded as {"error"}. Returns out[key]."""
+        before = loadavg()
+        compiled = _compiled(url) if self.name == "jaxinfer" else None
+        try:
+            out[key] = fn()
+        except asyncio.TimeoutError:
+            out[key] = {"error": f"timed out after {self.sweep.run_timeout_s:g} s"}
+        out[key].update(loadavg_before=before, loadavg_after=loadavg())
+        if compiled is not None:
+            after = _compiled(url)
+            out[key]["compiled_during_run"] = [after[0] - compiled[0], after[1] - compiled[1]]
+        return out[key]
+
+    def warmup(self, url: str) -> dict:
+        """Untimed: the warm-up trace at the highest rate, 2 x short_concurrency
+        short requests and a long-prompt run with 2 long prompts; returns
+        {"failed": requests that failed}."""
+        s, t = self.sweep, self.traces
+        runs = [run_load(url, MODEL_NAME, t.warmup, max(s.rates), max_concurrency=s.max_concurrency,
+                         **self.kwargs),
+                run_load(url, MODEL_NAME, t.short.head(2 * s.short_concurrency), math.inf, chat=True,
+                         max_concurrency=s.short_concurrency, **self.kwargs)]
+        failed = sum(not r.ok for run in runs for r in asyncio.run(run)[0])
+        chat, longs, _ = asyncio.run(run_long_prompts(
+            url, MODEL_NAME, t.chat, t.long.head(2), streams=s.long_streams,
+            chat_tokens=s.long_chat_tokens, every_s=s.long_every_s, **self.kwargs))
+        return {"failed": failed + sum(not r.ok for r in [*chat, *longs])}
+
+    def run_all(self, url: str, out: dict) -> None:
+        """Warm-up, the rates in increasing order until saturated, short
+        requests, long prompts (module docstring), into `out`."""
+        s = self.sweep
+        self.phase(out, "warmup", url, lambda: self.warmup(url))
+        out["rates"] = {}
+        for rate in s.rates:
+            summary = self.phase(out["rates"], f"{rate:g}", url, lambda: self._rate(url, rate))
+            self.log(f"{self.name}: rate {rate:g}/s: {summary.get('request_throughput', 0):.2f} req/s, "
+                     f"{summary.get('output_tokens_per_s', 0):.0f} tok/s, {summary.get('failed')} failed")
+            if "error" in summary or saturated(summary, rate, s.slo_ttft_s):
+                out["saturated_at"] = rate
+                break
+        self.phase(out, "short", url, lambda: self.short(url))
+        self.phase(out, "long_prompts", url, lambda: self.long(url))
+
+    def _rate(self, url: str, rate: float) -> dict:
+        s = self.sweep
+        results, wall = asyncio.run(run_load(url, MODEL_NAME, self.traces.rates, rate,
+                                             max_concurrency=s.max_concurrency, **self.kwargs))
+        return dict(summarize_load(results, wall, s.slo_ttft_s, s.slo_gap_s), rate=rate)
+
+    def short(self, url: str) -> dict:
+        s = self.sweep
+        results, wall = asyncio.run(run_load(url, MODEL_NAME, self.traces.short, math.inf, chat=True,
+                                             max_concurrency=s.short_concurrency, **self.kwargs))
+        return summarize_load(results, wall, s.slo_ttft_s, s.slo_gap_s)
+
+    def long(self, url: str) -> dict:
+        s = self.sweep
+        chat, longs, wall = asyncio.run(run_long_prompts(
+            url, MODEL_NAME, self.traces.chat, self.traces.long, streams=s.long_streams,
+            chat_tokens=s.long_chat_tokens, every_s=s.long_every_s, **self.kwargs))
+        return summarize_long_prompts(chat, longs, wall)
 
 
-def hf_folder_from_gguf(gguf: str) -> pathlib.Path:
-    """A Hugging Face folder (float32 safetensors, config, tokenizer) of the
-    GGUF's weights as transformers dequantizes them, kept in
-    `<jaxinfer cache>/hf-from-gguf/<file stem>` (`transformers serve` cannot
-    read a local GGUF file)."""
-    import transformers
-
-
-    path = pathlib.Path(gguf)
-    folder = cache_dir() / "hf-from-gguf" / path.stem
-    if not (folder / "config.json").is_file():
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
-        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        config = loaded.config   # a GGUF-loaded model refuses save_pretrained: copy it into a plain one
-        for name in ("quantization_config", "gguf_file"):
-            if hasattr(config, name):
-                delattr(config, name)
-        config.architectures = [type(loaded).__name__]
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(loaded.state_dict())
-        tmp = folder.with_name(folder.name + ".tmp")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-    return folder
-
-
-def _saturated(summary: dict, rate: float, slo_ttft_s: float) -> bool:
-    ttft = summary.get("ttft_s") or {}
-    return summary["request_throughput"] < 0.5 * rate and ttft.get("p99", math.inf) > 5 * slo_ttft_s
-
-
-def run_server(name: str, cmd: list[str], trace, warmup, sweep: LoadSweep, count_tokens, out_dir,
-               log) -> dict:
-    """Start one server, warm it, run every rate; returns its results."""
-    port = int(cmd[cmd.index("--port") + 1])
-    url = f"http://127.0.0.1:{port}"
-    model = cmd[-1] if name == "hf" else MODEL_NAME
-    out = {"command": cmd, "rates": {}, "loadavg_start": loadavg()}
-    kwargs = dict(count_tokens=count_tokens, max_concurrency=sweep.max_concurrency,
-                  request_timeout_s=sweep.request_timeout_s, run_timeout_s=sweep.run_timeout_s,
-                  fixed_length=name != "hf")    # transformers serve rejects min_tokens / ignore_eos
+def start_server(name: str, cmd: list[str], env: dict, sweep: LoadSweep, count_tokens, log_path,
+                 runner: Optional[_Runner] = None) -> dict:
+    """Start one server, time its start (`serve_workloads.first_request`)
+    and, given a runner, run its workloads; returns {"command", "start",
+    "status" ("ok", "skipped: why" when it did not start, "failed: why"
+    when it broke later), the workloads' results, load averages}."""
+    out = {"command": cmd, "env": env, "loadavg_start": loadavg()}
+    url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
     try:
-        with ServerProcess(cmd, url, pathlib.Path(out_dir) / f"server-{name}.log", sweep.start_timeout_s):
-            log(f"{name}: up; warm-up ({len(warmup)} requests at {max(sweep.rates):g}/s)")
-            results, _ = asyncio.run(run_load(url, model, warmup, max(sweep.rates), **kwargs))
-            out["warmup_failed"] = sum(not r.ok for r in results)
-            for rate in sweep.rates:
-                key = f"{rate:g}"
-                load = loadavg()
-                compiled = _compiled(url) if name == "jaxinfer" else None
-                results, wall = asyncio.run(run_load(url, model, trace, rate, **kwargs))
-                summary = summarize_load(results, wall, sweep.slo_ttft_s, sweep.slo_tpot_s)
-                summary.update(rate=rate, loadavg_before=load, loadavg_after=loadavg())
-                if compiled is not None:
-                    after = _compiled(url)
-                    summary["compiled_during_run"] = [after[0] - compiled[0], after[1] - compiled[1]]
-                out["rates"][key] = summary
-                log(f"{name}: rate {key}/s: {summary['request_throughput']:.2f} req/s, "
-                    f"TTFT p99 {_p(summary, 'ttft_s', 'p99')} s, {summary['failed']} failed, "
-                    f"load {load[0] if load else '?'}")
-                if _saturated(summary, rate, sweep.slo_ttft_s):
-                    out["saturated_at"] = rate
-                    break
+        with ServerProcess(cmd, url, log_path, sweep.start_timeout_s, env) as server:
+            out["start"] = first_request(server, MODEL_NAME, "Say hello.", 8, count_tokens,
+                                         sweep.request_timeout_s)
+            if runner is not None:
+                runner.log(f"{name}: healthy after {server.healthy_s:.1f} s; running the workloads")
+                runner.run_all(server.url, out)
         out["status"] = "ok"
-    except (RuntimeError, OSError, asyncio.TimeoutError) as e:
-        out["status"] = f"skipped: {str(e)[-600:]}"
-        log(f"{name}: {out['status']}")
+    except Exception as e:  # noqa: BLE001 - a server that fails is reported, and the next one runs
+        what = "skipped" if "start" not in out else f"failed: {type(e).__name__}"
+        out["status"] = f"{what}: {str(e)[-600:]}"
     out["loadavg_end"] = loadavg()
     return out
 
@@ -256,145 +246,90 @@ def _compiled(url: str) -> tuple[float, float]:
     return values.get("jaxinfer_programs_compiled", 0.0), values.get("jaxinfer_compile_seconds", 0.0)
 
 
-def _compiled_cell(summary: dict) -> str:
-    """Programs compiled during a timed run and their seconds ("-" for peers)."""
-    c = summary.get("compiled_during_run")
-    return "-" if c is None else f"{c[0]:.0f} ({c[1]:.1f} s)"
+def peer_names(choice: str) -> list[str]:
+    """The servers a --peers choice runs, jaxinfer first.
+
+    Raises:
+      ValueError: a choice that is not "all", "none" or one of PEERS.
+    """
+    if choice not in ("all", "none", *PEERS):
+        raise ValueError(f"--serve-load compares with {', '.join(PEERS)} (or all / none), not {choice!r}")
+    return ["jaxinfer"] + {"all": list(PEERS), "none": []}.get(choice, [choice])
 
 
-def _p(summary: dict, key: str, q: str):
-    value = (summary.get(key) or {}).get(q)
-    return "-" if value is None else f"{value:.3g}"
+def run_servers(names, *, config: str, overrides: tuple, gguf: str, traces: Traces, sweep: LoadSweep,
+                count_tokens, logs: pathlib.Path, log, setup: bool = True) -> dict:
+    """Every server in `names`, one at a time (module docstring); returns
+    {name: start_server's dict}, jaxinfer's with "start_cold" added; a peer
+    that is not set up (and cannot be, or `setup` is False) is
+    {"status": "skipped: <PeerUnavailable's message>"}."""
+    servers, threads = {}, os.cpu_count() or 1
+    for name in names:
+        try:
+            port = free_port()
+            cmd, env = server_command(name, port, config=config, overrides=overrides, gguf=gguf,
+                                      max_seq_len=sweep.max_seq_len, max_num_seqs=sweep.max_num_seqs,
+                                      threads=threads, setup=setup, log=log)
+        except PeerUnavailable as e:
+            servers[name] = {"status": f"skipped: {e}"}
+            log(f"{name}: {servers[name]['status']}")
+            continue
+        runner = _Runner(name, traces, sweep, count_tokens, log)
+        log(f"{name}: starting: {' '.join(cmd)}")
+        cold = None
+        if name == "jaxinfer":
+            env = {**env, XLA_CACHE_ENV: str(logs / "xla-cache")}
+            shutil.rmtree(logs / "xla-cache", ignore_errors=True)
+            cold = start_server(name, cmd, env, sweep, count_tokens, logs / "jaxinfer-cold.log")
+            log(f"jaxinfer: cold start: {cold.get('start')}")
+            cmd = _with_port(cmd, free_port())
+        servers[name] = start_server(name, cmd, env, sweep, count_tokens, logs / f"{name}.log", runner)
+        if cold is not None:
+            servers[name]["start_cold"] = cold.get("start") or {"error": cold["status"]}
+            shutil.rmtree(logs / "xla-cache", ignore_errors=True)
+        log(f"{name}: {servers[name]['status'][:300]}")
+    return servers
 
 
-def _within_slo(server: Optional[dict], slo_ttft_s: float) -> list[dict]:
-    """A server's runs with every request completed and p99 TTFT <= the SLO."""
-    runs = (server or {}).get("rates", {}).values()
-    return [r for r in runs if r.get("ttft_s") and r["ttft_s"]["p99"] <= slo_ttft_s and not r["failed"]]
-
-
-def load_targets(servers: dict, slo_ttft_s: float) -> list[dict]:
-    """The issue's target (module docstring), one row per peer that ran."""
-    ours = _within_slo(servers.get("jaxinfer"), slo_ttft_s)
-    jax = max((r["request_throughput"] for r in ours), default=None)
-    out = []
-    for peer in ("llamacpp", "hf"):
-        runs = _within_slo(servers.get(peer), slo_ttft_s)
-        at = max(runs, key=lambda r: r["rate"]) if runs else None
-        value = jax / at["request_throughput"] if (jax and at) else None
-        where = f" (peer's highest rate within it: {at['rate']:g}/s)" if at else ""
-        out.append({"name": f"jaxinfer / {peer} request throughput within p99 TTFT <= "
-                            f"{slo_ttft_s:g} s{where}",
-                    "value": value, "op": ">=", "goal": 2.0,
-                    "result": "n/a" if value is None else ("PASS" if value >= 2.0 else "FAIL")})
+def _with_port(cmd: list[str], port: int) -> list[str]:
+    """`cmd` with its --port value replaced by `port`."""
+    out = list(cmd)
+    out[out.index("--port") + 1] = str(port)
     return out
 
 
-def format_load(results: dict) -> str:
-    """A Markdown table (one row per server and rate) and the targets."""
-    lines = ["| server | rate /s | req/s | goodput /s | output tok/s | TTFT p50/p99 s | TPOT p50/p99 ms "
-             "| ITL p99 ms | E2E p50/p99 s | done/failed | compiled | load 1m |", "|" + "---|" * 12]
-    for name, server in results["servers"].items():
-        if server.get("status") != "ok":
-            lines.append(f"| {name} | {server.get('status', '?')[:120]} |" + " |" * 10)
-            continue
-        for key, r in server["rates"].items():
-            def ms(k, q):
-                v = (r.get(k) or {}).get(q)
-                return "-" if v is None else f"{v * 1e3:.0f}"
-            load = r.get("loadavg_before")
-            lines.append(
-                f"| {name} | {key} | {r['request_throughput']:.3f} | {r['goodput']:.3f} | "
-                f"{r['output_tokens_per_s']:.1f} | {_p(r, 'ttft_s', 'p50')}/{_p(r, 'ttft_s', 'p99')} | "
-                f"{ms('tpot_s', 'p50')}/{ms('tpot_s', 'p99')} | {ms('itl_s', 'p99')} | "
-                f"{_p(r, 'e2e_s', 'p50')}/{_p(r, 'e2e_s', 'p99')} | {r['completed']}/{r['failed']} | "
-                f"{_compiled_cell(r)} | {load[0] if load else '-'} |")
-        if "saturated_at" in server:
-            lines.append(f"| {name} | higher rates skipped: saturated at {server['saturated_at']:g}/s |"
-                         + " |" * 10)
-
-    return "\n".join(lines + targets_table(results["targets"]))
-
-
-def plot_load(results: dict, path: str) -> str:
-    """Request throughput, p99 TTFT and p99 E2E against the offered rate, one line per server."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 3)
-    slo = results["sweep"]["slo_ttft_s"]
-    for name, server in results["servers"].items():
-        runs = list(server.get("rates", {}).values())
-        if not runs:
-            continue
-        rates = [r["rate"] for r in runs]
-        axes[0].plot(rates, [r["request_throughput"] for r in runs], "o-", label=name)
-        for ax, key in ((axes[1], "ttft_s"), (axes[2], "e2e_s")):
-            ax.plot(rates, [(r.get(key) or {}).get("p99", math.nan) for r in runs], "o-", label=name)
-    top = max(results["sweep"]["rates"])
-    axes[0].plot([0, top], [0, top], ":", color="grey", label="offered")
-    axes[1].axhline(slo, color="red", ls="--", lw=1, label=f"SLO {slo:g} s")
-    titles = ("request throughput (req/s)", "p99 TTFT (s)", "p99 end-to-end latency (s)")
-    for ax, title in zip(axes, titles):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("offered rate (requests/s, Poisson)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in axes[1:]:
-        ax.set_yscale("log")
-    fig.savefig(path, dpi=110)
-    return path
-
-
 def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
-    """Run the comparison; print the table; write JSON, Markdown and PNG."""
+    """Run the comparison; print the report; write JSON, Markdown and PNG
+    (`report.publish`). Returns the exit status (0).
 
-    served = GenerationConfig.load(args.config, SERVER_DEFAULTS + tuple(args.overrides))
+    Raises:
+      ValueError: the model is not a GGUF file, an unknown --peers, or a
+        request that does not fit max_seq_len.
+    """
+
+    names = peer_names(args.peers)
     gguf = str(resolve_model(cfg.model))
     if not gguf.endswith(".gguf"):
         raise ValueError(f"--serve-load compares servers on one GGUF file; {cfg.model} is {gguf}")
+    longest = max(sweep.prompt_len[1] + sweep.output_len[1],
+                  sweep.long_prompt_tokens + sweep.long_output_tokens)
+    if longest > sweep.max_seq_len:
+        raise ValueError(f"requests up to {longest} tokens exceed max_seq_len {sweep.max_seq_len}")
     tok = Tokenizer.from_source(gguf)
     count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
-    trace = make_trace(tok, sweep.num_requests, sweep.prompt_len, sweep.output_len, sweep.seed)
-    warmup = make_trace(tok, sweep.warmup_requests, sweep.prompt_len, sweep.output_len, sweep.seed + 1)
-    if max(trace.prompt_tokens) + sweep.output_len[1] > served.max_seq_len:
-        raise ValueError(f"prompts up to {max(trace.prompt_tokens)} + outputs up to {sweep.output_len[1]} "
-                         f"tokens exceed max_seq_len {served.max_seq_len}")
-    names = ["jaxinfer"] + {"all": ["llamacpp", "hf"], "none": []}.get(args.peers, [args.peers])
+    traces = make_traces(tok, sweep)
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[serve-load] {msg}", file=sys.stderr, flush=True))
-    stem = f"serve-load-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out_dir = os.path.join(args.out, stem)
-    results = {"model": cfg.model, "gguf": gguf, "sweep": dataclasses.asdict(sweep),
-               "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_info(),
-               "cpu_count": os.cpu_count(), "loadavg_start": loadavg(),
-               "trace": {"prompt_tokens": list(trace.prompt_tokens),
-                         "output_tokens": list(trace.output_tokens)},
-               "servers": {}}
-    threads = os.cpu_count() or 1
-    for name in names:
-        try:
-            cmd = server_command(name, _free_port(), config=args.config, overrides=args.overrides,
-                                 gguf=gguf, max_seq_len=served.max_seq_len, threads=threads)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported, not fatal
-            results["servers"][name] = {"status": f"skipped: {type(e).__name__}: {str(e)[-400:]}"}
-            log(f"{name}: {results['servers'][name]['status']}")
-            continue
-        if cmd is None:
-            results["servers"][name] = {"status": "skipped: not installed"}
-            log(f"{name}: skipped (not installed)")
-            continue
-        log(f"{name}: starting: {' '.join(cmd)}")
-        results["servers"][name] = run_server(name, cmd, trace, warmup, sweep, count, out_dir, log)
+    logs = pathlib.Path(args.out) / f"serve-load-logs-{time.strftime('%Y%m%d-%H%M%S')}"
+    results = {"gguf": gguf, "sweep": dataclasses.asdict(sweep), "cpu_count": os.cpu_count(),
+               "loadavg_start": loadavg(), "logs": str(logs),
+               "trace": {"prompt_tokens": list(traces.rates.prompt_tokens),
+                         "output_tokens": list(traces.rates.output_tokens)}}
+    results["servers"] = run_servers(names, config=args.config, overrides=tuple(args.overrides),
+                                     gguf=gguf, traces=traces, sweep=sweep, count_tokens=count,
+                                     logs=logs, log=log, setup=not args.no_peer_setup)
     results["loadavg_end"] = loadavg()
-    results["targets"] = load_targets(results["servers"], sweep.slo_ttft_s)
-    report = format_load(results)
-    paths = write_results(results, args.out, stem, report=report)
-    if not args.no_plot:
-        paths["png"] = plot_load(results, os.path.join(args.out, f"{stem}.png"))
-    print(report)
-    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    results["targets"] = serve_targets(results["servers"], sweep)
+    return publish(results, cfg, args.out, "serve-load", format_load,
+                   None if args.no_plot else plot_load)
+

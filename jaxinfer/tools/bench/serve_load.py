@@ -1,8 +1,9 @@
 """A load generator for OpenAI-compatible servers, in the style of vLLM's
 serving benchmark (`benchmarks/benchmark_serving.py`): an asyncio HTTP
-client sends a seeded trace of streamed /v1/completions requests with
-Poisson arrivals at a given rate (or as fast as a max-concurrency limit
-allows) and records, per request, when each streamed chunk arrived.
+client sends a seeded trace of streamed /v1/completions (or
+/v1/chat/completions) requests with Poisson arrivals at a given rate (or as
+fast as a max-concurrency limit allows) and records, per request, when each
+streamed chunk arrived and how many tokens it carried.
 
 Trace: `num_requests` prompts of log-uniform length in `prompt_len`
 tokens, built from whole-word tokens of the model's vocabulary (text that
@@ -20,13 +21,17 @@ Per request (seconds, on the client's `time.perf_counter()`):
          chunk's text re-tokenized, at least 1): servers that stream several
          tokens per chunk (jaxinfer decodes in chunks) and one token per
          chunk (llama.cpp) give comparable per-token figures.
+  gap    each later chunk's arrival - the previous chunk's (undivided: the
+         stall a reader sees), with the tokens of every chunk recorded
+         (`chunk_tokens`, the first chunk's included), so a burst of 16
+         tokens in one chunk shows as one long gap and a 16.
 Output tokens are the server's `usage.completion_tokens` when it sends
 usage (stream_options.include_usage), else the requested count when the
 request finished by length, else the text re-tokenized.
 
 Per run: request throughput (completed requests / wall time from the first
 send to the last completion), output tokens/s, mean/p50/p90/p99 of TTFT,
-TPOT, ITL and E2E, and goodput: completed requests per second that met the
+TPOT, ITL, chunk gap and E2E, tokens per chunk, and goodput: completed requests per second that met the
 SLO (TTFT <= slo_ttft_s and TPOT <= slo_tpot_s; DistServe, Zhong et al.
 2024, arXiv:2401.09670). Every loop is bounded: a request gives up after
 `request_timeout_s`, a run after `run_timeout_s`.
@@ -59,6 +64,11 @@ class LoadTrace:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def head(self, n: int) -> "LoadTrace":
+        """The trace of its first `n` requests."""
+        return LoadTrace(self.prompts[:n], self.prompt_tokens[:n], self.output_tokens[:n],
+                         self.unit_gaps[:n])
 
     def arrivals(self, rate: float) -> list[float]:
         """Send times (seconds from the start) at `rate` requests/s (inf: all at 0)."""
@@ -124,6 +134,8 @@ class RequestResult:
     itl: list = dataclasses.field(default_factory=list)
     sent: float = 0.0          # send time, seconds after the run's start
     finish_reason: Optional[str] = None
+    gaps: list = dataclasses.field(default_factory=list)          # seconds between chunks
+    chunk_tokens: list = dataclasses.field(default_factory=list)  # tokens in each chunk
 
     @property
     def tpot(self) -> Optional[float]:
@@ -132,10 +144,31 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
+def request_body(model: str, prompt: str, max_tokens: int, *, chat: bool = False,
+                 fixed_length: bool = True) -> tuple[str, dict]:
+    """(path, JSON body) of one streamed greedy request: /v1/completions with
+    `prompt`, or /v1/chat/completions with `prompt` as the one user message.
+    `fixed_length` adds vLLM's min_tokens = max_tokens and ignore_eos."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if fixed_length:
+        body.update(min_tokens=max_tokens, ignore_eos=True)
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def chunk_text(choice: dict) -> str:
+    """The text a streamed choice carries (`text`, or chat's `delta.content`)."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
 async def send_request(http, url: str, model: str, prompt: str, max_tokens: int, count_tokens,
                        timeout_s: float, api_key: Optional[str] = None,
-                       fixed_length: bool = True) -> RequestResult:
-    """POST one streamed /v1/completions request and time its chunks.
+                       fixed_length: bool = True, chat: bool = False) -> RequestResult:
+    """POST one streamed request (`request_body`) and time its chunks.
 
     Args:
       http: an `httpx.AsyncClient`.
@@ -143,18 +176,19 @@ async def send_request(http, url: str, model: str, prompt: str, max_tokens: int,
       fixed_length: send min_tokens = max_tokens and ignore_eos (vLLM's
         fields; a server that rejects unknown fields gets plain OpenAI
         fields and may stop early at EOS).
+      chat: /v1/chat/completions instead of /v1/completions.
+    Returns:
+      The request's RequestResult; an HTTP, protocol or timeout error fails
+      it (`ok` False, `error` set) and raises nothing.
     """
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if fixed_length:
-        body.update(min_tokens=max_tokens, ignore_eos=True)
+    path, body = request_body(model, prompt, max_tokens, chat=chat, fixed_length=fixed_length)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result, usage, text, last = RequestResult(), None, [], None
     t0 = time.perf_counter()
 
     async def receive():
         nonlocal usage, last
-        async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        async with http.stream("POST", url + path, json=body, headers=headers) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
@@ -166,15 +200,17 @@ async def send_request(http, url: str, model: str, prompt: str, max_tokens: int,
                 chunk = json.loads(data)
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
-                    piece = choice.get("text") or ""
+                    piece = chunk_text(choice)
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
                     if not piece:
                         continue
                     now = time.perf_counter() - t0
+                    k = max(1, count_tokens(piece))
+                    result.chunk_tokens.append(k)
                     if last is None:
                         result.ttft = now
                     else:
-                        k = max(1, count_tokens(piece))
+                        result.gaps.append(now - last)
                         result.itl += [(now - last) / k] * k
                     last = now
                     text.append(piece)
@@ -200,11 +236,17 @@ async def send_request(http, url: str, model: str, prompt: str, max_tokens: int,
 async def run_load(url: str, model: str, trace: LoadTrace, rate: float, *, count_tokens,
                    max_concurrency: Optional[int] = None, request_timeout_s: float = 600.0,
                    run_timeout_s: float = 3600.0, api_key: Optional[str] = None,
-                   limit: Optional[int] = None, fixed_length: bool = True
+                   limit: Optional[int] = None, fixed_length: bool = True, chat: bool = False
                    ) -> tuple[list[RequestResult], float]:
-    """Send the trace at `rate` requests/s (Poisson; inf: all at once),
-    at most `max_concurrency` in flight; returns (results, wall seconds from
-    the first send to the last completion). `limit`: only the first requests."""
+    """Send the trace at `rate` requests/s (Poisson; inf: all at once, which
+    with `max_concurrency` is a closed loop of that many clients), at most
+    `max_concurrency` in flight; returns (results, wall seconds from the
+    first send to the last completion). `limit`: only the first requests;
+    `chat`: as chat requests (`request_body`).
+
+    Raises:
+      asyncio.TimeoutError: the run took over `run_timeout_s`.
+    """
     import httpx
 
     n = len(trace) if limit is None else min(limit, len(trace))
@@ -222,7 +264,8 @@ async def run_load(url: str, model: str, trace: LoadTrace, rate: float, *, count
             try:
                 sent = time.perf_counter() - start
                 res = await send_request(http, url, model, trace.prompts[i], trace.output_tokens[i],
-                                         count_tokens, request_timeout_s, api_key, fixed_length)
+                                         count_tokens, request_timeout_s, api_key, fixed_length,
+                                         chat)
                 res.sent = sent
                 return res
             finally:
@@ -237,8 +280,10 @@ async def run_load(url: str, model: str, trace: LoadTrace, rate: float, *, count
 
 def summarize_load(results: Sequence[RequestResult], wall_s: float, slo_ttft_s: float,
                    slo_tpot_s: float) -> dict:
-    """The run's figures (module docstring); latency summaries are None when
-    no request completed."""
+    """The run's figures (module docstring): counts, throughputs (per second
+    of `wall_s`), and summaries (`jaxinfer.models.roofline.summarize`:
+    mean, p50, p90, p99 ...) of ttft_s, tpot_s, itl_s, gap_s, e2e_s and
+    tokens_per_chunk; a summary is None when no request completed."""
     ok = [r for r in results if r.ok]
 
     def stats(xs):
@@ -254,4 +299,6 @@ def summarize_load(results: Sequence[RequestResult], wall_s: float, slo_ttft_s: 
             "goodput": len(good) / wall_s if wall_s > 0 else 0.0,
             "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
             "ttft_s": stats(r.ttft for r in ok), "tpot_s": stats(r.tpot for r in ok),
-            "itl_s": stats(x for r in ok for x in r.itl), "e2e_s": stats(r.e2e for r in ok)}
+            "itl_s": stats(x for r in ok for x in r.itl), "gap_s": stats(x for r in ok for x in r.gaps),
+            "tokens_per_chunk": stats(x for r in ok for x in r.chunk_tokens),
+            "e2e_s": stats(r.e2e for r in ok)}
