@@ -197,7 +197,7 @@ def test_server_commands(monkeypatch, tmp_path):
 def test_compilation_cache_dir_from_the_environment(monkeypatch, tmp_path):
     import jax
 
-    from jaxinfer.checkpoint.loading import XLA_CACHE_ENV, enable_compilation_cache
+    from jaxinfer.serving.loading import XLA_CACHE_ENV, enable_compilation_cache
 
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
