@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxinfer.checkpoint import loading
+from jaxinfer.serving import loading
 from jaxinfer.cli import main
 from jaxinfer.config import GenerationConfig
 from jaxinfer.progress import Progress
