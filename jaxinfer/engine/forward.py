@@ -38,12 +38,18 @@ class Attend(Protocol):
 
 def rope_tables(config: ModelConfig, positions: jax.Array | np.ndarray) -> dict:
     """(cos, sin) [B, T, H] per attention type for integer positions [B, T]
-    (a numpy array, when known at trace time, gives constants: see `rope_cos_sin`)."""
+    (a numpy array, when known at trace time, gives constants: see
+    `rope_cos_sin`). Traced positions give tables computed once, behind an
+    optimization barrier: XLA:CPU would otherwise fuse cos and sin into
+    every layer's q and k and evaluate them per rotated element."""
     local_theta = config.rope_local_theta or config.rope_theta
-    return {
+    tables = {
         FULL_ATTENTION: rope_cos_sin(positions, rope_inv_freq(config, config.rope_theta)),
         SLIDING_ATTENTION: rope_cos_sin(positions, rope_inv_freq(config, local_theta)),
     }
+    if isinstance(positions, np.ndarray):
+        return tables
+    return jax.lax.optimization_barrier(tables)
 
 
 def run_layers(params: dict, layers: tuple, tokens: jax.Array, config: ModelConfig,
