@@ -26,8 +26,9 @@ LLM_KWARGS = dict(max_seq_len=64, min_kv_bucket=32, decode_chunk=4, prefill_chun
                   max_num_seqs=4)
 
 
-def _colocated(config, params) -> list:
-    ref = LLM(config, prepare_params(params, config, pack=False), **LLM_KWARGS)
+def _colocated(config, params, kv_cache_dtype=None) -> list:
+    ref = LLM(config, prepare_params(params, config, pack=False), **LLM_KWARGS,
+              kv_cache_dtype=kv_cache_dtype)
     out = ref.generate([p for p, _, _ in REQUESTS], [s for _, s, _ in REQUESTS],
                        max_new_tokens=[m for _, _, m in REQUESTS], ignore_eos=True)
     return [c.token_ids for c in out]
@@ -59,35 +60,41 @@ def drive(scheduler, requests, late: int = 1, timeout_s: float = 300.0) -> dict:
     return {str(i): v for i, v in sorted(out.items())}
 
 
-def device_sets(model: str, prefill_tp: int, decode_tp: int, prefill_workers: int = 1) -> dict:
+def device_sets(model: str, prefill_tp: int, decode_tp: int, prefill_workers: int = 1,
+                kv_cache_dtype=None) -> dict:
     """`prefill_workers` prefill workers on devices [0, prefill_tp), [prefill_tp,
     2 prefill_tp), ..., decode on the next decode_tp devices of this
-    process; outputs of both and of the colocated engine."""
+    process; outputs of both and of the colocated engine (the same
+    kv_cache_dtype on every side)."""
     n = prefill_tp * prefill_workers + decode_tp
     if len(jax.local_devices()) < n:
         return {"skip": f"needs {n} devices"}
     config = CONFIGS[model]
     params = random_params(config, seed=11)
+    kwargs = dict(LLM_KWARGS, kv_cache_dtype=kv_cache_dtype)
     devs = jax.local_devices()
     meshes_a = [sharding.make_mesh(prefill_tp, devices=devs[i * prefill_tp:(i + 1) * prefill_tp])
                 for i in range(prefill_workers)]
     mesh_b = sharding.make_mesh(decode_tp, devices=devs[n - decode_tp:n])
-    prefill_llms = [sharding.tensor_parallel_llm(config, params, None, m, **LLM_KWARGS) for m in meshes_a]
-    decode_llm = sharding.tensor_parallel_llm(config, params, None, mesh_b, **LLM_KWARGS)
+    prefill_llms = [sharding.tensor_parallel_llm(config, params, None, m, **kwargs) for m in meshes_a]
+    decode_llm = sharding.tensor_parallel_llm(config, params, None, mesh_b, **kwargs)
     prefill_llm = prefill_llms[0]
     client = ThreadPrefillClient(prefill_llms)
     scheduler = make_scheduler(decode_llm, client, 4)
     requests = [Request(p, s, m, ignore_eos=True) for p, s, m in REQUESTS]
     got = drive(scheduler, requests)
     client.close()
-    cache = scheduler.runner.state.cache
-    return {"disaggregated": got, "colocated": _colocated(config, params),
+    cache = scheduler.runner.cache
+    return {"disaggregated": got, "colocated": _colocated(config, params, kv_cache_dtype),
             "held": client.transport().num_held, "in_flight": scheduler.num_in_flight,
+            "waiting": scheduler.num_waiting, "pages_used": scheduler.kv_pages.num_used,
             "slots": [s is not None for s in scheduler.slots],
             "transfers": scheduler.transfers,
             "workers_used": sorted({t["worker"] for t in scheduler.transfers}),
             "decode_devices": sorted(d.id for d in cache.layers[0].keys.sharding.device_set),
             "decode_mesh": [d.id for d in mesh_b.devices.flat],
+            "scales_sharding": [str(kv.key_scale.sharding.spec) if kv.key_scale is not None else None
+                                for kv in cache.layers[:1]],
             "kv_repeat": [prefill_llm.sharding_plan.kv_repeat, decode_llm.sharding_plan.kv_repeat]}
 
 
@@ -102,7 +109,7 @@ def tiny_gemma3():
 
 
 def tiny_llama():
-    """As `tiny_gemma3`; no sliding layers, so its ring_pos is an empty [B, 0] array."""
+    """As `tiny_gemma3`, a model without sliding layers."""
     return CONFIGS["llama"], random_params(CONFIGS["llama"], seed=11), None
 
 
@@ -195,7 +202,7 @@ def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, model: 
             colocated = _colocated(config, params)
         s = engine.scheduler
         result = {"outcomes": {str(i): v for i, v in sorted(out.items())}, "colocated": colocated,
-                  "health": health, "in_flight": s.num_in_flight, "reserved": len(s._reserved),
+                  "health": health, "in_flight": s.num_in_flight, "waiting": s.num_waiting,
                   "slots": [x is not None for x in s.slots], "killed_pid": killed_pid,
                   "transfers": s.transfers}
     finally:

@@ -24,9 +24,26 @@ def test_device_sets_match_colocated(model, prefill_tp, decode_tp):
     assert [got[str(i)][0] for i in range(len(r["colocated"]))] == r["colocated"]
     assert all(got[k][1] == "length" for k in got)
     assert r["held"] == 0 and r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0}
-    assert not any(r["slots"])
+    assert not any(r["slots"]) and r["waiting"] == 0 and r["pages_used"] == 0
     assert r["decode_devices"] == sorted(r["decode_mesh"])       # the KV really lives on mesh B
     assert len(r["transfers"]) == len(r["colocated"]) and all(t["bytes"] > 0 for t in r["transfers"])
+
+
+@pytest.mark.parametrize("model,prefill_tp,decode_tp,devices", [("gemma3", 2, 1, 4), ("llama", 2, 4, 6)])
+def test_int8_pages_keep_their_scales_across_tp(model, prefill_tp, decode_tp, devices):
+    """An int8 KV cache, prefill and decode at different tp: the tiny Gemma
+    3's one KV head stored twice at tp = 2 and once at tp = 1; the tiny
+    Llama's two KV heads once at tp = 2 and twice at tp = 4 (its scales
+    split by heads there). The pages cross with their scales and the
+    greedy and seeded tokens are the colocated int8 engine's."""
+    r = run_case(devices, "disagg_cases", "device_sets", model=model, prefill_tp=prefill_tp,
+                 decode_tp=decode_tp, kv_cache_dtype="int8")
+    got = r["disaggregated"]
+    assert [got[str(i)][0] for i in range(len(r["colocated"]))] == r["colocated"]
+    assert all(got[k][1] == "length" for k in got)
+    assert r["kv_repeat"] == ([2, 1] if model == "gemma3" else [1, 2])
+    assert r["scales_sharding"] == (["P()"] if decode_tp == 1 else ["P(None, 'tp')"])   # trailing None dropped
+    assert r["held"] == 0 and not any(r["slots"]) and r["pages_used"] == 0
 
 
 def test_two_prefill_workers_share_the_requests():
@@ -49,7 +66,7 @@ def test_processes_match_colocated(tmp_path, model, prefill_tp, decode_tp):
     assert [got[str(i)][0] for i in range(len(r["colocated"]))] == r["colocated"]
     assert all(v[1] == "length" for v in got.values())
     assert r["health"]["prefill"][0]["held"] == 0            # every pull acknowledged and freed
-    assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["reserved"] == 0
+    assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["waiting"] == 0
     assert not any(r["slots"])
 
 
@@ -69,41 +86,50 @@ def test_killed_prefill_process_fails_only_its_request(tmp_path):
     assert all(got[k][1] == "length" for k in ("0", "1", "3"))
     worker = r["health"]["prefill"][0]
     assert worker["restarts"] == 1 and worker["state"] == "up" and worker["held"] == 0
-    assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["reserved"] == 0
+    assert r["in_flight"] == {"prefilling": 0, "receiving": 0, "draining": 0} and r["waiting"] == 0
     assert not any(r["slots"])
 
 
-def test_prefill_worker_interleaves_pieces_round_robin():
-    """A short prompt added while a long one is being prefilled finishes
-    after one piece of the long one, not after all of it; the first tokens
-    are the colocated engine's (same pieces of prefill_chunk_size)."""
+def test_prefill_worker_runs_every_request_s_chunk_in_one_step():
+    """A short prompt added while a long one is being prefilled runs its
+    chunk in the long one's next step and is offered after it, not after
+    the whole long prompt; the first tokens (and log-probs) are the
+    colocated engine's, the offered pages are the prompt's, padded to a
+    power of two, and the worker's slots and pages are free afterwards."""
+    import jax
+
     from jaxinfer.parallel.disagg.transfer import LocalTransport
     from jaxinfer.parallel.disagg.worker import PrefillWorker
     from jaxinfer.serving.llm import LLM
     from jaxinfer.serving.request import Request
     from tiny import TINY_GEMMA3, random_params
 
-    kwargs = dict(max_seq_len=64, min_kv_bucket=32, decode_chunk=4, prefill_chunk_size=8)
+    kwargs = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=8, page_size=4)
     llm = LLM(TINY_GEMMA3, random_params(TINY_GEMMA3, seed=2), **kwargs)
     transport = LocalTransport()
     worker = PrefillWorker(llm, transport)
-    long, short = Request(list(range(3, 40)), max_new_tokens=4), Request([7, 8, 9], max_new_tokens=4)
+    long = Request(list(range(3, 40)), max_new_tokens=4, logprobs=2)
+    short = Request([7, 8, 9], max_new_tokens=4)
     worker.add(0, long)
-    results = worker.step()                                # the long prompt's first piece
+    results = [(1, r) for r in worker.step()]              # the long prompt's first chunk
     worker.add(1, short)
     steps = 1
     while worker.busy:
-        results += worker.step()
         steps += 1
+        results += [(steps, r) for r in worker.step()]
         assert steps < 20
-    assert [r.request_id for r in results] == [1, 0] and steps == 6   # 37 tokens: 5 pieces of 8
-    assert transport.num_held == 2
-    import jax
-
-    first = {r.request_id: int(transport.receive(r.ticket, jax.devices()[0]).wait(30).result()[1].token[0, 0])
-             for r in results}
-    want = [c.token_ids[0] for c in llm.generate([long.prompt_ids, short.prompt_ids], max_new_tokens=1)]
-    assert [first[0], first[1]] == want
+    assert [(step, r.request_id) for step, r in results] == [(2, 1), (5, 0)]   # 37 tokens: 5 chunks of 8
+    assert transport.num_held == 2 and not any(worker.slots) and worker.pages.pool.num_used == 0
+    got = {r.request_id: transport.receive(r.ticket, jax.devices()[0]).wait(30).result()
+           for _, r in results}
+    assert [int(got[0]["length"]), int(got[1]["length"])] == [37, 3]
+    assert [got[0]["pages"][0].keys.shape[0], got[1]["pages"][0].keys.shape[0]] == [16, 1]   # 10 and 1 pages
+    want = llm.generate([long.prompt_ids, short.prompt_ids], max_new_tokens=1, logprobs=2)
+    assert [int(got[0]["token"]), int(got[1]["token"])] == [c.token_ids[0] for c in want]
+    _, logprob, alternatives = want[0].logprobs[0]
+    assert abs(float(got[0]["logprob"]) - logprob) <= 1e-5
+    assert [int(i) for i in got[0]["top_ids"][:2]] == [i for i, _ in alternatives]
+    assert "logprob" not in got[1]
 
 
 @pytest.mark.slow

@@ -124,10 +124,14 @@ def equivalence(request):
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
 def test_logits_match_one_device(equivalence, tp):
+    """All-position prefill logits, and the log-probs LLM.generate reports
+    for the greedy tokens (the serving step's), within 1e-5 * max(1,
+    max|logit|) (module docstring)."""
     model, result = equivalence
     r = result[str(tp)]
     bound = 1e-5 * max(1.0, result["max_abs_logit"])
     assert r["max_logit_diff"] <= bound, (model, r["plan"], r["max_logit_diff"], result["max_abs_logit"])
+    assert r["max_logprob_diff"] <= bound, (model, r["plan"], r["max_logprob_diff"])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
@@ -140,20 +144,39 @@ def test_tokens_match_one_device(equivalence, tp):
 
 @pytest.mark.parametrize("tp", [2, 3])
 def test_only_the_collectives_the_math_needs(equivalence, tp):
-    """The compiled decode chunk holds exactly: one all-reduce per split
-    row-parallel product per layer, plus the vocabulary's all-reduce
-    (embedding) and all-gather (logits) when it is split."""
+    """Every compiled serving step (prompt chunks and decoding rows, each
+    token bucket) holds exactly: one all-reduce per split row-parallel
+    product per layer, plus the vocabulary's all-reduce (embedding) and
+    all-gather (logits) when it is split."""
     model, result = equivalence
     r = result[str(tp)]
-    assert r["collectives"] == r["expected_collectives"], (model, r["plan"])
+    assert r["num_step_programs"] >= 2, r["num_step_programs"]
+    assert all(c == r["expected_collectives"] for c in r["collectives"]), (model, r["plan"], r["collectives"])
 
 
-def test_cpu_kernels_off_on_a_multi_device_mesh(equivalence):
+def test_xla_attention_and_no_kernels_on_a_multi_device_mesh(equivalence):
+    """A multi-device LLM runs the XLA attention backend and no C++ kernel
+    in its steps; one device keeps the backend `choose_backend` picks."""
     model, result = equivalence
-    if not result["1"]["kernels_enabled"]:
-        pytest.skip("the C++ CPU kernels are not enabled here")
-    assert result["1"]["kernel_in_decode"] is True
-    assert result["2"]["kernel_in_decode"] is False and result["3"]["kernel_in_decode"] is False
+    assert result["1"]["backend"] == ("cpu_kernels" if result["1"]["kernels_enabled"] else "xla")
+    for tp in ("2", "3"):
+        assert result[tp]["backend"] == "xla" and result[tp]["kernel_in_step"] is False
+
+
+def test_paged_state_is_sharded_by_kv_heads(equivalence):
+    """An int8 paged cache's pools, scales included, split by KV heads (axis
+    1) where attention is split, replicated otherwise; lengths and the row
+    state replicated (dp = 1)."""
+    model, result = equivalence
+    replicated = lambda spec: all(a is None for a in spec)      # [] on one device
+    for tp in ("1", "2", "3"):
+        r, specs = result[tp], result[tp]["state_specs"]
+        pools = [specs[k] for k in ("keys", "values", "key_scale", "value_scale")]
+        if r["split_heads"] and tp != "1":
+            assert pools == [[None, "tp", None, None]] * 2 + [[None, "tp", None]] * 2, (model, tp, specs)
+        else:
+            assert all(replicated(p) for p in pools), (model, tp, specs)
+        assert replicated(specs["lengths"]) and all("tp" not in x for x in specs["rows"]), (model, tp, specs)
 
 
 def test_plans_cover_heads_repeat_and_replication(equivalence):
@@ -171,6 +194,7 @@ def test_dp_replicas_match_one_device():
     r = result["2"]
     assert r["max_logit_diff"] <= 1e-5 * max(1.0, result["max_abs_logit"])
     assert r["greedy"] == result["reference"]["greedy"] and r["seeded"] == result["reference"]["seeded"]
+    assert r["state_specs"]["rows"] == ["['dp', None]", "['dp']"]       # 4 slots over dp = 2
 
 
 # --- real models (slow) ---------------------------------------------------------------------------

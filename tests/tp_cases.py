@@ -11,6 +11,7 @@ from jaxinfer.engine import phases as engine
 from jaxinfer.parallel import sharding
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
@@ -48,17 +49,22 @@ def _all_logits(llm, programs, ids):
     return np.asarray(logits)[0, :len(ids)]
 
 
-def _generate(llm, sampling):
-    out = llm.generate(PROMPTS, sampling, max_new_tokens=12, ignore_eos=True)
-    return [c.token_ids for c in out]
+def _generate(llm, sampling, logprobs=None):
+    out = llm.generate(PROMPTS, sampling, max_new_tokens=12, ignore_eos=True, logprobs=logprobs)
+    return [c.token_ids for c in out], [[lp for _, lp, _ in c.logprobs or []] for c in out]
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.abs(np.array(x) - np.array(y)).max()) for x, y in zip(a, b))
 
 
 def equivalence(model: str, tps: list, dp: int = 1) -> dict:
     """Per tp: the plan, max |logit diff| of all-position prefill logits
-    against the single-device run, greedy and seeded tokens of both
-    (chunked prefill of 8 tokens: prompts cross the window), the
-    collectives in the compiled decode chunk and whether it calls the C++
-    decode-attention kernel."""
+    against the single-device run, greedy tokens (with the log-probs
+    LLM.generate reports for them: their max |diff|) and seeded tokens of
+    both (chunked prefill of 8 tokens: prompts cross the window), the
+    attention backend, and per compiled serving step the collectives in
+    its optimized HLO and whether it calls a C++ kernel."""
     skip = _devices_or_skip(max(tps) * dp)
     if skip:
         return skip
@@ -70,26 +76,43 @@ def equivalence(model: str, tps: list, dp: int = 1) -> dict:
     # matmul, which sums in another order), so only tensor parallelism differs.
     ref = LLM(config, prepare_params(params, config, pack=False), **kwargs)
     ref_logits = [_all_logits(ref, None, ids) for ids in PROMPTS]
-    want = {"greedy": _generate(ref, None), "seeded": _generate(ref, SEEDED)}
+    greedy, logprobs = _generate(ref, None, logprobs=0)
+    want = {"greedy": greedy, "seeded": _generate(ref, SEEDED)[0]}
     out = {"reference": want, "max_abs_logit": float(max(np.abs(x).max() for x in ref_logits))}
     for tp in tps:
         mesh = sharding.make_mesh(tp, dp)
         llm = sharding.tensor_parallel_llm(config, params, None, mesh, **kwargs)
         diffs = [float(np.abs(_all_logits(llm, llm.programs, ids) - r).max())
                  for ids, r in zip(PROMPTS, ref_logits)]
-        got = {"greedy": _generate(llm, None), "seeded": _generate(llm, SEEDED)}
-        [hlo] = llm.programs.hlo_texts("decode_chunk")
+        greedy, lps = _generate(llm, None, logprobs=0)
+        got = {"greedy": greedy, "seeded": _generate(llm, SEEDED)[0]}
+        hlos = llm.programs.hlo_texts("step")
         plan = llm.sharding_plan
         out[str(tp)] = {
             "plan": plan.describe(), "split_heads": plan.split_heads, "kv_repeat": plan.kv_repeat,
             "split_mlp": plan.split_mlp, "split_vocab": plan.split_vocab,
-            "max_logit_diff": max(diffs), **got,
-            "collectives": sharding.collectives(hlo),
+            "max_logit_diff": max(diffs), "max_logprob_diff": _max_diff(lps, logprobs), **got,
+            "backend": llm.backend.name, "num_step_programs": len(hlos),
+            "collectives": [sharding.collectives(hlo) for hlo in hlos],
             "expected_collectives": sharding.expected_collectives(config, plan),
-            "kernel_in_decode": "jaxinfer_decode_attention" in hlo,
+            "kernel_in_step": any("jaxinfer_" in hlo for hlo in hlos),
             "kernels_enabled": bool(__import__("importlib").import_module("jaxinfer.kernels.cpu").enabled()),
+            "state_specs": _state_specs(llm, mesh),
         }
     return out
+
+
+def _state_specs(llm, mesh) -> dict:
+    """The `PartitionSpec`s `sharding.place` gives an int8 paged cache and
+    the row state of a 4-slot runner on `mesh`."""
+    runner = ModelRunner(llm.config, llm.params, max_num_seqs=4, max_seq_len=64, page_size=4,
+                         num_pages=8, kv_cache_dtype="int8", programs=llm.programs, backend=llm.backend)
+    cache, rows = sharding.place((runner.cache, runner.rows), mesh, llm.sharding_plan)
+    spec = lambda x: [a if isinstance(a, str) or a is None else list(a) for a in getattr(x.sharding, "spec", ())]   # one device: replicated
+    kv = cache.layers[0]
+    return {"keys": spec(kv.keys), "values": spec(kv.values), "key_scale": spec(kv.key_scale),
+            "value_scale": spec(kv.value_scale), "lengths": spec(cache.lengths),
+            "rows": sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(rows)})}
 
 
 def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str) -> dict:

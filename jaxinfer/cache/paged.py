@@ -25,6 +25,7 @@ entries (a rolled-back speculation, a previous occupant of its pages).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -150,8 +151,9 @@ def gather_rows(kv: LayerKV, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def read_pages(cache: PagedKVCache, pages: jax.Array) -> tuple[LayerKV, ...]:
     """The contents of `pages` [n] in every layer (a copy, every field of
-    each pool, int8 scales included): what a KV transfer sends."""
-    take = lambda x: None if x is None else jnp.take(x, pages, axis=0)
+    each pool, int8 scales included; page id P, "no page", reads as zeros):
+    what a KV transfer sends."""
+    take = lambda x: None if x is None else jnp.take(x, pages, axis=0, mode="fill", fill_value=0)
     return tuple(LayerKV(*(take(x) for x in kv)) for kv in cache.layers)
 
 
@@ -160,9 +162,14 @@ def write_pages(cache: PagedKVCache, pages: jax.Array, data: tuple[LayerKV, ...]
     in `pages` [n] of every layer; every field is written.
 
     Raises:
-      ValueError (when tracing): data's fields or shapes do not match the
-        cache's (an int8 transfer into a float pool, or another page size).
+      ValueError (when tracing): data's layers, fields or shapes do not
+        match the cache's (an int8 transfer into a float pool, another page
+        size, another model).
     """
+    if len(data) != len(cache.layers):
+        raise ValueError(f"write_pages: {len(data)} layers of pages into a cache of "
+                         f"{len(cache.layers)}")
+
     def put(pool, new):
         if (pool is None) != (new is None):
             raise ValueError("write_pages: the data and the cache disagree on int8 scales")
@@ -199,6 +206,23 @@ def repeat_kv_heads(data: tuple[LayerKV, ...], from_repeat: int, to_repeat: int)
         return jnp.repeat(base, to_repeat, axis=1)
 
     return tuple(LayerKV(*(convert(x) for x in kv)) for kv in data)
+
+
+@functools.partial(jax.jit, static_argnames=("from_repeat", "to_repeat"))
+def export_pages(pool: PagedKVCache, pages: jax.Array, *, from_repeat: int = 1,
+                 to_repeat: int = 1) -> tuple[LayerKV, ...]:
+    """`read_pages` then `repeat_kv_heads`, as one program: what a prefill
+    worker offers. `pool` is read, not donated."""
+    return repeat_kv_heads(read_pages(pool, pages), from_repeat, to_repeat)
+
+
+@functools.partial(jax.jit, static_argnames=("from_repeat", "to_repeat"), donate_argnames=("cache",))
+def import_pages(cache: PagedKVCache, pages: jax.Array, data: tuple[LayerKV, ...], *,
+                 from_repeat: int = 1, to_repeat: int = 1) -> PagedKVCache:
+    """`repeat_kv_heads` then `write_pages`, as one program (`cache`
+    donated): received pages into the decode side's pool. Raises as
+    `write_pages`, when tracing (before anything is donated)."""
+    return write_pages(cache, pages, repeat_kv_heads(data, from_repeat, to_repeat))
 
 
 def page_nbytes(config: ModelConfig, page_size: int, dtype) -> int:

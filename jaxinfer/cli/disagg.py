@@ -62,7 +62,10 @@ def start_engine(cfg, args, *, start: bool = True):
         raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
     prefill_cpus, decode_cpus = parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)
     llm_kwargs = (("max_seq_len", cfg.max_seq_len), ("decode_chunk", cfg.decode_chunk),
-                  ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs))
+                  ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs),
+                  ("kv_cache_dtype", cfg.kv_cache_dtype))
+    if cfg.page_size is not None:              # both sides must agree on it
+        llm_kwargs += (("page_size", cfg.page_size),)
     spec = dict(source=cfg.model, dtype=cfg.dtype, llm_kwargs=llm_kwargs)
     prefill = [WorkerSpec(tp=args.prefill_tp, cpus=prefill_cpus, **spec)
                for _ in range(args.prefill_workers)]

@@ -5,6 +5,7 @@ cache of `max_num_seqs` slots.
     step(segments, block_tables)         one ragged forward over a token bucket (`step.step`)
     decode(slots, block_tables, n)       n decoding steps in one lax.scan (`step.decode_loop`)
     fetch(dispatched)                    device outputs -> numpy, on the host
+    read_pages / write_pages             pages out of / into the pool (disaggregation)
 
 The scheduler (`jaxinfer.serving.scheduler`) decides what runs and owns the
 pages (`serving.pages.KVPageManager`: block tables are sent with each call);
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sampling
+from jaxinfer.cache import paged
 from jaxinfer.cache.paged import init_paged_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import step as engine_step
@@ -293,6 +295,24 @@ class ModelRunner:
             backend=self.backend, num_steps=num_steps, num_logprobs=num_logprobs, spec=self.spec)
         self.decode_steps += num_steps
         return Dispatched(out, num_steps)
+
+    def read_pages(self, pages: Sequence[int], from_repeat: int = 1):
+        """The contents of `pages` (page id num_pages: zeros) in every layer,
+        every field, with KV heads stored `from_repeat` times de-duplicated
+        (`cache.paged.export_pages`; dispatched, not waited for)."""
+        return self.programs(paged.export_pages, self.cache, jnp.asarray(np.asarray(pages, np.int32)),
+                             from_repeat=from_repeat)
+
+    def write_pages(self, pages: Sequence[int], data, to_repeat: int = 1) -> None:
+        """Store `data` (`read_pages` of another runner of the same model and
+        page size) in `pages` (num_pages: dropped), each KV head stored
+        `to_repeat` times (`cache.paged.import_pages`).
+
+        Raises:
+          ValueError: data that does not fit the pool (nothing is written).
+        """
+        self.cache = self.programs(paged.import_pages, self.cache,
+                                   jnp.asarray(np.asarray(pages, np.int32)), data, to_repeat=to_repeat)
 
     def fetch(self, dispatched: Dispatched) -> StepOutput:
         """Device outputs -> numpy (blocks until computed), with a leading

@@ -374,10 +374,17 @@ class Scheduler:
             self.pages.release(slot)
             return None
         self.waiting.popleft()
-        seq.ids, seq.slot, seq.computed, seq.inflight = ids, slot, cached, 0
+        return self._take_slot(seq, slot, ids, cached)
+
+    def _take_slot(self, seq: _Seq, slot: int, ids: tuple, computed: int) -> Admission:
+        """Seat a request in `slot`, whose pages hold the K/V of ids[:computed]
+        (a prefix-cache hit, or a prompt prefilled elsewhere: `parallel.disagg`);
+        ids are its prompt, then the tokens it generated before. Its prefill
+        goes on from `computed`. Returns the runner's `Admission`."""
+        seq.ids, seq.slot, seq.computed, seq.inflight = ids, slot, computed, 0
         seq.order = next(self._admitted)
         self.slots[slot] = seq.state.request_id
-        return Admission(slot, seq.state.request, generated, cached)
+        return Admission(slot, seq.state.request, ids[len(seq.state.request.prompt_ids):], computed)
 
     def _chunk(self, seq: _Seq, budget: int, segments, owners) -> int:
         """Schedule the next chunk of a prefilling request; returns its tokens."""

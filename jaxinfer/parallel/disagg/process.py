@@ -12,7 +12,7 @@ successor, and restarts it (`max_restarts` times, then reports it down).
 Workers join with `jax_enable_recoverability`, so one dying does not take
 the job down, and a restarted worker reconnects with the same process id.
 A worker whose coordinator is gone is terminated by JAX itself, so none
-outlives the decode process.
+outlives the decode process. The worker process's side is `process_worker`.
 
 Control messages go through the coordination service's key-value store
 (small pickled values under `jaxinfer/p{worker}/{incarnation}/`; every
@@ -47,7 +47,6 @@ from jaxinfer.parallel.disagg.scheduler import PrefillResult
 from jaxinfer.serving.request import Request
 from jaxinfer.parallel import sharding
 from jaxinfer.parallel.disagg.transfer import PullTransport
-from jaxinfer.parallel.disagg.worker import PrefillWorker
 
 NAMESPACE = "jaxinfer"
 
@@ -136,95 +135,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# --- the worker process -----------------------------------------------------------------------
-
-
-def worker_main(argv: Sequence[str]) -> None:
-    """`python -m jaxinfer.parallel.disagg.process <json>`: a prefill worker process.
-    Joins the job, loads its model, then serves requests until told to stop."""
-    cfg = json.loads(argv[0])
-    spec = WorkerSpec(**{**cfg["spec"], "llm_kwargs": tuple(map(tuple, cfg["spec"]["llm_kwargs"])),
-                         "cpus": tuple(cfg["spec"]["cpus"]) if cfg["spec"]["cpus"] else None})
-    configure_host(spec.tp)
-    import jax
-
-    jax.config.update("jax_enable_recoverability", True)
-    jax.distributed.initialize(cfg["coordinator"], num_processes=cfg["num_processes"],
-                               process_id=cfg["process_id"],
-                               initialization_timeout=cfg["init_timeout_s"],
-                               heartbeat_timeout_seconds=cfg["heartbeat_s"])
-
-    client, ns = _kv(), cfg["namespace"]
-    llm = build_llm(spec, jax.local_devices()[:spec.tp])
-    transport = PullTransport(spec.host)
-    worker = PrefillWorker(llm, transport, cfg["worker"])
-    if spec.stall_on_prompt_len:
-        _stall_hook(worker, spec)
-    client.key_value_set(f"{ns}/address", transport.address)
-    client.key_value_set(f"{ns}/ready", "1")
-    _serve(client, ns, worker, transport, cfg["hold_timeout_s"])
-
-
-def _stall_hook(worker, spec: WorkerSpec) -> None:
-    runner = worker.runner
-    original = runner.prefill
-
-    def prefill(job):
-        if len(job.request.prompt_ids) == spec.stall_on_prompt_len:
-            time.sleep(spec.stall_s)
-        return original(job)
-
-    runner.prefill = prefill
-
-
-def _serve(client, ns: str, worker, transport, hold_timeout_s: float) -> None:
-    """The worker's loop: free acknowledged KV, take new requests (waiting
-    up to 50 ms only when idle), drop cancelled ones, run one prefill piece."""
-    seq, seqs, held_reported = 0, {}, -1
-
-    def answer(rid, result):
-        client.key_value_set_bytes(f"{ns}/done/{seqs.pop(rid)}", pickle.dumps(result))
-
-    while _try_get(client, f"{ns}/stop") is None:
-        for key in transport.held_keys():                  # acknowledged pulls: free the buffers
-            if _try_get(client, f"{ns}/ack/{key}") is not None:
-                transport.release(key)
-                client.key_value_delete(f"{ns}/ack/{key}")
-        transport.expire(hold_timeout_s)
-        if transport.num_held != held_reported:
-            held_reported = transport.num_held
-            client.key_value_set(f"{ns}/held", str(held_reported), allow_overwrite=True)
-        while (raw := _next_request(client, f"{ns}/req/{seq}", wait=not worker.busy)) is not None:
-            rid, request = pickle.loads(raw)
-            seqs[rid] = seq
-            client.key_value_delete(f"{ns}/req/{seq}")
-            seq += 1
-            if _try_get(client, f"{ns}/cancel/{rid}") is not None:
-                answer(rid, PrefillResult(rid, error="cancelled", worker=worker.worker_id))
-            else:
-                worker.add(rid, request)
-        for job in list(worker.jobs):
-            if _try_get(client, f"{ns}/cancel/{job.request_id}") is not None and worker.cancel(job.request_id):
-                answer(job.request_id, PrefillResult(job.request_id, error="cancelled",
-                                                     worker=worker.worker_id))
-        if worker.jobs:                                     # the job whose piece runs next has started
-            client.key_value_set(f"{ns}/started/{seqs[worker.jobs[0].request_id]}", "1",
-                                 allow_overwrite=True)
-        for result in worker.step():
-            answer(result.request_id, result)
-
-
-def _next_request(client, key: str, wait: bool) -> Optional[bytes]:
-    if not wait:
-        return _try_get(client, key)
-    try:
-        return client.blocking_key_value_get_bytes(key, 50)
-    except Exception as e:  # noqa: BLE001
-        if "DEADLINE_EXCEEDED" in str(e):
-            return None
-        raise
-
-
 # --- the decode side: router and supervisor ----------------------------------------------------
 
 
@@ -302,7 +212,7 @@ class ProcessPrefillClient:
         cpus = w.spec.cpus
         with open(w.log_path, "wb") as log:
             w.proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxinfer.parallel.disagg.process", json.dumps(cfg)],
+                [sys.executable, "-m", "jaxinfer.parallel.disagg.process_worker", json.dumps(cfg)],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
                 preexec_fn=(lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None)
         w.state, w.started_at, w.address = "starting", time.monotonic(), ""
@@ -485,6 +395,3 @@ class ProcessPrefillClient:
         w.state = "restarting"
         return failed
 
-
-if __name__ == "__main__":
-    worker_main(sys.argv[1:])

@@ -1,5 +1,5 @@
-"""Moving a prefilled request (its one-row `DecodeState` and first-token
-`StepOutput`) from a prefill worker to the decode worker.
+"""Moving a prefilled request (the payload of `worker`: its prompt's pages,
+first token and log-probs) from a prefill worker to the decode worker.
 
     sender:    ticket = transport.offer(tree)      # holds the buffers
     receiver:  receipt = transport.receive(ticket, device)   # starts the copy, returns at once
@@ -19,7 +19,7 @@ Two transports behind that one interface:
   of a uuid nobody registered, or from an address nobody serves, never
   completes and ignores its `timeout` argument, so the receiver polls
   `is_ready()` against its own deadline instead of blocking. A zero-size
-  array (a model without sliding layers has ring_pos [B, 0]) never
+  array (the top log-probs of a request asking for none are [0]) never
   completes either, so empty leaves are not sent: the receiver makes them. There is no
   way to withdraw an `await_pull`: a registered tree stays in the sender's
   server until pulled, so an aborted request is still pulled (and dropped).
@@ -27,8 +27,8 @@ Two transports behind that one interface:
 Wire form: the tree is sent as a flat list of plain arrays (typed PRNG keys
 as their uint32 key data) gathered onto one device of the sender; the
 `Ticket` carries the pytree structure and the shapes, and the receiver
-places the result on its own mesh (`sharding.place`, inside
-`MeshPrograms`), whatever the two sides' tp.
+places the pages on its own mesh (`sharding.place`, inside `MeshPrograms`),
+whatever the two sides' tp.
 """
 
 from __future__ import annotations

@@ -1,14 +1,25 @@
 """A prefill worker: prefill requests on its own runner and offer each
-result (its one-row `DecodeState` and first token) to the decode worker
-through a transport.
+result (the pages of its prompt, its first token and that token's
+log-probs) to the decode worker through a transport.
 
 `PrefillWorker` is the device work, shared by the in-process workers
 (`local.ThreadPrefillClient`, one thread per device set) and the worker
-processes (`process`). Prompts run in pieces of `prefill_chunk_size`
-tokens, one piece per job in turn (round robin), so a short prompt that
-arrives while a long one is being prefilled waits for at most one piece,
-not for the whole long prompt (chunked prefill, as the colocated scheduler
-interleaves prompt pieces with decode chunks).
+processes (`process_worker`). It runs the serving step (`ModelRunner.step`)
+over a few slots and a page pool of its own: every step holds one chunk
+of at most `prefill_chunk_size` tokens of each request it is prefilling
+(chunked prefill, all of them in one ragged forward), so a short prompt
+that arrives while a long one is prefilled finishes after its own chunks,
+not after the long prompt. A request's last chunk samples its first token
+in the same step, exactly as the colocated scheduler's does.
+
+Then the worker reads the request's pages (`ModelRunner.read_pages`, padded
+to a power-of-two page count so the decode side compiles few programs, KV
+heads de-duplicated when its plan repeats them), offers
+
+    {"pages": (LayerKV, ...) [n, K, ...], "length": prompt tokens,
+     "token": the first token, "logprob", "top_ids", "top_logprobs": its log-probs}
+
+and frees its slot and pages (the offered copy is the transport's).
 """
 
 from __future__ import annotations
@@ -16,52 +27,74 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Optional
 
 import jax
+import numpy as np
 
 from jaxinfer.parallel.disagg.scheduler import PrefillResult
+from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import Request
-from jaxinfer.parallel.sharding import kv_heads_for
+from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
 
 
 @dataclasses.dataclass
 class _Job:
     request_id: int
-    job: object
+    request: Request
+    slot: Optional[int] = None
+    done: int = 0
     compute_s: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.request.prompt_ids) - self.done
+
+
+def padded_pages(pages, num_pages: int) -> np.ndarray:
+    """`pages` padded with `num_pages` ("no page") to a power-of-two count."""
+    out = np.full(1 << max(len(pages) - 1, 0).bit_length(), num_pages, np.int32)
+    out[:len(pages)] = pages
+    return out
 
 
 class PrefillWorker:
-    """Prefills requests on `llm`'s mesh with the colocated engine's own
-    `ModelRunner.begin / prefill` (same buckets, same pieces, same first
-    token), then offers the result.
+    """Prefills requests on `llm`'s mesh with the serving step, then offers
+    each result (module docstring).
 
         worker.add(request_id, request)      # queued; bad requests answer at once
-        results = worker.step()              # one piece of the next job (round robin)
+        results = worker.step()              # one chunk of every request in a slot
 
     Args:
       llm: an `LLM` whose programs run on this worker's mesh (`sharding.load_llm`
-        or `tensor_parallel_llm`); its `prefill_chunk_size` is the piece size
-        (None: whole prompts).
+        or `tensor_parallel_llm`); its `prefill_chunk_size` is the chunk size
+        (None: the runner's whole token budget).
       transport: `LocalTransport` or `PullTransport`.
       worker_id: reported with each result.
+      max_num_seqs: requests prefilled at once (the runner's slots).
     """
 
-    def __init__(self, llm, transport, worker_id: int = 0):
+    def __init__(self, llm, transport, worker_id: int = 0, max_num_seqs: int = 4):
         self.llm, self.transport, self.worker_id = llm, transport, worker_id
-        self.runner = llm.runner(1)
+        self.runner = llm.runner(max_num_seqs)
+        r = self.runner
+        self.pages = KVPageManager(r.num_pages, r.page_size, r.max_num_seqs, r.pages_per_seq,
+                                   prefix_caching=False)
+        self.chunk = min(llm.prefill_chunk_size or r.token_budget, r.token_budget)
         plan = getattr(llm, "sharding_plan", None)
         self.kv_repeat = plan.kv_repeat if plan is not None else 1
         mesh = getattr(llm.programs, "mesh", None)
-        self.device = mesh.devices.flat[0] if mesh is not None else None
-        self.jobs: collections.deque[_Job] = collections.deque()
+        self.device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+        self.jobs: collections.deque[_Job] = collections.deque()     # queued, no slot yet
+        self.slots: list[Optional[_Job]] = [None] * r.max_num_seqs
+        self._admits: list[Admission] = []
         self._answers: list[PrefillResult] = []
 
     def add(self, request_id: int, request: Request) -> None:
         """Queue a request (a bad one is answered with an error by the next `step`)."""
         try:
             self._check(request)
-            self.jobs.append(_Job(request_id, self.runner.begin(request)))
+            self.jobs.append(_Job(request_id, request))
         except Exception as e:  # noqa: BLE001 - reported to the request's client
             self._answers.append(self._error(request_id, e))
 
@@ -70,40 +103,106 @@ class PrefillWorker:
         kept = [j for j in self.jobs if j.request_id != request_id]
         found = len(kept) != len(self.jobs)
         self.jobs = collections.deque(kept)
+        for job in self.active:
+            if job.request_id == request_id:
+                self._free(job)
+                found = True
         return found
 
     @property
+    def active(self) -> list[_Job]:
+        """Requests in a slot, oldest first."""
+        return sorted((j for j in self.slots if j is not None), key=lambda j: j.request_id)
+
+    @property
     def busy(self) -> bool:
-        return bool(self.jobs or self._answers)
+        return bool(self.jobs or self._answers or any(self.slots))
+
+    def request_ids(self) -> list[int]:
+        """Every request here: queued or being prefilled."""
+        return [j.request_id for j in self.jobs] + [j.request_id for j in self.active]
+
+    def starting(self) -> list[int]:
+        """Seat queued requests in free slots while the pool holds their
+        whole prompts (host bookkeeping only); returns the ids the next
+        `step` prefills."""
+        while self.jobs and None in self.slots:
+            job, slot = self.jobs[0], self.slots.index(None)
+            n = len(job.request.prompt_ids)
+            if self.pages.shortfall({slot: n}):
+                break
+            self.pages.grow(slot, n)
+            self.jobs.popleft()
+            job.slot, self.slots[slot] = slot, job
+            self._admits.append(Admission(slot, job.request))
+        return [j.request_id for j in self.active]
 
     def step(self) -> list[PrefillResult]:
-        """Run one piece of the first job (which then goes to the back unless
-        it is done); returns the results finished by this call."""
+        """One step: a chunk of every request in a slot (newly seated ones
+        first admitted); returns the results finished by this call."""
         out, self._answers = self._answers, []
-        if not self.jobs:
+        self.starting()
+        segments, owners, budget = [], [], self.runner.token_budget
+        for job in self.active:
+            n = min(job.remaining, self.chunk, budget)
+            if n <= 0:
+                break
+            ids = job.request.prompt_ids[job.done:job.done + n]
+            job.done += n
+            budget -= n
+            segments.append(Segment(job.slot, ids, sample=not job.remaining))
+            owners.append(job)
+        if not segments:
             return out
-        item = self.jobs.popleft()
         t0 = time.perf_counter()
         try:
-            job = item.job
-            self.runner.prefill(job)       # one piece: at most prefill_chunk_size
-            if job.remaining:
-                jax.block_until_ready(job.cache)
-                item.compute_s += time.perf_counter() - t0
-                self.jobs.append(item)
-                return out
-            prefix = job.prefix.replace(cache=kv_heads_for(job.prefix.cache, self.kv_repeat, 1))
-            jax.block_until_ready((prefix, job.first))   # prefill_s: this job's own device time
-            item.compute_s += time.perf_counter() - t0
-            device = self.device or next(iter(prefix.cache.lengths.devices()))
-            ticket = self.transport.offer((prefix, job.first), device)
+            admits, self._admits = self._admits, []
+            self.runner.admit(admits)
+            wanted = [j.request.logprobs for j in owners if j.request.logprobs is not None]
+            num_logprobs = logprob_bucket(max(wanted)) if wanted else -1
+            host = self.runner.fetch(self.runner.step(segments, self.pages.tables, num_logprobs))
+        except Exception as e:  # noqa: BLE001 - this step's requests fail, the worker goes on
+            for job in owners:
+                self._free(job)
+                out.append(self._error(job.request_id, e))
+            return out
+        elapsed = time.perf_counter() - t0
+        for i, job in enumerate(owners):
+            job.compute_s += elapsed
+            if not job.remaining:
+                out.append(self._offer(job, host, i))
+        return out
+
+    def _offer(self, job: _Job, host, i: int) -> PrefillResult:
+        """Read the finished request's pages and offer them with its first token; free its slot."""
+        t0 = time.perf_counter()
+        try:
+            n = len(job.request.prompt_ids)
+            pages = self.pages.tables[job.slot, :self.pages.pages_for(n)]
+            data = self.runner.read_pages(padded_pages(pages, self.runner.num_pages), self.kv_repeat)
+            payload = {"pages": data, "length": np.int32(n), "token": np.int32(host.token[0, i, 0])}
+            if host.logprob is not None and job.request.logprobs is not None:
+                payload.update(logprob=host.logprob[0, i, 0], top_ids=host.top_ids[0, i, 0],
+                               top_logprobs=host.top_logprobs[0, i, 0])
+            jax.block_until_ready(data)            # prefill_s: this request's own device time
+            job.compute_s += time.perf_counter() - t0
+            ticket = self.transport.offer(payload, self.device)
         except Exception as e:  # noqa: BLE001 - that request fails, the worker goes on
-            return out + [self._error(item.request_id, e)]
-        return out + [PrefillResult(item.request_id, ticket=ticket, prefill_s=item.compute_s,
-                                    worker=self.worker_id)]
+            return self._error(job.request_id, e)
+        finally:
+            self._free(job)
+        return PrefillResult(job.request_id, ticket=ticket, prefill_s=job.compute_s,
+                             worker=self.worker_id)
+
+    def _free(self, job: _Job) -> None:
+        if job.slot is not None:
+            self.pages.release(job.slot)
+            self.slots[job.slot] = None
+            self._admits = [a for a in self._admits if a.slot != job.slot]
+            job.slot = None
 
     def prefill(self, request_id: int, request: Request) -> PrefillResult:
-        """Prefill one request to the end (nothing else queued)."""
+        """Prefill one request to the end (others queued go on too)."""
         self.add(request_id, request)
         while True:
             for result in self.step():
@@ -119,3 +218,6 @@ class PrefillWorker:
         if n == 0 or n + request.max_new_tokens > limit:
             raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} does "
                              f"not fit max_seq_len {limit}")
+        if self.pages.pages_for(n) > self.runner.num_pages:
+            raise ValueError(f"a prompt of {n} tokens needs {self.pages.pages_for(n)} KV pages; "
+                             f"this worker's pool has {self.runner.num_pages}")

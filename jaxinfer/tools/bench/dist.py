@@ -39,12 +39,8 @@ import sys
 import time
 from typing import Optional, Sequence
 from jaxinfer.tools.bench.common import loadavg1
-from jaxinfer.engine import phases
-from jaxinfer.parallel import sharding
-from jaxinfer.cache.kv import init_cache
-from jaxinfer.serving.loading import load_model
+from jaxinfer.tools.bench.dist_tp import part_tp
 from jaxinfer.serving.request import Request
-from jaxinfer.parallel.sharding import TP
 from jaxinfer.parallel.disagg.engine import start_process_engine
 from jaxinfer.parallel.disagg.process import WorkerSpec
 from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep
@@ -83,168 +79,6 @@ def _child(part: str, spec: dict, *, devices: int = 1, cpus: Optional[Sequence[i
 def _loadavg1():
 
     return loadavg1()
-
-
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of `fn()` (which blocks until its result is ready)."""
-    import statistics
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# --- tp ----------------------------------------------------------------------------------------
-
-
-def part_tp(spec: dict) -> dict:
-    """Prefill and decode tokens/s at each tp in spec["tps"] (this process's
-    devices), plus the collective overhead of the decode step."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-
-    config, params, tokenizer = load_model(spec["model"], jnp.float32, progress=False)
-    out = {"kernels": os.environ.get("JAXINFER_CPU_KERNELS", "1") != "0", "rows": []}
-    runs = [(tp, config, params, sharding.make_mesh(tp)) for tp in spec["tps"]]
-    for tp in spec["tps"]:
-        if tp > 1:   # one shard's share of the model alone on one device: tp's ideal step
-            shard_config, shard_params = _one_shard(config, params, sharding.plan_sharding(config, tp))
-            runs.append((f"1 shard of {tp}", shard_config, shard_params, sharding.make_mesh(1)))
-    for tp, config, params, mesh in runs:
-        llm = sharding.tensor_parallel_llm(config, params, tokenizer, mesh, max_seq_len=1024,
-                                           decode_chunk=spec["decode_chunk"], prefill_chunk_size=None)
-        progs, plan = llm.programs, llm.sharding_plan
-        row = {"tp": tp, "plan": plan.describe(), "loadavg_1m": _loadavg1()}
-        t = spec["prefill_tokens"]
-        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, t)), jnp.int32)
-
-        def run_prefill():
-            cache = sharding.place(init_cache(llm.config, 1, t), mesh, plan)
-            cache = jax.block_until_ready(cache)
-            logits, _ = progs(phases.prefill, llm.params, cache, tokens, jnp.array([t], jnp.int32),
-                              config=llm.config)
-            jax.block_until_ready(logits)
-
-        row["prefill_tokens_per_s"] = t / _timed(run_prefill, spec["repeats"])
-        for b in spec["batches"]:
-            runner = llm.runner(b)
-            for slot in range(b):
-                job = runner.begin(Request(list(range(1, 65)), max_new_tokens=900, ignore_eos=True))
-                while job.remaining:
-                    runner.prefill(job)
-                runner.insert(job, slot, np.arange(b) < slot)
-            occupied = np.ones(b, bool)
-            chunk_s = _timed(lambda: runner.fetch(runner.decode(occupied)), spec["repeats"])
-            step_s = chunk_s / runner.decode_chunk
-            row[f"decode_b{b}_tokens_per_s"] = b / step_s
-            row[f"decode_b{b}_step_ms"] = step_s * 1e3
-            if plan.tp > 1:
-                hlo = progs.hlo_texts("decode_chunk")[-1]
-                row[f"decode_b{b}_collectives"] = counts = sharding.collectives(hlo)
-                cost = _collective_cost(mesh, b, config, counts, spec["decode_chunk"])
-                row[f"decode_b{b}_collective_ms"] = cost * 1e3
-                row[f"decode_b{b}_collective_share"] = cost / step_s
-        out["rows"].append(row)
-    if max(spec["tps"]) > 1:
-        out["probe"] = _mlp_probe(sharding.make_mesh(2), config, spec["repeats"])
-    return out
-
-
-def _mlp_probe(mesh, config, repeats: int) -> dict:
-    """The decode step's MLP chain alone (L layers of [1, D] x [D, F/2] x
-    [F/2, D] per shard) in ms: on the 2-device mesh with the all-reduce after
-    each layer, the same without it, and one shard's chain on one device.
-    with - without is the all-reduces' cost in place; without - one device
-    is what running two device programs on shared cores costs."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-
-    d, f, n = config.hidden_size, config.intermediate_size, config.num_layers
-    w1 = jax.device_put(jnp.full((n, d, f), 1e-3), NamedSharding(mesh, P(None, None, TP)))
-    w2 = jax.device_put(jnp.full((n, f, d), 1e-3), NamedSharding(mesh, P(None, TP, None)))
-    x = jnp.ones((1, d))
-
-    def chain(reduce):
-        def shard(x, a, b):
-            y = (x @ a[0]) @ b[0]
-            return jax.lax.psum(y, TP) if reduce else y
-
-        def layer(i, x):
-            y = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(None, None, TP), P(None, TP, None)),
-                              out_specs=P() if reduce else P(TP), check_vma=False)(
-                x, w1[i][None], w2[i][None])
-            return y[:1] * 0.5 + x
-        return jax.jit(lambda x: jax.lax.fori_loop(0, n, layer, x))
-
-    one = jax.jit(lambda x, a, b: jax.lax.fori_loop(0, n, lambda i, x: (x @ a[i]) @ b[i] * 0.5 + x, x))
-    a1, b1 = jnp.full((n, d, f // 2), 1e-3), jnp.full((n, f // 2, d), 1e-3)
-    with_reduce, without = chain(True), chain(False)
-    ms = lambda fn: _timed(lambda: jax.block_until_ready(fn()), repeats * 3) * 1e3
-    return {"layers": n, "with_allreduce_ms": ms(lambda: with_reduce(x)),
-            "without_ms": ms(lambda: without(x)), "one_device_one_shard_ms": ms(lambda: one(x, a1, b1)),
-            "loadavg_1m": _loadavg1()}
-
-
-def _one_shard(config, params: dict, plan):
-    """(config, raw params) of what one device computes under `plan`: its
-    query and KV heads, MLP columns and vocabulary columns (the real
-    weights' leading slices), the replicated parts whole."""
-    tp = plan.tp
-    n, k, f, v = config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
-    if plan.split_heads:
-        n, k = n // tp, max(k // tp, 1)
-    f = f // tp if plan.split_mlp else f
-    v = v // tp if plan.split_vocab else v
-    layers = dict(params["layers"])
-    layers.update(q_proj=layers["q_proj"][:, :, :n], k_proj=layers["k_proj"][:, :, :k],
-                  v_proj=layers["v_proj"][:, :, :k], o_proj=layers["o_proj"][:, :n],
-                  gate_proj=layers["gate_proj"][..., :f], up_proj=layers["up_proj"][..., :f],
-                  down_proj=layers["down_proj"][:, :f])
-    out = dict(params, layers=layers, embed_tokens=params["embed_tokens"][:v])
-    if "lm_head" in out:
-        out["lm_head"] = out["lm_head"][:, :v]
-    return config.replace(num_heads=n, num_kv_heads=k, intermediate_size=f, vocab_size=v), out
-
-
-def _collective_cost(mesh, b: int, config, counts: dict, chunk: int) -> float:
-    """Seconds per decode step spent in collectives, estimated: per kind, the
-    count per step times the time of one such collective of the decode
-    step's shape ([B, D] all-reduce, [B, V] all-gather), measured as a loop
-    of 64 in one compiled program on `mesh`."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-
-    n = 64
-    shapes = {"all-reduce": (b, config.hidden_size), "all-gather": (b, config.vocab_size)}
-    total = 0.0
-    for kind, count in counts.items():
-        if kind not in shapes:
-            continue
-        shape = shapes[kind]
-        x = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P(None, TP)
-                                                                       if kind == "all-gather" else P()))
-
-        def body(_, y, kind=kind):
-            if kind == "all-reduce":   # partial sums on every shard -> their sum
-                return jax.shard_map(lambda z: jax.lax.psum(z, TP) * 0.5, mesh=mesh, in_specs=P(),
-                                     out_specs=P())(y)
-            full = jax.lax.with_sharding_constraint(y + 1.0, NamedSharding(mesh, P()))
-            return jax.lax.with_sharding_constraint(full, NamedSharding(mesh, P(None, TP)))
-
-        loop = jax.jit(lambda y: jax.lax.fori_loop(0, n, body, y))
-        per = _timed(lambda: jax.block_until_ready(loop(x)), 5) / n
-        total += per * count / chunk
-    return total
 
 
 # --- transfer ----------------------------------------------------------------------------------
@@ -304,29 +138,16 @@ def _warm(trace, n_chat: int = 4):
 
 
 def _serve_traces(llm, make_scheduler, sweep) -> dict:
-    """Both traces, each with the decode cache sized by its rows ("dynamic":
-    it grows to the bucket of a 2,048-token row while one decodes, for every
-    slot) and fixed at that size from the start ("fixed"): the second
-    compares like with like, leaving only the prefills' own interference."""
+    """Both traces (after a warm-up that compiles their buckets), each on a
+    new scheduler from `make_scheduler(max_num_seqs, **kwargs)`."""
     import types
 
-
     traces = _traces(llm.config.vocab_size, sweep)
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in traces["mixed"])
-    out = {}
-    for mode, capacity in (("dynamic", 0), ("fixed", llm.buckets.cache_bucket(longest + llm.decode_chunk))):
-        def scheduler(max_num_seqs, capacity=capacity, **kwargs):
-            s = make_scheduler(max_num_seqs, **kwargs)
-            s.runner.min_capacity = capacity
-            return s
-        shim = types.SimpleNamespace(programs=llm.programs, decode_chunk=llm.decode_chunk,
-                                     scheduler=scheduler)
-        if not out:   # warm-up: compiles the buckets of both traces
-            run_jaxinfer(shim, _warm(traces["mixed"]), max_num_seqs=sweep.max_num_seqs)
-        for name, trace in traces.items():
-            out[f"{name} ({mode})"] = run_jaxinfer(shim, trace, max_num_seqs=sweep.max_num_seqs,
-                                                   timeout_s=sweep.timeout_s)
-    return out
+    shim = types.SimpleNamespace(programs=llm.programs, decode_chunk=llm.decode_chunk,
+                                 scheduler=make_scheduler)
+    run_jaxinfer(shim, _warm(traces["mixed"]), max_num_seqs=sweep.max_num_seqs)
+    return {name: run_jaxinfer(shim, trace, max_num_seqs=sweep.max_num_seqs, timeout_s=sweep.timeout_s)
+            for name, trace in traces.items()}
 
 
 def part_colocated(spec: dict) -> dict:
@@ -400,13 +221,12 @@ def targets(results: dict) -> list[dict]:
     """The issue's two structural targets."""
     out = []
     for engine in ("disaggregated", "colocated"):
-        for mode in ("fixed", "dynamic"):
-            runs = results.get(engine, {})
-            if f"mixed ({mode})" not in runs:
-                continue
-            itl = lambda name: runs[f"{name} ({mode})"]["chat"]["itl_s"]["p99"]
-            out.append({"name": f"{engine}, {mode} decode cache: chat p99 ITL, long prompts arriving / none",
-                        "value": itl("mixed") / itl("chat_only"), "op": "<=", "goal": 1.5})
+        runs = results.get(engine, {})
+        if "mixed" not in runs:
+            continue
+        itl = lambda name: runs[name]["chat"]["itl_s"]["p99"]
+        out.append({"name": f"{engine}: chat p99 ITL, long prompts arriving / none",
+                    "value": itl("mixed") / itl("chat_only"), "op": "<=", "goal": 1.5})
     rows = results.get("transfer", {}).get("rows", [])
     if rows:
         out.append({"name": "transfer time / prefill time, worst request",
