@@ -1,9 +1,14 @@
-"""The serving benchmark's traces: every request fits the max_seq_len the
-bench loads the model with (a 2,048-token prompt + 16 new tokens once
-overflowed the config's 2,048 after 17 minutes of running)."""
+"""The in-process benchmarks' pure parts on hand-made inputs, and their
+serving-step drivers on a tiny random model: the serving traces fit the
+max_seq_len the bench loads the model with (a 2,048-token prompt + 16 new
+tokens once overflowed the config's 2,048 after 17 minutes of running),
+`tools.bench.steps` (prompt packing, block tables, filled slots), the
+targets and reports of --paged, --serving and --speculative, and
+--serve-load's traces, request bodies and targets (no server is started)."""
 
 import math
 
+import numpy as np
 import pytest
 
 from jaxinfer.tools.bench.serving import LONG_OUTPUT, QUICK_SERVING, ServingSweep, make_trace, mixed_trace
@@ -252,3 +257,77 @@ def test_serve_load_harness_against_a_fake_server(tmp_path):
     report = format_load(results)
     assert "| jaxinfer | 50 | " in report and "| llamacpp | skipped: why |" in report
     assert plot_load(results, str(tmp_path / "p.png")) == str(tmp_path / "p.png")
+
+
+# --- the serving step driven by the benches (tools.bench.steps) ----------------------------
+
+
+def test_pack_prompts_fills_each_step_first_come_first_served():
+    from jaxinfer.tools.bench.steps import pack_prompts
+
+    assert pack_prompts([300, 300], 512) == [[(0, 0, 300), (1, 0, 212)], [(1, 212, 300)]]
+    assert pack_prompts([512], 512) == [[(0, 0, 512)]]
+    assert pack_prompts([5, 5, 5], 4) == [[(0, 0, 4)], [(0, 4, 5), (1, 0, 3)], [(1, 3, 5), (2, 0, 2)],
+                                          [(2, 2, 5)]]
+    assert pack_prompts([], 4) == []
+    with pytest.raises(ValueError, match="budget must be >= 1, got 0"):
+        pack_prompts([3], 0)
+
+
+def test_slot_tables_split_the_pool_in_shuffled_pages():
+    from types import SimpleNamespace
+
+    from jaxinfer.tools.bench.steps import slot_tables
+
+    # P = 7 pages over S = 3 slots: 7 // 3 = 2 pages each (page 1 unused), then 7 ("no page")
+    tables = slot_tables(SimpleNamespace(max_num_seqs=3, pages_per_seq=4, num_pages=7), seed=0)
+    assert tables.dtype == np.int32
+    assert tables.tolist() == [[2, 4, 7, 7], [3, 6, 7, 7], [5, 0, 7, 7]]
+    # a pool larger than the tables: min(M, P // S) = 3 pages each
+    tables = slot_tables(SimpleNamespace(max_num_seqs=2, pages_per_seq=3, num_pages=10), seed=0)
+    assert tables.tolist() == [[4, 6, 2], [7, 3, 5]]
+
+
+def test_filled_slots_decode_the_prompts_greedy_continuation():
+    """`fill_slots` prefills one prompt and copies its pages into every slot:
+    each slot then decodes what the dense phases decode after that prompt."""
+    import jax.numpy as jnp
+
+    from jaxinfer.cache.kv import init_cache
+    from jaxinfer.engine import phases
+    from jaxinfer.tools.bench import steps
+    from jaxinfer.weights.prepare import prepare_params
+    from tiny import TINY_LLAMA, random_params
+
+    params = prepare_params(random_params(TINY_LLAMA), TINY_LLAMA)
+    runner = steps.new_runner(TINY_LLAMA, params, slots=3, max_seq_len=64, pool_tokens=40)
+    tables = steps.slot_tables(runner)
+    prompt = steps.fill_slots(runner, tables, 20)
+    assert len(prompt) == 20 and np.asarray(runner.cache.lengths).tolist() == [20, 20, 20]
+    out = runner.fetch(runner.decode([0, 1, 2], tables, 3))
+    cache = init_cache(TINY_LLAMA, 1, 64)
+    logits, cache = phases.prefill(params, cache, jnp.asarray([prompt]), jnp.array([20]),
+                                   config=TINY_LLAMA)
+    token, want = jnp.zeros((1,), jnp.int32), []        # the admitted rows' last token is 0
+    for _ in range(3):
+        logits, cache = phases.decode_step(params, cache, token, config=TINY_LLAMA)
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        want.append(int(token[0]))
+    assert out.token[:, :3, 0].T.tolist() == [want] * 3
+    steps.reset_slots(runner, prompt)
+    assert np.asarray(runner.cache.lengths).tolist() == [20, 20, 20]
+
+
+def test_target_row_judges_each_comparison():
+    from jaxinfer.tools.bench.report import target_row, targets_table
+
+    assert target_row("a", 0.5, ">=", 0.5) == {"name": "a", "value": 0.5, "op": ">=", "goal": 0.5,
+                                               "result": "PASS"}
+    assert target_row("b", 1.25, "<=", 1.1)["result"] == "FAIL"
+    assert target_row("c", 0.15, "<=", 0.2)["result"] == "PASS"
+    assert target_row("d", None, ">=", 2.0)["result"] == "n/a"
+    with pytest.raises(ValueError, match="op must be '>=' or '<=', got '<'"):
+        target_row("e", 1.0, "<", 2.0)
+    assert targets_table([target_row("b", 1.25, "<=", 1.1), target_row("d", None, ">=", 2.0)]) == [
+        "", "| target | measured | goal | result |", "|---|---|---|---|",
+        "| b | 1.25 | <= 1.1 | FAIL |", "| d | - | >= 2 | n/a |"]
