@@ -15,7 +15,7 @@ from jaxinfer.tools.bench.serving import LONG_OUTPUT, QUICK_SERVING, ServingSwee
 
 
 @pytest.mark.parametrize("sweep,expected", [(ServingSweep(), 2048 + LONG_OUTPUT),
-                                            (QUICK_SERVING, 512 + LONG_OUTPUT)])
+                                            (QUICK_SERVING, 256 + LONG_OUTPUT)])
 def test_every_trace_request_fits_the_sweeps_max_seq_len(sweep, expected):
     assert sweep.max_seq_len == expected
     traces = [make_trace(1000, sweep.num_requests, sweep.prompt_len, sweep.output_len, sweep.rate,
@@ -407,3 +407,25 @@ def test_paged_measurements_on_a_tiny_model():
     for path in ("generate", "scheduler"):
         r = pre[path]
         assert r["hit_over_miss"] == r["hit_ttft_s"] / r["miss_ttft_s"] and r["miss_ttft_s"] > 0
+
+
+# --- jaxinfer bench --serving and --speculative -------------------------------------------
+
+
+def test_serving_targets_from_hand_made_runs():
+    from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, serving_targets
+
+    runs = {"continuous_saturation": {"request_throughput": 0.5, "output_tokens_per_s": 60.0},
+            "static_saturation": {"request_throughput": 0.2},
+            "mixed_chunked_off": {"chat": {"itl_s": {"p50": 0.1, "p99": 0.5}}},
+            "mixed_chunked_256": {"chat": {"itl_s": {"p50": 0.1, "p99": 0.25}}}}
+    got = serving_targets(runs, ServingSweep())
+    assert [(t["name"], t["value"], t["op"], t["goal"], t["result"]) for t in got] == [
+        ("continuous / static request throughput at saturation, outputs 16-1,024 tokens", 2.5,
+         ">=", 2.0, "PASS"),
+        ("continuous / transformers continuous batching, output tokens/s", None, ">=", 2.0, "n/a"),
+        ("mixed_chunked_off: chat p99 / p50 inter-token latency", 5.0, "<=", 3.0, "FAIL"),
+        ("mixed_chunked_256: chat p99 / p50 inter-token latency", 2.5, "<=", 3.0, "PASS"),
+        ("mixed_chunked_512: chat p99 / p50 inter-token latency", None, "<=", 3.0, "n/a")]
+    assert serving_targets({}, QUICK_SERVING)[0]["name"] == (
+        "continuous / static request throughput at saturation, outputs 16-128 tokens")
