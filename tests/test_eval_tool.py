@@ -102,7 +102,6 @@ def test_decode_step_bytes_by_hand():
     assert speed.decode_step_bytes(TINY_LLAMA, params, 1, 3) == weights + 128 + 1536
 
 
-@pytest.mark.slow   # ~30 s on 2 cores: compiling the step and the decode loop (int8 pool)
 def test_speed_rows_run_the_serving_step():
     """The speed table's cells run the serving step on a tiny model (so a
     changed runner signature breaks this test, not the benchmark), with the

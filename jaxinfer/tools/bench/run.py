@@ -228,8 +228,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context", type=int, help="prompt tokens before decode timing")
     p.add_argument("--decode-steps", type=int, help="timed decode steps per batch size")
     p.add_argument("--decode-cache-len", type=int,
-                   help="positions per slot (max_seq_len, the block table a step gathers) of the "
-                        "decode cells' runners (default: the config's max_seq_len)")
+                   help="positions per slot (max_seq_len: the block table a step's XLA attention "
+                        "path gathers whole) of the decode cells' runners (default: the config's "
+                        "max_seq_len)")
     p.add_argument("--repeats", type=int, help="timed repetitions per prefill cell")
     p.add_argument("--stat", choices=("median", "min"),
                    help="headline statistic of repeated timings (default median; min is "

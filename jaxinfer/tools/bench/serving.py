@@ -85,7 +85,7 @@ class ServingSweep:
 LONG_OUTPUT = 16          # new tokens of each long prompt in the mixed trace
 
 
-# --quick: short traces and max_seq_len 272 (a step gathers every page of a slot's table)
+# --quick: short traces (max_seq_len 272), a smoke run of a few minutes
 QUICK_SERVING = ServingSweep(num_requests=12, max_num_seqs=4, prompt_len=(16, 128),
                              output_len=(16, 128), rate=4.0, chat_requests=6, chat_output_len=(32, 48),
                              chat_rate=4.0, long_prompt_len=256, long_prompts=1,

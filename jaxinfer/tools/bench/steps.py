@@ -10,10 +10,12 @@ no scheduler): the benches' prefill and decode cells.
 The bench owns the block tables here (no `KVPageManager`): the pool is split
 evenly between the slots, each slot's pages in shuffled order (a pool some
 time into serving is fragmented), and entries past a slot's pages hold P
-("no page"), as the scheduler's tables do for pages not allocated yet. A
-step's attention reads every entry of a slot's table (the XLA path gathers
-all M pages per query), so a runner's `max_seq_len` is part of what a cell
-measures, and the cells state it.
+("no page"), as the scheduler's tables do for pages not allocated yet. On
+CPU with float32 pools a step's attention is the C++ ragged kernel, which
+reads a slot's pages up to each query's position; the XLA path (other
+backends, int8 pools) gathers every entry of a slot's table per query, so
+there a runner's `max_seq_len` is part of what a cell measures: the cells
+state it.
 
 Rows are greedy, `ignore_eos`, with no stop token: a row generates until its
 `max_new_tokens`, so a timed step never finds its rows done.

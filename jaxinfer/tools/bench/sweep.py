@@ -77,10 +77,9 @@ def enable_persistent_cache(path: Optional[str] = None) -> str:
 class Cells:
     """The serving step of one model, timed cell by cell (`tools.bench.steps`):
     each prefill or decode cell gets its own `ModelRunner` of B slots of
-    `max_seq_len` positions (the serving config's: a step gathers a slot's
-    whole block table), a pool with pages for what the cell writes, and the
-    LLM's token budget; programs compile through one `ProgramCache`, so
-    compile seconds are counted apart."""
+    `max_seq_len` positions (the serving config's), a pool with pages for
+    what the cell writes, and the LLM's token budget; programs compile
+    through one `ProgramCache`, so compile seconds are counted apart."""
 
     def __init__(self, config, params, *, chunk: int = 16, max_seq_len: int = 2048):
         self.config = config
@@ -151,7 +150,7 @@ def measure_decode(cells: Cells, batch: int, sweep: Sweep, machine: dict,
     fill_slots(runner, tables, ctx)
     _, compile_s = cells.decode_loop(runner, tables)
     chunk_times = [cells.decode_loop(runner, tables)[0] for _ in range(n_chunks)]
-    cache_len = runner.max_seq_len      # positions of a slot's block table: what a step gathers
+    cache_len = runner.max_seq_len      # positions of a slot's block table (the XLA path reads all)
     tpot_samples = [t / chunk for t in chunk_times]
     tpot = headline(tpot_samples, sweep.stat)
     mean_ctx = ctx + chunk + (n_chunks * chunk - 1) / 2  # cached tokens, mean over timed steps
