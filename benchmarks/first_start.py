@@ -1,17 +1,21 @@
-"""Why the first `start` (prefill + first token) in a process is slower than
-the next ones.
+"""Why the first prompt step (prefill + first token) in a process is slower
+than the next ones.
 
     python benchmarks/first_start.py [--model smollm2-135m-instruct] [--calls 4]
 
-Compiles the public `prefill` (the bulk of `start`) ahead of time for one
-prompt, then runs the compiled program a few times on fresh caches, each call
-under `jax.profiler.trace`, and prints per call: wall and process-CPU
-milliseconds, and from the profile the time XLA:CPU spent in YNNPACK fusions
-(`ynn_fusion*`), in the C++ kernels (`ffi_call*`) and in JAX's Python
-dispatch of the call (`shard_args`, `ExecuteReplicated`, first-call
-`aot_cache_miss`). Run it again with
+Builds the runner `LLM.generate` builds for one prompt (`LLM.runner(1)`) and
+compiles its programs ahead of time (`ModelRunner.warmup`: the serving step
+of every token bucket and the admission), then serves one chat prompt a few
+times: each call admits it into the slot afresh (outside the timing) and
+runs its step (`ModelRunner.step`, the prompt's tokens in one segment, its
+first token sampled), tokens fetched, under `jax.profiler.trace`. Prints per
+call: wall and process-CPU milliseconds, and from the profile the time
+XLA:CPU spent in YNNPACK fusions (`ynn_fusion*`), in the C++ kernels
+(`ffi_call*`) and in JAX's Python dispatch of the call (`shard_args`,
+`ExecuteReplicated`, first-call `aot_cache_miss`). Run it again with
 `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=` to compare without YNNPACK
-fusions. Findings: benchmarks/README.md, "First start in a process".
+fusions. Findings (of the dense `prefill` this script timed before the
+serving step): benchmarks/README.md, "First start in a process".
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ import json
 import os
 import tempfile
 import time
+
+import jax
+
+from jaxinfer import LLM
+from jaxinfer.serving.loading import enable_compilation_cache
+from jaxinfer.serving.runner import Segment
+from jaxinfer.tools.bench.steps import admit_rows, slot_tables
 
 
 def op_times(trace_dir: str) -> dict[str, float]:
@@ -54,30 +65,24 @@ def main() -> None:
     p.add_argument("--prompt", default="What is the capital of France?")
     args = p.parse_args()
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxinfer import LLM, init_cache, prefill
-    from jaxinfer.serving.loading import enable_compilation_cache
-
     enable_compilation_cache()
     llm = LLM.load(args.model, max_seq_len=2048, progress=False)
     ids = llm.encode_prompt(args.prompt, chat=True)
-    tokens = np.zeros((1, 1 << (len(ids) - 1).bit_length()), np.int32)
-    tokens[0, :len(ids)] = ids
-    tokens, lengths = jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32)
-    new_cache = lambda: jax.block_until_ready(init_cache(llm.config, 1, 256))    # noqa: E731
-    compiled = prefill.lower(llm.params, new_cache(), tokens, lengths, config=llm.config).compile()
+    runner = llm.runner(1)
+    if len(ids) > runner.token_budget:
+        p.error(f"the prompt has {len(ids)} tokens; one step holds {runner.token_budget}")
+    runner.warmup()
+    tables = slot_tables(runner)
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, prompt {len(ids)} tokens "
-          f"(bucket {tokens.shape[1]})")
+          f"(token bucket {runner.step_shape(len(ids))[0]})")
     print("call  wall ms  CPU ms  ynn_fusion ms  ffi_call ms  dispatch ms")
     for i in range(args.calls):
-        cache = new_cache()
+        admit_rows(runner, [ids], 1)
+        jax.block_until_ready(runner.cache)
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 t0, c0 = time.perf_counter(), time.process_time()
-                jax.block_until_ready(compiled(llm.params, cache, tokens, lengths))
+                runner.fetch(runner.step([Segment(0, tuple(ids))], tables))
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             ops = op_times(trace_dir)
         print(f"{i:4d} {wall * 1e3:8.1f} {cpu * 1e3:7.0f} {ops['ynn_fusion'] * 1e3:14.1f} "

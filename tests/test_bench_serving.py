@@ -1,16 +1,21 @@
-"""The serving benchmark's traces: every request fits the max_seq_len the
-bench loads the model with (a 2,048-token prompt + 16 new tokens once
-overflowed the config's 2,048 after 17 minutes of running)."""
+"""The in-process benchmarks' pure parts on hand-made inputs, and their
+serving-step drivers on a tiny random model: the serving traces fit the
+max_seq_len the bench loads the model with (a 2,048-token prompt + 16 new
+tokens once overflowed the config's 2,048 after 17 minutes of running),
+`tools.bench.steps` (prompt packing, block tables, filled slots), the
+targets and reports of --paged, --serving and --speculative, and
+--serve-load's traces, request bodies and targets (no server is started)."""
 
 import math
 
+import numpy as np
 import pytest
 
 from jaxinfer.tools.bench.serving import LONG_OUTPUT, QUICK_SERVING, ServingSweep, make_trace, mixed_trace
 
 
 @pytest.mark.parametrize("sweep,expected", [(ServingSweep(), 2048 + LONG_OUTPUT),
-                                            (QUICK_SERVING, 512 + LONG_OUTPUT)])
+                                            (QUICK_SERVING, 256 + LONG_OUTPUT)])
 def test_every_trace_request_fits_the_sweeps_max_seq_len(sweep, expected):
     assert sweep.max_seq_len == expected
     traces = [make_trace(1000, sweep.num_requests, sweep.prompt_len, sweep.output_len, sweep.rate,
@@ -252,3 +257,166 @@ def test_serve_load_harness_against_a_fake_server(tmp_path):
     report = format_load(results)
     assert "| jaxinfer | 50 | " in report and "| llamacpp | skipped: why |" in report
     assert plot_load(results, str(tmp_path / "p.png")) == str(tmp_path / "p.png")
+
+
+# --- the serving step driven by the benches (tools.bench.steps) ----------------------------
+
+
+def test_pack_prompts_fills_each_step_first_come_first_served():
+    from jaxinfer.tools.bench.steps import pack_prompts
+
+    assert pack_prompts([300, 300], 512) == [[(0, 0, 300), (1, 0, 212)], [(1, 212, 300)]]
+    assert pack_prompts([512], 512) == [[(0, 0, 512)]]
+    assert pack_prompts([5, 5, 5], 4) == [[(0, 0, 4)], [(0, 4, 5), (1, 0, 3)], [(1, 3, 5), (2, 0, 2)],
+                                          [(2, 2, 5)]]
+    assert pack_prompts([], 4) == []
+    with pytest.raises(ValueError, match="budget must be >= 1, got 0"):
+        pack_prompts([3], 0)
+
+
+def test_slot_tables_split_the_pool_in_shuffled_pages():
+    from types import SimpleNamespace
+
+    from jaxinfer.tools.bench.steps import slot_tables
+
+    # P = 7 pages over S = 3 slots: 7 // 3 = 2 pages each (page 1 unused), then 7 ("no page")
+    tables = slot_tables(SimpleNamespace(max_num_seqs=3, pages_per_seq=4, num_pages=7), seed=0)
+    assert tables.dtype == np.int32
+    assert tables.tolist() == [[2, 4, 7, 7], [3, 6, 7, 7], [5, 0, 7, 7]]
+    # a pool larger than the tables: min(M, P // S) = 3 pages each
+    tables = slot_tables(SimpleNamespace(max_num_seqs=2, pages_per_seq=3, num_pages=10), seed=0)
+    assert tables.tolist() == [[4, 6, 2], [7, 3, 5]]
+
+
+def test_filled_slots_decode_the_prompts_greedy_continuation():
+    """`fill_slots` prefills one prompt and copies its pages into every slot:
+    each slot then decodes what the dense phases decode after that prompt."""
+    import jax.numpy as jnp
+
+    from jaxinfer.cache.kv import init_cache
+    from jaxinfer.engine import phases
+    from jaxinfer.tools.bench import steps
+    from jaxinfer.weights.prepare import prepare_params
+    from tiny import TINY_LLAMA, random_params
+
+    params = prepare_params(random_params(TINY_LLAMA), TINY_LLAMA)
+    runner = steps.new_runner(TINY_LLAMA, params, slots=3, max_seq_len=64, pool_tokens=40)
+    tables = steps.slot_tables(runner)
+    prompt = steps.fill_slots(runner, tables, 20)
+    assert len(prompt) == 20 and np.asarray(runner.cache.lengths).tolist() == [20, 20, 20]
+    out = runner.fetch(runner.decode([0, 1, 2], tables, 3))
+    cache = init_cache(TINY_LLAMA, 1, 64)
+    logits, cache = phases.prefill(params, cache, jnp.asarray([prompt]), jnp.array([20]),
+                                   config=TINY_LLAMA)
+    token, want = jnp.zeros((1,), jnp.int32), []        # the admitted rows' last token is 0
+    for _ in range(3):
+        logits, cache = phases.decode_step(params, cache, token, config=TINY_LLAMA)
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        want.append(int(token[0]))
+    assert out.token[:, :3, 0].T.tolist() == [want] * 3
+    steps.reset_slots(runner, prompt)
+    assert np.asarray(runner.cache.lengths).tolist() == [20, 20, 20]
+
+
+def test_target_row_judges_each_comparison():
+    from jaxinfer.tools.bench.report import target_row, targets_table
+
+    assert target_row("a", 0.5, ">=", 0.5) == {"name": "a", "value": 0.5, "op": ">=", "goal": 0.5,
+                                               "result": "PASS"}
+    assert target_row("b", 1.25, "<=", 1.1)["result"] == "FAIL"
+    assert target_row("c", 0.15, "<=", 0.2)["result"] == "PASS"
+    assert target_row("d", None, ">=", 2.0)["result"] == "n/a"
+    with pytest.raises(ValueError, match="op must be '>=' or '<=', got '<'"):
+        target_row("e", 1.0, "<", 2.0)
+    assert targets_table([target_row("b", 1.25, "<=", 1.1), target_row("d", None, ">=", 2.0)]) == [
+        "", "| target | measured | goal | result |", "|---|---|---|---|",
+        "| b | 1.25 | <= 1.1 | FAIL |", "| d | - | >= 2 | n/a |"]
+
+
+# --- jaxinfer bench --paged ---------------------------------------------------------------
+
+
+def _paged_results():
+    step = {"batch": 32, "context": 512, "capacity": 1024, "page_size": 16,
+            "paged_times_s": [0.2, 0.22], "dense_times_s": [0.16, 0.2], "paged_step_s": 0.21,
+            "dense_step_s": 0.18, "paged_over_dense": 0.21 / 0.18, "loadavg": [1.0, 1.0, 1.0]}
+    loop = {"batch": 32, "context": 519.5, "steps": 16, "tpot_s": 0.2, "achieved_gflops": 45.0,
+            "compute_fraction": 0.45, "memory_fraction": 0.3}
+    prefix = {"prefix_len": 1000, "suffix_len": 24, "repeats": 3, "page_size": 16,
+              "prefix_caching": True, "miss_ttft_s": 2.0, "hit_ttft_s": 0.25, "hit_over_miss": 0.125,
+              "hit_cached_tokens": [992, 992, 992]}
+    machine = {"peak_gflops": 100.0, "peak_source": "torch_square_2048", "bandwidth_gbps": 10.0}
+    return {"step": step, "loop": loop, "prefix": prefix, "machine": machine}
+
+
+def test_paged_targets_from_hand_made_figures():
+    from jaxinfer.tools.bench import paged
+
+    results = _paged_results()
+    got = paged.targets(results)
+    assert [(t["name"], t["op"], t["goal"], t["result"]) for t in got] == [
+        ("paged decode step / dense, batch 32, context 512", "<=", 1.1, "FAIL"),
+        ("decode step at batch 32: fraction of the best-of FLOP/s peak", ">=", 0.5, "FAIL"),
+        ("TTFT cached 1,000-token prefix / miss, LLM.generate twice", "<=", 0.2, "PASS")]
+    assert [t["value"] for t in got] == [0.21 / 0.18, 0.45, 0.125]
+    results["targets"] = got
+    report = paged.format_paged(results)
+    for line in ("decode step, batch 32, context 512, capacity 1024 (page size 16), median of 2: "
+                 "paged (serving step) 210.00 ms, dense (`phases.decode_step`) 180.00 ms (1.17x); "
+                 "load [1.0, 1.0, 1.0]",
+                 "decode loop, 16 steps per dispatch, batch 32, mean context 519.5: 200.00 ms per "
+                 "step, 45.0 GFLOP/s = 45% of the peak 100.0 GFLOP/s (torch_square_2048), 30% of "
+                 "10.0 GB/s",
+                 "TTFT through `LLM.generate`, 1000-token prefix + 24 tokens, median of 3 (page "
+                 "size 16, prefix caching on): miss 2.000 s, hit 0.250 s (0.125); prompt tokens the "
+                 "hits served from the cache [992, 992, 992]",
+                 "| TTFT cached 1,000-token prefix / miss, LLM.generate twice | 0.125 | <= 0.2 | PASS |"):
+        assert line in report.splitlines(), line
+
+
+def test_paged_measurements_on_a_tiny_model():
+    """The --paged sweep's three measurements end to end on a tiny random
+    model (no machine probe): shapes of the figures and the prefix-cache hits."""
+    from jaxinfer.models import roofline
+    from jaxinfer.serving.llm import LLM
+    from jaxinfer.tools.bench import paged
+    from tiny import TINY_LLAMA, random_params
+
+    llm = LLM(TINY_LLAMA, random_params(TINY_LLAMA), max_seq_len=128)
+    sweep = paged.PagedSweep(step_batch=2, step_context=20, step_capacity=64, step_repeats=1,
+                             decode_chunk=2, loop_repeats=1, prefix_len=40, suffix_len=8,
+                             prefix_output=2, prefix_repeats=1)
+    quiet = lambda msg: None
+    step, slots = paged.step_cost(llm, sweep, quiet)
+    assert (step["batch"], step["context"], step["capacity"]) == (2, 20, 64)
+    assert len(step["paged_times_s"]) == len(step["dense_times_s"]) == 1
+    assert step["paged_over_dense"] == step["paged_step_s"] / step["dense_step_s"]
+    loop = paged.loop_cost(llm, sweep, slots, {"peak_gflops": 1.0, "bandwidth_gbps": 1.0}, quiet)
+    assert (loop["batch"], loop["steps"], loop["context"]) == (2, 2, 20.5)
+    assert loop["flops"] == roofline.decode_cost(TINY_LLAMA, 2, 20.5).flops
+    assert loop["compute_fraction"] == loop["flops"] / loop["tpot_s"] / 1e9
+    pre = paged.prefix_ttft(llm, sweep, quiet)
+    assert pre["hit_cached_tokens"] == [32]     # the 40-token prefix's 2 full pages of 16
+    assert pre["hit_over_miss"] == pre["hit_ttft_s"] / pre["miss_ttft_s"] and pre["miss_ttft_s"] > 0
+
+
+# --- jaxinfer bench --serving and --speculative -------------------------------------------
+
+
+def test_serving_targets_from_hand_made_runs():
+    from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, serving_targets
+
+    runs = {"continuous_saturation": {"request_throughput": 0.5, "output_tokens_per_s": 60.0},
+            "static_saturation": {"request_throughput": 0.2},
+            "mixed_chunked_off": {"chat": {"itl_s": {"p50": 0.1, "p99": 0.5}}},
+            "mixed_chunked_256": {"chat": {"itl_s": {"p50": 0.1, "p99": 0.25}}}}
+    got = serving_targets(runs, ServingSweep())
+    assert [(t["name"], t["value"], t["op"], t["goal"], t["result"]) for t in got] == [
+        ("continuous / static request throughput at saturation, outputs 16-1,024 tokens", 2.5,
+         ">=", 2.0, "PASS"),
+        ("continuous / transformers continuous batching, output tokens/s", None, ">=", 2.0, "n/a"),
+        ("mixed_chunked_off: chat p99 / p50 inter-token latency", 5.0, "<=", 3.0, "FAIL"),
+        ("mixed_chunked_256: chat p99 / p50 inter-token latency", 2.5, "<=", 3.0, "PASS"),
+        ("mixed_chunked_512: chat p99 / p50 inter-token latency", None, "<=", 3.0, "n/a")]
+    assert serving_targets({}, QUICK_SERVING)[0]["name"] == (
+        "continuous / static request throughput at saturation, outputs 16-128 tokens")

@@ -1,5 +1,6 @@
 """Plots of a results dict: the roofline with every call on it, decode
-latency vs batch, TTFT vs prompt length (matplotlib, Agg)."""
+latency vs batch, TTFT vs prompt length (matplotlib, Agg); and the serving
+bench's throughput and latency bars (`plot_serving`)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,27 @@ def _plot_peer_lines(ax, rows, xkey: str, ykey: str, suffix: str = ""):
             ax.plot(*zip(*pts), style, label=f"{peer}{suffix}")
 
 
+def plot_serving(results: dict, path: str) -> str:
+    """Bars of request throughput and p99 latencies per run (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = {k: v for k, v in results["runs"].items() if "request_throughput" in v}
+    names = list(runs)
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.barh(names, [runs[n]["request_throughput"] for n in names], color="#4477aa")
+    ax1.set_xlabel("requests / s")
+    ax1.set_title("request throughput")
+    kind = lambda r: r.get("chat") or r.get("request")
+    for i, (key, label) in enumerate((("ttft_s", "TTFT p99"), ("itl_s", "ITL p99 x 10"))):
+        scale = 10 if key == "itl_s" else 1
+        ax2.barh([j + i * 0.4 for j in range(len(names))],
+                 [kind(runs[n])[key]["p99"] * scale for n in names], height=0.4, label=label)
+    ax2.set_yticks(range(len(names)), names)
+    ax2.set_xlabel("seconds")
+    ax2.set_title("p99 latency (chat requests in the mixed runs)")
+    ax2.legend()
+    fig.savefig(path, dpi=110)
+    return path

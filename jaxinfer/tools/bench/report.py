@@ -158,6 +158,20 @@ def format_report(results: dict) -> str:
     return "\n".join(out)
 
 
+def target_row(name: str, value: Optional[float], op: str, goal: float) -> dict:
+    """One judged target of a sweep: {"name", "value", "op", "goal",
+    "result"}, result "PASS" or "FAIL" (value op goal), "n/a" when value is None.
+
+    Raises:
+      ValueError: op is neither ">=" nor "<=".
+    """
+    if op not in (">=", "<="):
+        raise ValueError(f"op must be '>=' or '<=', got {op!r}")
+    met = None if value is None else (value >= goal if op == ">=" else value <= goal)
+    return {"name": name, "value": value, "op": op, "goal": goal,
+            "result": "n/a" if met is None else ("PASS" if met else "FAIL")}
+
+
 def targets_table(targets: Sequence[dict]) -> list[str]:
     """Markdown lines of a table of targets ({"name", "value", "op", "goal",
     "result"}; value None shows as "-"), after a blank line."""

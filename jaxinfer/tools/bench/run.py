@@ -9,16 +9,20 @@ greedy, with no stop tokens so every row generates exactly the asked count:
 * machine: achievable memory read bandwidth (best of several jitted XLA
   read-only kernels over a 256 MiB float32 array, 8x the L3 of a typical
   CPU) and matmul FLOP/s (large float32 matmuls), best of N, in this process.
-* prefill: TTFT (prefill + first sampled token, `engine.start`) and prompt
-  tokens/s per (batch, prompt length); first-call compile seconds apart.
-* decode: TPOT and aggregate tokens/s per batch at a fixed context,
-  timed per `engine.decode_chunk` (a `lax.scan` of decode steps, sampling
-  included) after a warm-up chunk.
+* prefill: TTFT (prefill + first sampled token) and prompt tokens/s per
+  (batch, prompt length), through the serving step (`ModelRunner.step`:
+  the prompts admitted, then their chunks in token-budget steps);
+  first-call compile seconds apart.
+* decode: TPOT and aggregate tokens/s per batch at a fixed context, the
+  slots filled to it first, timed per `ModelRunner.decode` (a `lax.scan`
+  of `decode_chunk` serving steps, sampling included) after a warm-up loop.
 * end to end: a pool of mixed-length prompts through `LLM.generate` in
   batches; TTFT (queued: all requests arrive at t=0, and per batch) and
   TPOT percentiles.
-* compile: prefill + decode programs compiled in two fresh subprocesses
-  sharing an empty persistent compilation cache (first vs second start).
+* compile: the programs a first `generate` of one prompt runs (admission
+  and the prompt's step; a decoding step) compiled in two fresh
+  subprocesses sharing an empty persistent compilation cache (first vs
+  second start).
 * roofline: FLOPs and bytes of each call (`jaxinfer.models.roofline`), achieved
   GFLOP/s and GB/s, the bound that applies, and the fraction reached.
 * peers (optional, each in its own subprocess): Hugging Face transformers
@@ -49,24 +53,22 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.config import GenerationConfig
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.serving.llm import LLM
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.tools.bench.machine import cpu_info, measure_machine, torch_matmul_probe
+from jaxinfer.tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
 from jaxinfer.tools.bench.peers import peer_worker, run_peers
 from jaxinfer.tools.bench.plots import plot_results
 from jaxinfer.tools.bench.report import format_report, write_results
+from jaxinfer.tools.bench.serve_compare import QUICK_LOAD, LoadSweep, cmd_serve_load
+from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving, hf_serving_worker
+from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
 from jaxinfer.tools.bench.sweep import (FULL, QUICK, Sweep, compile_probe, enable_persistent_cache,
                                         measure_compile_starts, measure_jaxinfer, model_facts)
 from jaxinfer.tools.bench.targets import compute_targets, print_targets
-from jaxinfer.checkpoint.sources import resolve_model
-from jaxinfer.config import GenerationConfig
-from jaxinfer.serving.llm import LLM
-from jaxinfer.tools.bench.serve_compare import QUICK_LOAD, LoadSweep
-from jaxinfer.tools.bench.serving import hf_serving_worker
-from jaxinfer.tools.bench.serve_compare import cmd_serve_load
-from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
-from jaxinfer.tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
-from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving
 
 
 def _env(quick: bool) -> dict:
@@ -199,8 +201,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "(continuous vs static batching, chunked prefill on/off, transformers' "
                         "continuous batching); see jaxinfer/tools/bench/serving.py")
     p.add_argument("--paged", action="store_true",
-                   help="the paged KV cache sweep instead (capacity at a fixed KV budget, decode "
-                        "step cost, shared-prefix TTFT with the prefix cache on and off); see "
+                   help="the paged KV cache sweep instead (the serving step's decode against the "
+                        "dense phases at batch 32 / context 512, its fraction of the FLOP/s peak, "
+                        "TTFT of a cached 1,000-token prefix against a miss); see "
                         "jaxinfer/tools/bench/paged.py")
     p.add_argument("--serve-load", action="store_true",
                    help="the HTTP load test instead: Poisson rates, short requests, long "
@@ -225,8 +228,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context", type=int, help="prompt tokens before decode timing")
     p.add_argument("--decode-steps", type=int, help="timed decode steps per batch size")
     p.add_argument("--decode-cache-len", type=int,
-                   help="smallest KV-cache length for decode cells (default: the cache bucket the "
-                        "serving engine sizes for them, `Buckets.cache_bucket`)")
+                   help="positions per slot (max_seq_len: the block table a step's XLA attention "
+                        "path gathers whole) of the decode cells' runners (default: the config's "
+                        "max_seq_len)")
     p.add_argument("--repeats", type=int, help="timed repetitions per prefill cell")
     p.add_argument("--stat", choices=("median", "min"),
                    help="headline statistic of repeated timings (default median; min is "

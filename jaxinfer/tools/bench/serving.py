@@ -8,8 +8,10 @@ stated ranges with a fixed seed, random token ids, greedy, `ignore_eos`
 (every request generates exactly its drawn length). Runs, in one process
 and on the same trace:
 
-* continuous batching (`Scheduler`, policy "continuous") vs static batching
-  (policy "static": a batch waits for its longest row), same slots;
+* continuous batching (`LLM.scheduler(policy="continuous")`) vs static
+  batching (policy "static": new requests wait until no request runs, so a
+  batch waits for its longest row), same slots, same trace: all requests
+  at t = 0 (saturation) and Poisson arrivals;
 * Hugging Face transformers' own continuous batching
   (`ContinuousBatchingManager`, transformers 5.x) on the same requests, in
   a worker subprocess (PyTorch and XLA in one process slow each other down);
@@ -19,11 +21,14 @@ and on the same trace:
 
 Per run: request throughput (requests/s), output tokens/s, TTFT, TPOT,
 inter-token latency and end-to-end latency at p50 / p90 / p99 (seconds).
-Inter-token latency: decode runs in chunks, so tokens reach the host a
-chunk at a time; each delivery of k tokens after a gap of g seconds counts
-as k samples of g / k (`request.Timings.inter_token_latencies`). Times are
-on `ProgramCache.clock` (compilation excluded); arrivals are scheduled on
-the same clock.
+Inter-token latency: a delivery of k tokens after a gap of g seconds
+counts as k samples of g / k (`request.Timings.inter_token_latencies`).
+Times are on `ProgramCache.clock` (compilation excluded); arrivals are
+scheduled on the same clock. Before the runs, the runner's own warm-up
+(`ModelRunner.warmup`: the step of every token bucket, admission of every
+row bucket; what `jaxinfer serve` compiles) and two short requests; it
+compiles no decode loop, so, as in `jaxinfer serve`, rows decode one step
+per dispatch.
 """
 
 from __future__ import annotations
@@ -40,15 +45,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxinfer.models import roofline as metrics
-from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
-from jaxinfer.serving.request import Request
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.tools.bench.report import targets_table
 from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.models import roofline as metrics
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.llm import LLM
-from jaxinfer.tools.bench.report import publish
-from jaxinfer.serving.request import Timings
+from jaxinfer.serving.request import Request, Timings
+from jaxinfer.tools.bench.common import loadavg, loadavg1, run_worker
+from jaxinfer.tools.bench.plots import plot_serving
+from jaxinfer.tools.bench.report import publish, target_row, targets_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +62,7 @@ class ServingSweep:
     num_requests: int = 64
     max_num_seqs: int = 16
     prompt_len: tuple[int, int] = (32, 1024)      # log-uniform
-    output_len: tuple[int, int] = (16, 256)       # log-uniform
+    output_len: tuple[int, int] = (16, 1024)      # log-uniform
     rate: float = 2.0                             # the Poisson run (saturation runs too)
     chat_requests: int = 24                       # chunked-prefill scenario: short chat requests
     chat_prompt_len: tuple[int, int] = (32, 128)
@@ -81,9 +85,10 @@ class ServingSweep:
 LONG_OUTPUT = 16          # new tokens of each long prompt in the mixed trace
 
 
-QUICK_SERVING = ServingSweep(num_requests=16, max_num_seqs=4, prompt_len=(16, 256),
-                             output_len=(8, 64), rate=4.0, chat_requests=8, chat_output_len=(32, 48),
-                             chat_rate=4.0, long_prompt_len=512, long_prompts=2,
+# --quick: short traces (max_seq_len 272), a smoke run of a few minutes
+QUICK_SERVING = ServingSweep(num_requests=12, max_num_seqs=4, prompt_len=(16, 128),
+                             output_len=(16, 128), rate=4.0, chat_requests=6, chat_output_len=(32, 48),
+                             chat_rate=4.0, long_prompt_len=256, long_prompts=1,
                              prefill_chunk_sizes=(128,))
 
 
@@ -284,11 +289,8 @@ def run_serving(llm, model_path, sweep: ServingSweep, peers: Sequence[str], log=
                          sweep.seed)
     mixed = mixed_trace(vocab, sweep)
     slots, t = sweep.max_num_seqs, sweep.timeout_s
-    longest = max(len(r.prompt_ids) for r in saturation + poisson + mixed)
-    log(f"warm-up: compiling every program for prompts up to {longest} tokens")
-    results["warmup_programs"] = sum(
-        llm.scheduler(slots, prefill_chunk_size=c).runner.warmup(max_prompt_len=longest)
-        for c in {llm.prefill_chunk_size, None, *sweep.prefill_chunk_sizes})
+    log(f"warm-up: the runner's compile plan for {slots} slots")
+    results["warmup_programs"] = llm.runner(slots).warmup()   # programs are shared by shape
     run_jaxinfer(llm, [dataclasses.replace(r, arrival_s=0.0, max_new_tokens=2)
                        for r in saturation[:2]], max_num_seqs=slots, timeout_s=t)
     for name, trace, policy, chunk in (
@@ -316,24 +318,19 @@ def _ratio(a, b):
 
 
 def serving_targets(runs: dict, sweep: ServingSweep) -> list[dict]:
-    """Issue 12's three targets from the runs."""
+    """The serving targets from the runs (`report.target_row` each)."""
     cont, stat = runs.get("continuous_saturation", {}), runs.get("static_saturation", {})
     hf = runs.get("hf_saturation", {})
-    out = [{"name": "continuous / static request throughput at saturation",
-            "value": _ratio(cont.get("request_throughput"), stat.get("request_throughput")),
-            "op": ">=", "goal": 2.0},
-           {"name": "continuous / transformers continuous batching, output tokens/s",
-            "value": _ratio(cont.get("output_tokens_per_s"), hf.get("output_tokens_per_s")),
-            "op": ">=", "goal": 2.0}]
+    lo, hi = sweep.output_len
+    out = [target_row(f"continuous / static request throughput at saturation, outputs {lo:,}-{hi:,} "
+                      "tokens", _ratio(cont.get("request_throughput"), stat.get("request_throughput")),
+                      ">=", 2.0),
+           target_row("continuous / transformers continuous batching, output tokens/s",
+                      _ratio(cont.get("output_tokens_per_s"), hf.get("output_tokens_per_s")), ">=", 2.0)]
     for name in ["mixed_chunked_off"] + [f"mixed_chunked_{c}" for c in sweep.prefill_chunk_sizes]:
         itl = runs.get(name, {}).get("chat", {}).get("itl_s", {})
-        out.append({"name": f"{name}: chat p99 / p50 inter-token latency",
-                    "value": _ratio(itl.get("p99"), itl.get("p50")),
-                    "op": "<=", "goal": 3.0})
-    for t in out:
-        v = t["value"]
-        t["result"] = "n/a" if v is None else (
-            "PASS" if (v >= t["goal"] if t["op"] == ">=" else v <= t["goal"]) else "FAIL")
+        out.append(target_row(f"{name}: chat p99 / p50 inter-token latency",
+                              _ratio(itl.get("p99"), itl.get("p50")), "<=", 3.0))
     return out
 
 
@@ -360,32 +357,6 @@ def format_serving(results: dict) -> str:
                 f"{r['complete']} |")
 
     return "\n".join(lines + targets_table(results["targets"]))
-
-
-def plot_serving(results: dict, path: str) -> str:
-    """Bars of request throughput and p99 latencies per run (PNG)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    runs = {k: v for k, v in results["runs"].items() if "request_throughput" in v}
-    names = list(runs)
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2)
-    ax1.barh(names, [runs[n]["request_throughput"] for n in names], color="#4477aa")
-    ax1.set_xlabel("requests / s")
-    ax1.set_title("request throughput")
-    kind = lambda r: r.get("chat") or r.get("request")
-    for i, (key, label) in enumerate((("ttft_s", "TTFT p99"), ("itl_s", "ITL p99 x 10"))):
-        scale = 10 if key == "itl_s" else 1
-        ax2.barh([j + i * 0.4 for j in range(len(names))],
-                 [kind(runs[n])[key]["p99"] * scale for n in names], height=0.4, label=label)
-    ax2.set_yticks(range(len(names)), names)
-    ax2.set_xlabel("seconds")
-    ax2.set_title("p99 latency (chat requests in the mixed runs)")
-    ax2.legend()
-    fig.savefig(path, dpi=110)
-    return path
 
 
 def cmd_serving(args, cfg, sweep: ServingSweep) -> int:

@@ -1,5 +1,13 @@
 """The sweep: jaxinfer's own prefill, decode, end-to-end and compile
-measurements (what a run measures is a `Sweep`)."""
+measurements (what a run measures is a `Sweep`).
+
+Prefill and decode cells run the serving step itself (`serving.runner.
+ModelRunner`, driven by `tools.bench.steps`): a prefill cell is B prompts
+admitted and prefilled in token-budget steps, each prompt's first token
+sampled in its last chunk's step (TTFT = prefill + first token); a decode
+cell is B slots filled to the context (`steps.fill_slots`: one prompt
+prefilled, its pages copied to every slot) decoding in `ModelRunner.decode`
+loops of `decode_chunk` steps. End to end runs `LLM.generate`."""
 
 from __future__ import annotations
 
@@ -10,20 +18,19 @@ import tempfile
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 
+from jaxinfer.cache.kv import cache_nbytes
+from jaxinfer.config import cache_dir
 from jaxinfer.models import roofline as metrics
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.loading import enable_compilation_cache
 from jaxinfer.tools.bench.common import (headline, loadavg1, peak_rss_bytes, random_prompts,
                                          run_worker)
-from jaxinfer.serving.loading import enable_compilation_cache
-from jaxinfer.cache.kv import cache_nbytes
-from jaxinfer.serving.llm import LLM
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.config import cache_dir
-from jaxinfer.engine import phases as engine
-from jaxinfer.cache.kv import init_cache
-from jaxinfer.serving.request import Request
-from jaxinfer.serving.runner import row_inputs, stop_tokens
+from jaxinfer.tools.bench.steps import (decode_segments, fill_slots, new_runner, run_prompts,
+                                        slot_tables, timed)
 
 # --- sweep sizes ------------------------------------------------------------------------
 
@@ -67,109 +74,91 @@ def enable_persistent_cache(path: Optional[str] = None) -> str:
     return enable_compilation_cache(path)
 
 
-
-class Runner:
-    """Drives the compiled phases of one model through the public API: batched
-    prefill cells through `engine.start`, decode cells through a
-    `ModelRunner`'s slots; compile seconds are counted apart (`LLM.programs`)."""
+class Cells:
+    """The serving step of one model, timed cell by cell (`tools.bench.steps`):
+    each prefill or decode cell gets its own `ModelRunner` of B slots of
+    `max_seq_len` positions (the serving config's), a pool with pages for
+    what the cell writes, and the LLM's token budget; programs compile
+    through one `ProgramCache`, so compile seconds are counted apart."""
 
     def __init__(self, config, params, *, chunk: int = 16, max_seq_len: int = 2048):
-
         self.config = config
         self.chunk = chunk
         self.llm = LLM(config, params, tokenizer=None, max_seq_len=max_seq_len, decode_chunk=chunk)
         self.params = self.llm.params
         self.dtype = self.llm.cache_dtype
         self.dtype_bytes = np.dtype(self.dtype).itemsize
+        self.max_seq_len = max_seq_len
 
-    def start(self, tokens: np.ndarray, cache_len: int):
-        """One timed `engine.start` over greedy rows (B = tokens.shape[0]) on an
-        empty cache of `cache_len`. Returns (seconds excluding compile, compile seconds)."""
-        import jax
-        import jax.numpy as jnp
+    def runner(self, batch: int, pool_tokens: int, max_seq_len: Optional[int] = None):
+        """A runner of `batch` slots with pages for `pool_tokens` positions each,
+        and its block tables (`steps.slot_tables`)."""
+        runner = new_runner(self.config, self.params, slots=batch,
+                            max_seq_len=max_seq_len or self.max_seq_len, pool_tokens=pool_tokens,
+                            page_size=self.llm.page_size, token_budget=self.llm.token_budget,
+                            dtype=self.dtype, programs=self.llm.programs)
+        return runner, slot_tables(runner)
 
+    def prompts(self, runner, tables, prompts) -> tuple[float, float]:
+        """One timed `steps.run_prompts` (admission, then the prompts' chunks in
+        token-budget steps, each prompt's first token sampled): seconds until
+        the last step's tokens are on the host, compile seconds apart."""
+        return timed(self.llm.programs, lambda: run_prompts(runner, tables, prompts))
 
-        b, t = tokens.shape
-        inputs = row_inputs([Request(row, max_new_tokens=1) for row in tokens], self.config.vocab_size,
-                            t + 1)
-        cache = jax.block_until_ready(init_cache(self.config, b, cache_len, self.dtype))
-        programs = self.llm.programs
-        c0, t0 = programs.compile_s, time.perf_counter()
-        _, out = programs(engine.start, self.params, cache, jnp.asarray(tokens),
-                          jnp.full((b,), t, jnp.int32), inputs, stop_tokens((), ()), config=self.config)
-        jax.device_get(out.token)
-        compile_s = programs.compile_s - c0
-        return time.perf_counter() - t0 - compile_s, compile_s
-
-    def decode_slots(self, batch: int, tokens: np.ndarray, budget: int, cache_len: int = 0):
-        """A `ModelRunner` of `batch` slots, each holding the one prefilled
-        prompt `tokens` [1, T] (decode cost does not depend on the cache's
-        contents, so one prefill stands in for B) with `budget` new tokens;
-        its cache is at least `cache_len` positions."""
-
-        runner = self.llm.runner(batch)
-        runner.min_capacity = cache_len
-        job = runner.begin(Request(tokens[0], max_new_tokens=budget))
-        while job.remaining:
-            runner.prefill(job)
-        for slot in range(batch):
-            runner.insert(job, slot, np.arange(batch) < slot)
-        return runner
-
-    def chunk_step(self, runner):
-        """One decode chunk of `self.chunk` steps over every slot, tokens
-        fetched to the host. Returns (seconds excluding compile, compile seconds)."""
-        programs = self.llm.programs
-        c0, t0 = programs.compile_s, time.perf_counter()
-        runner.fetch(runner.decode(np.ones(runner.max_num_seqs, bool)))
-        compile_s = programs.compile_s - c0
-        return time.perf_counter() - t0 - compile_s, compile_s
+    def decode_loop(self, runner, tables) -> tuple[float, float]:
+        """One `ModelRunner.decode` of `self.chunk` steps over every slot,
+        tokens fetched. Returns (seconds excluding compile, compile seconds)."""
+        slots = list(range(runner.max_num_seqs))
+        return timed(self.llm.programs,
+                     lambda: runner.fetch(runner.decode(slots, tables, self.chunk)))
 
 
-def measure_prefill(runner: Runner, batch: int, length: int, sweep: Sweep, machine: dict) -> dict:
-    """TTFT of `batch` prompts of `length` tokens (median of repeats) and the roofline point."""
-    tokens = random_prompts(runner.config.vocab_size, batch, length, seed=length)
-    first_s, compile_s = runner.start(tokens, length)
+def measure_prefill(cells: Cells, batch: int, length: int, sweep: Sweep, machine: dict) -> dict:
+    """TTFT (prefill + first token) of `batch` prompts of `length` tokens
+    through the serving step (median of repeats) and the roofline point;
+    every repeat admits the rows afresh into the same slots."""
+    prompts = random_prompts(cells.config.vocab_size, batch, length, seed=length).tolist()
+    runner, tables = cells.runner(batch, length)
+    first_s, compile_s = cells.prompts(runner, tables, prompts)
     if first_s > sweep.cell_budget_s:  # a slow cell: its first run (compile excluded) is the sample
         times = [first_s]
     else:
         reps = min(sweep.repeats, max(1, int(sweep.cell_budget_s // max(first_s, 1e-9))))
-        times = [runner.start(tokens, length)[0] for _ in range(reps)]
+        times = [cells.prompts(runner, tables, prompts)[0] for _ in range(reps)]
     ttft = headline(times, sweep.stat)
-    cost = metrics.prefill_cost(runner.config, batch, length, runner.dtype_bytes)
+    cost = metrics.prefill_cost(cells.config, batch, length, cells.dtype_bytes)
     row = {"batch": batch, "prompt_len": length, "ttft_s": ttft, "ttft_min_s": min(times),
            "times_s": times, "first_call_s": first_s + compile_s, "compile_s": compile_s,
-           "tokens_per_s": batch * length / ttft, "loadavg_1m": loadavg1()}
+           "tokens_per_s": batch * length / ttft, "token_budget": runner.token_budget,
+           "loadavg_1m": loadavg1()}
     row.update(metrics.roofline_point(cost, ttft, machine["peak_gflops"] * 1e9,
                                       machine["bandwidth_gbps"] * 1e9))
     return row
 
 
-def measure_decode(runner: Runner, batch: int, sweep: Sweep, machine: dict,
+def measure_decode(cells: Cells, batch: int, sweep: Sweep, machine: dict,
                    cache_len: Optional[int] = None) -> dict:
-    """TPOT at `batch` rows after a `sweep.decode_context`-token prompt: one
-    warm-up chunk (compiles), then `decode_steps / chunk` timed chunks."""
-    ctx, chunk = sweep.decode_context, runner.chunk
+    """TPOT at `batch` rows holding `sweep.decode_context` positions each
+    (`steps.fill_slots`): one warm-up decode loop (compiles), then
+    `decode_steps / chunk` timed loops of `chunk` steps (`ModelRunner.decode`,
+    sampling included). `cache_len`: the slots' max_seq_len (default the
+    serving config's)."""
+    ctx, chunk = sweep.decode_context, cells.chunk
     n_chunks = max(1, sweep.decode_steps // chunk)
-    budget = 2 + chunk * (n_chunks + 1)
-    tokens = random_prompts(runner.config.vocab_size, 1, ctx, seed=ctx)
-    slots = runner.decode_slots(batch, tokens, budget, cache_len or 0)
-    _, compile_s = runner.chunk_step(slots)
-    chunk_times = []
-    for _ in range(n_chunks):
-        dt, _ = runner.chunk_step(slots)
-        chunk_times.append(dt)
-    # the cache bucket the serving engine sized for the prompt and the chunks
-    cache_len = slots.cache_capacity
+    written = ctx + chunk * (n_chunks + 1)
+    runner, tables = cells.runner(batch, written + 1, max(cache_len or cells.max_seq_len, written + 1))
+    fill_slots(runner, tables, ctx)
+    _, compile_s = cells.decode_loop(runner, tables)
+    chunk_times = [cells.decode_loop(runner, tables)[0] for _ in range(n_chunks)]
+    cache_len = runner.max_seq_len      # positions of a slot's block table (the XLA path reads all)
     tpot_samples = [t / chunk for t in chunk_times]
     tpot = headline(tpot_samples, sweep.stat)
     mean_ctx = ctx + chunk + (n_chunks * chunk - 1) / 2  # cached tokens, mean over timed steps
-    cost = metrics.decode_cost(runner.config, batch, mean_ctx, runner.dtype_bytes)
-    engine_cost = metrics.decode_cost(runner.config, batch, mean_ctx, runner.dtype_bytes, cache_len)
-
+    cost = metrics.decode_cost(cells.config, batch, mean_ctx, cells.dtype_bytes)
+    engine_cost = metrics.decode_cost(cells.config, batch, mean_ctx, cells.dtype_bytes, cache_len)
     row = {"batch": batch, "context": mean_ctx, "prompt_len": ctx, "steps": n_chunks * chunk,
-           "cache_len": cache_len, "kv_cache_bytes": cache_nbytes(runner.config, batch, cache_len,
-                                                                 runner.dtype),
+           "cache_len": cache_len, "page_size": runner.page_size,
+           "kv_cache_bytes": cache_nbytes(cells.config, batch, cache_len, cells.dtype, windowed=False),
            "tpot_s": tpot, "tpot_min_s": min(tpot_samples), "tpot_samples_s": tpot_samples,
            "compile_s": compile_s, "tokens_per_s": batch / tpot, "loadavg_1m": loadavg1(),
            "engine_bytes": engine_cost.bytes,
@@ -230,20 +219,24 @@ def measure_e2e(config, params, sweep: Sweep, chunk: int, max_seq_len: int) -> d
 
 def compile_probe(source: str, dtype: str, max_seq_len: int, prompt_len: int, chunk: int,
                   xla_cache: Optional[str]) -> dict:
-    """In this (fresh) process: load the model, then compile and run `start`
-    (B=1, one prompt bucket) and `decode_chunk` (B=1). Returns seconds."""
+    """In this (fresh) process: load the model, then compile and run what
+    `LLM.generate` of one `prompt_len`-token prompt runs, on the runner it
+    builds for one prompt (`LLM.runner(1)`): "prefill" = admission and the
+    prompt's step (prefill + first token); "decode" = one decoding step (the
+    step's smallest token bucket, what the scheduler dispatches for a
+    decoding row whose decode loop is not compiled). Returns seconds."""
     if xla_cache:
         enable_persistent_cache(xla_cache)
 
     t0 = time.perf_counter()
     llm = LLM.load(source, dtype=dtype, max_seq_len=max_seq_len, decode_chunk=chunk)
     load_s = time.perf_counter() - t0
-    runner = Runner(llm.config, llm.params, chunk=chunk, max_seq_len=max_seq_len)
-    tokens = random_prompts(llm.config.vocab_size, 1, prompt_len)
-    c0 = llm.programs.compile_s
-    slots = runner.decode_slots(1, tokens, budget=2 * chunk + 1)   # start + insert, as generate
-    prefill_c = runner.llm.programs.compile_s - c0
-    _, decode_c = runner.chunk_step(slots)
+    runner = llm.runner(1)
+    tables = slot_tables(runner)
+    prompts = random_prompts(llm.config.vocab_size, 1, prompt_len).tolist()
+    _, prefill_c = timed(llm.programs, lambda: run_prompts(runner, tables, prompts, 2 * chunk + 1))
+    _, decode_c = timed(llm.programs,
+                        lambda: runner.fetch(runner.step(decode_segments(runner), tables)))
     return {"load_s": load_s, "prefill_compile_s": prefill_c, "decode_compile_s": decode_c,
             "compile_s": prefill_c + decode_c}
 
@@ -271,19 +264,17 @@ def measure_compile_starts(source: str, dtype: str, max_seq_len: int, chunk: int
             "second_start_prefill_s": runs[1]["prefill_compile_s"],
             "second_start_decode_s": runs[1]["decode_compile_s"],
             "probe_load_s": runs[0]["load_s"], "second_start_load_s": runs[1]["load_s"],
-            # a warm start until the first prefill can run: load (load cache) + compile `start`
-            # (persistent XLA cache)
+            # a warm start until the first prefill can run: load (load cache) + compile the
+            # admission and the prompt's step (persistent XLA cache)
             "second_start_ready_s": runs[1]["load_s"] + runs[1]["prefill_compile_s"],
             "cache_files": files,
             "probe_prompt_len": prompt_len, "probe_max_seq_len": max_seq_len}
 
 
-
 def model_facts(llm, max_seq_len: int) -> dict:
-    """Config, parameter counts, weight bytes and KV-cache bytes of a loaded model."""
-    import jax
-
-
+    """Config, parameter counts, weight bytes and KV-cache bytes of a loaded
+    model (one slot of max_seq_len positions in the paged layout, which
+    keeps every position on every layer)."""
     config, dtype_bytes = llm.config, np.dtype(llm.cache_dtype).itemsize
     return {
         "config": dataclasses.asdict(config), "params": metrics.param_count(config),
@@ -291,25 +282,26 @@ def model_facts(llm, max_seq_len: int) -> dict:
         "weight_bytes": metrics.weight_bytes(config, dtype_bytes),
         "kv_cache": {"bytes_per_token": metrics.kv_bytes_per_position(config, dtype_bytes),
                      "default_max_seq_len": max_seq_len,
-                     "default_bytes": cache_nbytes(config, 1, max_seq_len, llm.cache_dtype)}}
+                     "default_bytes": cache_nbytes(config, 1, max_seq_len, llm.cache_dtype,
+                                                   windowed=False)}}
 
 
 def measure_jaxinfer(results: dict, llm, cfg, sweep: Sweep, prefill_cells, decode_cache: Optional[int],
                      bar) -> None:
     """Prefill cells, decode batches and the end-to-end pool; fills results
     ("prefill", "decode", "e2e", "peak_rss_bytes", "compile")."""
-    runner = Runner(llm.config, llm.params, chunk=cfg.decode_chunk, max_seq_len=cfg.max_seq_len)
+    cells = Cells(llm.config, llm.params, chunk=cfg.decode_chunk, max_seq_len=cfg.max_seq_len)
     machine = results["machine"]
     results["prefill"], results["decode"] = [], []
     for b, t in prefill_cells:
         bar.set_description(f"prefill B={b} T={t}")
-        results["prefill"].append(measure_prefill(runner, b, t, sweep, machine))
+        results["prefill"].append(measure_prefill(cells, b, t, sweep, machine))
         bar.update()
     for b in sweep.decode_batches:
         bar.set_description(f"decode B={b}")
-        results["decode"].append(measure_decode(runner, b, sweep, machine, decode_cache))
+        results["decode"].append(measure_decode(cells, b, sweep, machine, decode_cache))
         bar.update()
-    del runner
+    del cells
     bar.set_description("end to end")
     results["e2e"] = measure_e2e(llm.config, llm.params, sweep, cfg.decode_chunk, cfg.max_seq_len)
     bar.update()

@@ -6,11 +6,16 @@ the memory roofline).
     python -m jaxinfer.tools.eval.speed --config configs/smollm2-135m-instruct.yaml \\
         [--weights float32,int8,q4] [--batches 1,8,32] [--prefill 512] [--llamacpp]
 
-The functions take prepared params (`params.prepare_params(weights=...)`)
-and run the engine's own compiled phases (`engine.start`,
-`engine.decode_chunk`), so `jaxinfer bench` can call them per variant.
-Timings: decode = median seconds per step over timed chunks after one
-warm-up chunk (compile excluded); prefill = median of `repeats` calls.
+The functions take prepared params (`weights.prepare.prepare_params(weights=...)`)
+and run the serving step itself (`serving.runner.ModelRunner`, driven by
+`tools.bench.steps`), so `jaxinfer bench` can call them per variant.
+Decode: B slots filled to the prompt length (`steps.fill_slots`: one random
+prompt prefilled, its pages copied to every slot), then `ModelRunner.decode`
+loops of `chunk` steps (sampling included, tokens fetched); TPOT = median
+seconds per step over the timed loops after one warm-up loop (compile
+excluded). Prefill: TTFT (prefill + first token) of B random prompts
+admitted and prefilled in token-budget steps, median of `repeats` runs after
+one compiling run. Each cell's slots hold just the positions it writes.
 """
 
 from __future__ import annotations
@@ -24,19 +29,15 @@ import time
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine import phases as engine
+from jaxinfer.config import GenerationConfig, ModelConfig
 from jaxinfer.models import roofline as metrics
-from jaxinfer import sampling
-from jaxinfer.serving.runner import stop_tokens
-from jaxinfer.cache.kv import init_cache
-from jaxinfer.config import ModelConfig
-from jaxinfer.serving.request import Request
-from jaxinfer.serving.runner import row_inputs
-from jaxinfer.config import GenerationConfig
 from jaxinfer.serving.loading import enable_compilation_cache
+from jaxinfer.serving.programs import ProgramCache
+from jaxinfer.tools.bench.common import random_prompts
+from jaxinfer.tools.bench.machine import measure_bandwidth
+from jaxinfer.tools.bench.steps import fill_slots, new_runner, run_prompts, slot_tables, timed
 from jaxinfer.tools.eval.run import load_variants
 
 
@@ -59,50 +60,28 @@ def decode_step_bytes(config: ModelConfig, params: dict, batch: int, context: fl
     return weight_bytes_read(params) + batch * config.hidden_size * 4 + kv * kv_bytes_per_value / 4
 
 
-def _start_inputs(tokens: np.ndarray, budget: int, vocab_size: int):
-    """`engine.start`'s arguments after the cache for greedy rows of
-    `tokens` [B, T] with `budget` new tokens each and no stop tokens."""
-
-    b, t = tokens.shape
-    requests = [Request(row.tolist(), sampling.SamplingParams(temperature=0.0), max_new_tokens=budget)
-                for row in tokens]
-    return (jnp.asarray(tokens), jnp.full((b,), t, jnp.int32),
-            row_inputs(requests, vocab_size, t + budget),
-            stop_tokens((), ()))
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out)
-    return time.perf_counter() - t0, out
-
-
 def measure_decode(config: ModelConfig, params: dict, batch: int, prompt_len: int = 128,
                    steps: int = 64, chunk: int = 16, seed: int = 0,
                    kv_cache_dtype: Optional[str] = None) -> dict:
-    """Decode speed at `batch` rows after `prompt_len`-token random prompts
-    (greedy; float32 KV cache unless `kv_cache_dtype`): one warm-up chunk of
-    `chunk` steps, then `steps // chunk` timed chunks.
+    """Decode speed at `batch` rows holding `prompt_len` positions of a random
+    prompt (greedy; float32 KV cache unless `kv_cache_dtype`): one warm-up
+    loop of `chunk` steps, then `steps // chunk` timed loops.
 
     Returns:
       {"batch", "tpot_s" (median seconds per step), "tokens_per_s" (B / TPOT),
       "context" (mean cached tokens), "loadavg_1m"}.
     """
     n_chunks = max(1, steps // chunk)
-    cache_len = prompt_len + chunk * (n_chunks + 1) + 1
-    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, prompt_len),
-                                                   dtype=np.int32)
-    cache = init_cache(config, batch, cache_len, kv_cache_dtype=kv_cache_dtype)
-    state, _ = engine.start(params, cache, *_start_inputs(tokens, cache_len, config.vocab_size),
-                            config=config)
-    stop = stop_tokens((), ())
-    run = lambda: engine.decode_chunk(params, state, stop, config=config, num_steps=chunk)
-    _, (state, _) = _timed(run)  # compiles
-    per_step = []
-    for _ in range(n_chunks):
-        dt, (state, _) = _timed(run)
-        per_step.append(dt / chunk)
+    written = prompt_len + chunk * (n_chunks + 1)
+    programs = ProgramCache()
+    runner = new_runner(config, params, slots=batch, max_seq_len=written + 1,
+                        pool_tokens=written + 1, kv_cache_dtype=kv_cache_dtype, programs=programs)
+    tables = slot_tables(runner, seed)
+    fill_slots(runner, tables, prompt_len, seed)
+    slots = list(range(batch))
+    run = lambda: runner.fetch(runner.decode(slots, tables, chunk))
+    timed(programs, run)   # compiles
+    per_step = [timed(programs, run)[0] / chunk for _ in range(n_chunks)]
     tpot = float(np.median(per_step))
     return {"batch": batch, "tpot_s": tpot, "tokens_per_s": batch / tpot,
             "context": prompt_len + chunk + (n_chunks * chunk - 1) / 2, "loadavg_1m": os.getloadavg()[0]}
@@ -111,21 +90,19 @@ def measure_decode(config: ModelConfig, params: dict, batch: int, prompt_len: in
 def measure_prefill(config: ModelConfig, params: dict, length: int = 512, batch: int = 1,
                     repeats: int = 3, seed: int = 0) -> dict:
     """TTFT (prefill + first greedy token) of `batch` random prompts of
-    `length` tokens: median of `repeats` after one compiling call.
+    `length` tokens: median of `repeats` after one compiling run.
 
     Returns:
       {"batch", "prompt_len", "ttft_s", "tokens_per_s", "loadavg_1m"}.
     """
-    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, length),
-                                                   dtype=np.int32)
-    inputs = _start_inputs(tokens, 1, config.vocab_size)
-
-    def run():
-        cache = init_cache(config, batch, length)
-        return engine.start(params, cache, *inputs, config=config)[1].token
-
-    _timed(run)
-    ttft = float(np.median([_timed(run)[0] for _ in range(repeats)]))
+    prompts = random_prompts(config.vocab_size, batch, length, seed).tolist()
+    programs = ProgramCache()
+    runner = new_runner(config, params, slots=batch, max_seq_len=length, pool_tokens=length,
+                        programs=programs)
+    tables = slot_tables(runner, seed)
+    run = lambda: run_prompts(runner, tables, prompts)
+    timed(programs, run)   # compiles
+    ttft = float(np.median([timed(programs, run)[0] for _ in range(repeats)]))
     return {"batch": batch, "prompt_len": length, "ttft_s": ttft,
             "tokens_per_s": batch * length / ttft, "loadavg_1m": os.getloadavg()[0]}
 
@@ -210,15 +187,8 @@ def _llamacpp_worker(spec: dict) -> dict:
             "threads": spec["threads"], "loadavg_1m": os.getloadavg()[0]}
 
 
-def _bandwidth() -> Optional[float]:
-    """The bench's read-bandwidth probe, bytes/s (None if the bench is not importable)."""
-    try:
-        from jaxinfer.tools.bench.machine import measure_bandwidth
-    except ImportError:
-        try:
-            from jaxinfer.tools.bench.run import measure_bandwidth
-        except ImportError:
-            return None
+def _bandwidth() -> float:
+    """The bench's read-bandwidth probe (`machine.measure_bandwidth`), bytes/s."""
     return measure_bandwidth()["bandwidth"]
 
 
