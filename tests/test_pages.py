@@ -3,7 +3,6 @@ invariants under random operations (hypothesis), the chained page hashes,
 sharing by reference and LRU eviction, and the per-slot block tables of
 `KVPageManager`. No device work."""
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
