@@ -317,9 +317,12 @@ def test_a_repeated_prefix_is_served_from_the_cache():
     assert first != second
 
 
-def test_the_newest_request_is_preempted_when_pages_run_out_and_resumes_exactly():
-    # 2 slots, 6 pages of 4 tokens: two 3-token prompts growing to 3 + 12 tokens need 8 pages
-    runner = FakeRunner(max_num_seqs=2, page_size=4, num_pages=6, max_seq_len=20)
+@pytest.mark.parametrize("num_pages", [6, 7])
+def test_the_newest_request_is_preempted_when_pages_run_out_and_resumes_exactly(num_pages):
+    # 2 slots, 6 or 7 pages of 4 tokens: two 3-token prompts growing to 3 + 12 tokens need 8
+    # pages; with 7 the preempted request is admitted again in the step that preempted it,
+    # while the step dispatched before holds an output of its row it must not take
+    runner = FakeRunner(max_num_seqs=2, page_size=4, num_pages=num_pages, max_seq_len=20)
     s = sched(runner, decode_chunk=1)
     old = s.add_request(req(10, max_new=12, ignore_eos=True))
     new = s.add_request(req(20, max_new=12, ignore_eos=True))

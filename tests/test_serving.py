@@ -1,5 +1,8 @@
 """Continuous batching on tiny random models (float32, CPU): a request's tokens
-do not depend on when it arrives, which slot it gets, or who runs beside it."""
+do not depend on when it arrives, which slot it gets, or who runs beside it;
+greedy tokens follow the float64 reference; abort, min_tokens and
+ignore_eos; what generate compiles; a warmed server compiling nothing; the
+engine thread serving concurrent submitters."""
 
 import jax
 import jax.numpy as jnp
@@ -63,20 +66,30 @@ def test_request_is_invariant_to_arrival_slot_and_neighbours(llm, params):
     assert len(alone.token_ids) == 14
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_warmed_runner_decodes_few_rows_with_the_same_tokens(llm, params):
-    """After `warmup`, a chunk whose running rows all sit in slots below 1
-    (or 2) computes 1 (or 2) rows, not all 4 slots: each request's tokens
-    equal its run alone, and the narrow programs were the ones that ran."""
+def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
+    """`ModelRunner.warmup` compiles the compile plan (the step for each token
+    bucket, admission for each power of two of slots); an engine thread then
+    serves requests of several lengths, greedy and seeded, arriving while
+    others decode, without compiling anything, and each request's tokens
+    equal its run alone."""
+    from jaxinfer.serving.thread import EngineThread
+
     v = llm.config.vocab_size
-    reqs = [Request(_ids(n, v, 30 + n), params, max_new_tokens=m) for n, m in ((6, 12), (9, 5), (4, 9))]
-    alone = [llm.generate([list(r.prompt_ids)], params, max_new_tokens=r.max_new_tokens)[0].token_ids
-             for r in reqs]
-    sched = llm.scheduler(4)
-    sched.runner.warmup(max_prompt_len=9)
-    outs = _run(sched, {0: reqs[:1], 2: reqs[1:2], 4: reqs[2:]})
-    assert outs == alone
-    assert sched.runner.row_chunks[1] >= 1 and sched.runner.row_chunks[2] >= 1
+    requests = [Request(_ids(n, v, 60 + n), params, max_new_tokens=m)
+                for n, m, params in ((6, 12, GREEDY), (30, 5, SEEDED), (1, 9, SEEDED), (17, 20, GREEDY))]
+    alone = [llm.generate([list(r.prompt_ids)], r.sampling, max_new_tokens=r.max_new_tokens)[0].token_ids
+             for r in requests]
+    served = LLM(llm.config, llm.params, max_seq_len=64, prefill_chunk_size=8, max_num_batched_tokens=32)
+    sched = served.scheduler(2)
+    # token buckets 4, 8, 16, 32, and admission of 1 or 2 rows: 6 programs, nothing run
+    assert sched.runner.token_buckets == (4, 8, 16, 32)
+    assert sched.runner.warmup() == len(sched.runner.compile_plan()) == 6 == served.programs.num_compiles
+    engine = EngineThread(sched).start()
+    handles = [engine.submit(r) for r in requests]
+    outs = [[t for e in h for t in e.token_ids] for h in handles]
+    engine.stop()
+    assert engine.error is None and outs == alone
+    assert served.programs.num_compiles == 6
 
 
 def test_greedy_tokens_follow_the_reference(llm):
@@ -137,14 +150,29 @@ def test_min_tokens_and_ignore_eos(llm):
 
 
 def test_generate_compiles_a_handful_of_programs(llm):
-    """A second batch with other prompt lengths in the same buckets (and
-    other sampling parameters) compiles nothing."""
+    """generate compiles one program per shape the compile plan allows, and
+    nothing for another batch whose shapes were seen: counted on a fresh LLM
+    of the fixture's model with a token budget of 64 (buckets 4..64)."""
     v = llm.config.vocab_size
-    llm.generate([_ids(n, v, n) for n in (3, 12, 26)], GREEDY, max_new_tokens=4)
-    before = llm.programs.num_compiles
-    llm.generate([_ids(n, v, n + 1) for n in (4, 11, 25)], [SEEDED, GREEDY, SEEDED],
-                 max_new_tokens=4)
-    assert llm.programs.num_compiles == before
+    fresh = LLM(llm.config, llm.params, max_seq_len=64, decode_chunk=3, prefill_chunk_size=8,
+                max_num_batched_tokens=64)
+    fresh.generate([_ids(n, v, n) for n in (3, 12, 26)], GREEDY, max_new_tokens=4)
+    # 3 prompts take 4 slots: admission of 4 rows, one step of 41 prompt tokens (T = 64:
+    # nothing decodes yet, so the whole budget), then one decode loop of 4 rows x 3 steps
+    assert fresh.programs.num_compiles == 3
+    # other prompt lengths (40 tokens, T = 64 again; no prefix shared), other sampling
+    fresh.generate([_ids(n, v, 100 + n) for n in (4, 11, 25)], [SEEDED, GREEDY, SEEDED],
+                   max_new_tokens=4)
+    assert fresh.programs.num_compiles == 3
+    # any number of 3- or 4-prompt batches compile at most, on their 4 slots: the step
+    # for each of the 5 token buckets, admission of 1, 2 or 4 rows, and the decode loop
+    # of 1, 2 or 4 rows (decode_chunk steps): 5 + 3 + 3 = 11
+    rng = np.random.default_rng(0)
+    for batch in range(4):
+        lengths = rng.integers(1, 40, 3 + batch % 2).tolist()
+        fresh.generate([_ids(n, v, 200 + 10 * batch + i) for i, n in enumerate(lengths)],
+                       SEEDED, max_new_tokens=[int(m) for m in rng.integers(1, 20, len(lengths))])
+        assert fresh.programs.num_compiles <= 11
 
 
 # --- the engine thread --------------------------------------------------------------------------

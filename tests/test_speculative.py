@@ -1,21 +1,22 @@
-"""Speculative decoding: proposals, acceptance bookkeeping on hand-made
-logits, the output distribution (chi-square), and greedy equality with plain
-decoding on tiny models (window 4 crossed with k = 3)."""
+"""Speculative decoding: n-gram proposals, acceptance bookkeeping
+(`sampling.rows.accept_drafts`) on hand-made logits, and the output
+distribution (chi-square). Greedy equality with plain decoding through the
+serving step is in tests/test_step.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine import phases as engine
 from jaxinfer import sampling
-from jaxinfer.serving.llm import LLM
-from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.engine import phases
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.rows import NO_TOKEN, RowState, accept_drafts
 from jaxinfer.serving.request import Request, RequestState
 from jaxinfer.serving.runner import row_inputs, stop_tokens
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.speculative.verify import NO_TOKEN, DraftModel, SpecConfig, accept_drafts, ngram_propose
-from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
+from jaxinfer.speculative import ngram_propose
+from jaxinfer.weights.prepare import prepare_params
+from tiny import TINY_LLAMA, random_params
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -62,7 +63,7 @@ def _rows(prompts, max_new=20, min_tokens=0, params=GREEDY):
     reqs = [Request(p, params, max_new, min_tokens) for p in prompts]
     inputs = row_inputs(reqs, V, 64)
     b = len(prompts)
-    return engine.RowState(
+    return RowState(
         tokens=jnp.array([p[-1] for p in prompts], jnp.int32), done=jnp.zeros(b, bool),
         num_generated=jnp.zeros(b, jnp.int32), max_new_tokens=inputs.max_new_tokens,
         min_tokens=inputs.min_tokens, ignore_eos=inputs.ignore_eos, seen=inputs.seen,
@@ -106,6 +107,20 @@ def test_eos_among_accepted_drafts_ends_the_row():
     rows, out = _accept([[3, EOS, 5, 6]], [[3, EOS, 5]], [3])
     assert out.token.tolist() == [[3, EOS, NO_TOKEN, NO_TOKEN]] and out.done.tolist() == [True]
     assert int(rows.num_generated[0]) == 2
+
+
+def test_a_finished_row_emits_nothing_and_records_nothing():
+    """Row 1 is already done: it emits -1 at every position, drafts nothing,
+    and its bookkeeping is unchanged; row 0 beside it accepts as usual."""
+    rows = _rows([[1, 2]] * 2)
+    rows = rows.replace(done=jnp.array([False, True]))
+    before = jax.device_get(rows)
+    rows, out = accept_drafts(_logits([[3, 4, 5, 6]] * 2), jnp.array([[3, 4, 5]] * 2), jnp.array([3, 3]),
+                              None, rows, stop_tokens([EOS], [EOS]), -1)
+    assert np.asarray(out.token).tolist() == [[3, 4, 5, 6], [-1, -1, -1, -1]]
+    assert np.asarray(out.drafted).tolist() == [3, 0] and np.asarray(out.accepted).tolist() == [3, 0]
+    assert int(rows.num_generated[1]) == 0 and int(rows.history_len[1]) == 2
+    assert np.array_equal(np.asarray(rows.counts[1]), before.counts[1])
 
 
 def test_budget_reached_mid_block_emits_exactly_the_budget():
@@ -181,7 +196,7 @@ def test_first_token_distribution_matches_the_target(params):
 
     def last_logits(params, ids):
         tokens = jnp.zeros((1, 8), jnp.int32).at[0, :len(ids)].set(jnp.asarray(ids))
-        out, _ = engine.prefill(params, init_cache(config, 1, 8), tokens, jnp.array([len(ids)]),
+        out, _ = phases.prefill(params, init_cache(config, 1, 8), tokens, jnp.array([len(ids)]),
                                 config=config)
         return out[0]
 
@@ -214,46 +229,9 @@ def _sampled_rows(prompt, n, vocab, params):
     """n rows after `prompt`, one seed each (0 .. n - 1), sampling with `params`."""
     reqs = [Request(prompt, SamplingParams(**{**params.__dict__, "seed": s}), 4) for s in range(n)]
     inputs = row_inputs(reqs, vocab, 16)
-    return engine.RowState(
+    return RowState(
         tokens=jnp.full((n,), prompt[-1], jnp.int32), done=jnp.zeros(n, bool),
         num_generated=jnp.zeros(n, jnp.int32), max_new_tokens=inputs.max_new_tokens,
         min_tokens=inputs.min_tokens, ignore_eos=inputs.ignore_eos, seen=inputs.seen,
         counts=jnp.zeros((n, vocab), jnp.int32), history=inputs.history,
         history_len=inputs.history_len, keys=inputs.keys, sampling=inputs.sampling)
-
-
-# --- greedy equality with plain decoding ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", params=["llama_gqa", "gemma3_window4"])
-def tiny(request):
-    config = {"llama_gqa": TINY_LLAMA, "gemma3_window4": TINY_GEMMA3}[request.param]
-    params = jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=2))
-    return config, params
-
-
-def _prompts(config):
-    rng = np.random.default_rng(0)
-    motif = rng.integers(0, config.vocab_size, 6).tolist()
-    return [motif * 4, rng.integers(0, config.vocab_size, 9).tolist(), motif[:3] * 5]
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_speculation_equals_plain_decoding(tiny, method):
-    """k = 3 on tiny Gemma (window 4: every verification block crosses the
-    window edge) and tiny Llama; the draft is the target itself, so every
-    greedy draft is accepted."""
-    config, params = tiny
-    plain = LLM(config, params, max_seq_len=96, decode_chunk=4, min_kv_bucket=16)
-    draft = DraftModel(config, prepare_params(params, config)) if method == "draft" else None
-    spec = LLM(config, params, max_seq_len=96, decode_chunk=4, min_kv_bucket=16,
-               speculative=SpecConfig(method, 3, draft=draft))
-    prompts = _prompts(config)
-    a = plain.generate(prompts, GREEDY, max_new_tokens=40)
-    b = spec.generate(prompts, GREEDY, max_new_tokens=40)
-    assert [x.token_ids for x in b] == [x.token_ids for x in a]
-    stats = spec.last_stats
-    assert stats.drafted > 0 and stats.accepted > 0
-    if method == "draft":   # the target as its own draft: every draft accepted, fewer rounds
-        assert stats.accepted == stats.drafted
-        assert stats.decode_steps < plain.last_stats.decode_steps

@@ -5,10 +5,10 @@ that speculation runs across its 512-token sliding window."""
 
 import pytest
 
-from jaxinfer.serving.llm import LLM
-from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.speculative.verify import DraftModel, SpecConfig
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.loading import load_draft
+from jaxinfer.speculative import SpecConfig
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0)
@@ -27,6 +27,7 @@ def _prompts(window_crossing: bool):
 
 def _check(source, max_seq_len, window_crossing, new_tokens):
     plain = LLM.load(source, max_seq_len=max_seq_len, decode_chunk=8)
+    draft = load_draft(source, plain.config, plain.tokenizer)   # the target as its own draft
     prompts = _prompts(window_crossing)
     chat = plain.tokenizer.has_chat_template     # Gemma 3 270M (base model) has none
     base = plain.generate(prompts, GREEDY, max_new_tokens=new_tokens, chat=chat)
@@ -35,7 +36,6 @@ def _check(source, max_seq_len, window_crossing, new_tokens):
     spec = ngram.generate(prompts, GREEDY, max_new_tokens=new_tokens, chat=chat)
     assert [c.token_ids for c in spec] == [c.token_ids for c in base]
     assert ngram.last_stats.accepted > 0          # the copy prompt's drafts were accepted
-    draft = DraftModel(plain.config, prepare_params(plain.params, plain.config))
     selfdraft = LLM(plain.config, plain.params, plain.tokenizer, max_seq_len=max_seq_len,
                     decode_chunk=8, speculative=SpecConfig("draft", 3, draft=draft))
     spec = selfdraft.generate(prompts, GREEDY, max_new_tokens=new_tokens, chat=chat)

@@ -94,7 +94,7 @@ def test_ngram_speculation_emits_the_greedy_tokens(name):
     spec = make_llm(config, speculative=SpecConfig("ngram", 3))
     fast = spec.generate(prompts, max_new_tokens=12, ignore_eos=True)
     assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
-    assert spec.last_stats.accepted > 0
+    assert spec.last_stats.drafted >= spec.last_stats.accepted > 0
 
 
 def test_int8_kv_cache_through_the_step_matches_the_dense_int8_phases():
@@ -140,7 +140,8 @@ def test_draft_model_speculation_emits_the_greedy_tokens(name):
     config = CONFIGS[name]
     draft = DraftModel(config, prepare_params(random_params(config, seed=1), config), "random")
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 7], list(range(5, 25)) * 2]
-    plain = make_llm(config).generate(prompts, max_new_tokens=10, ignore_eos=True)
+    base = make_llm(config)
+    plain = base.generate(prompts, max_new_tokens=10, ignore_eos=True)
     spec = make_llm(config, speculative=SpecConfig("draft", 3, draft=draft), prefill_chunk_size=8,
                     max_num_batched_tokens=32)
     fast = spec.generate(prompts, max_new_tokens=10, ignore_eos=True)
@@ -153,6 +154,7 @@ def test_draft_model_speculation_emits_the_greedy_tokens(name):
     assert [c.token_ids for c in twin.generate(prompts, max_new_tokens=9, ignore_eos=True)] == \
         [c.token_ids[:9] for c in plain]
     assert twin.last_stats.accepted == twin.last_stats.drafted == 3 * 2 * 3
+    assert twin.last_stats.decode_steps < base.last_stats.decode_steps   # fewer rounds
 
 
 def test_a_decode_loop_skips_the_model_once_every_row_is_done():

@@ -11,8 +11,6 @@ loaded by `jaxinfer.kernels.cpu`):
 - `causal_attention`: a prompt's queries over its own keys (prefill), or a
   chunk's over a full layer's buffer, flash-style: register-blocked products
   over key blocks with an online softmax, key blocks nobody sees skipped.
-- `paged_decode_attention`: decode attention over a paged KV cache, reading
-  each row's pages in place through its block table.
 
 The serving step's ragged attention is `jaxinfer.kernels.ragged`.
 """
@@ -164,40 +162,3 @@ def _causal_attention_bwd(window, residuals, grad):
 
 
 _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
-
-
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           block_tables: jax.Array, mask: jax.Array) -> jax.Array:
-    """`decode_attention` over a paged cache: row b's position p is stored in
-    page block_tables[b, p // page_size] at offset p % page_size, and the
-    kernel reads the pages overlapping the row's visible span in place (no
-    gathered copy of the context). Same function as `decode_attention` on
-    the gathered rows (`cache.layer_view`).
-
-    Args:
-      q: float32 [B, K, G, H], grouped queries already multiplied by the query scale.
-      k_pages: float32 [P, K, H, page_size], the key pool (positions minor).
-      v_pages: float32 [P, K, page_size, H], the value pool.
-      block_tables: int32 [B, M]; the entries of pages holding a visible
-        position must be in [0, P) (others are never read).
-      mask: bool [B, M * page_size], True where the row may attend (index p = position p).
-    Returns:
-      float32 [B, K, G, H].
-    Raises:
-      ValueError: shapes or dtypes that do not match the above (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-      XlaRuntimeError (when run): a visible position's block-table entry outside [0, P).
-    """
-    b, kv_heads, g, h = q.shape
-    p, ps = k_pages.shape[0], k_pages.shape[-1]
-    m = block_tables.shape[-1]
-    expected = {"q": (q, (b, kv_heads, g, h), jnp.float32),
-                "k_pages": (k_pages, (p, kv_heads, h, ps), jnp.float32),
-                "v_pages": (v_pages, (p, kv_heads, ps, h), jnp.float32),
-                "block_tables": (block_tables, (b, m), jnp.int32),
-                "mask": (mask, (b, m * ps), jnp.bool_)}
-    check_operands("paged_decode_attention", expected)
-    _require_enabled()
-    return jax.ffi.ffi_call("jaxinfer_paged_decode_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_pages, v_pages, block_tables, mask)

@@ -2,7 +2,7 @@
 library they live in.
 
 This module builds, loads and switches them; the wrappers are
-`kernels.attention` (decode, chunk, causal and paged decode attention),
+`kernels.attention` (decode, chunk and causal attention),
 `kernels.ragged` (the serving step's ragged paged attention) and
 `kernels.packed` (the packed matmul).
 
@@ -47,7 +47,6 @@ ARCH = "JAXINFER_KERNEL_ARCH"  # the -march the library targets (default "native
 BF16_DOT = "JAXINFER_BF16_DOT"  # "0" widens bfloat16 weights even where VDPBF16PS runs
 SOURCE_DIR = pathlib.Path(__file__).parent
 _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
-            "jaxinfer_paged_decode_attention": "JaxinferPagedDecodeAttention",
             "jaxinfer_chunk_attention": "JaxinferChunkAttention",
             "jaxinfer_causal_attention": "JaxinferCausalAttention",
             "jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",

@@ -251,12 +251,12 @@ class Scheduler:
         for seq in decoding:
             seq.inflight += width
             segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
-            owners.append((seq.state.request_id, True))
+            owners.append((seq.state.request_id, True, seq.order))
         self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits)
         if not segments:
             return None
         self.runner.admit(admits)
-        num_logprobs = self._num_logprobs(rid for rid, _ in owners)
+        num_logprobs = self._num_logprobs(rid for rid, *_ in owners)
         out = self.runner.step(segments, self.pages.tables, num_logprobs)
         return out, owners
 
@@ -287,10 +287,10 @@ class Scheduler:
         for seq in decoding:
             self._grow(seq, steps * width)
             seq.inflight += steps * width
-        owners = [(s.state.request_id, True) for s in decoding]
+        owners = [(s.state.request_id, True, s.order) for s in decoding]
         out = self.runner.decode([s.slot for s in decoding], self.pages.tables, steps,
                                  [self._draft_cap(s) for s in decoding],
-                                 self._num_logprobs(rid for rid, _ in owners))
+                                 self._num_logprobs(rid for rid, *_ in owners))
         return out, owners
 
     def _num_logprobs(self, rids) -> int:
@@ -399,7 +399,7 @@ class Scheduler:
             self.pages.register(seq.slot, seq.ids[:seq.computed - 1])
             seq.inflight = 1
         segments.append(Segment(seq.slot, chunk, sample=last))
-        owners.append((seq.state.request_id, last))
+        owners.append((seq.state.request_id, last, seq.order))
         return n
 
     # --- outputs -------------------------------------------------------------------------
@@ -414,12 +414,15 @@ class Scheduler:
 
     def _process(self, dispatched, owners) -> list[RequestOutput]:
         """Feed a dispatched step's tokens to their requests and emit events.
-        `owners` is ((request id, samples), ...), one per segment in order."""
+        `owners` is ((request id, samples, admission), ...), one per segment
+        in order; `admission` is the request's `order` when the step was
+        dispatched: a request preempted since (and perhaps admitted again
+        already, recomputing these tokens) takes none of its outputs."""
         out = self.runner.fetch(dispatched)
         events = []
-        for row, (rid, samples) in enumerate(owners):
+        for row, (rid, samples, admission) in enumerate(owners):
             seq = self.seqs.get(rid)
-            if seq is None or not samples or seq.slot is None:
+            if seq is None or not samples or seq.slot is None or seq.order != admission:
                 continue            # aborted, or preempted: its outputs are recomputed
             state = seq.state
             seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
