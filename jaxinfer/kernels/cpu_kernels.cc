@@ -786,7 +786,7 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
 // register-blocked products compute each row alone, the same way in every row-block size
 // (the values' scalar column tail by explicit FMAs). So a prompt run whole, in chunks or one
 // token at a time gives bitwise identical outputs, whatever the page size
-// (tests/test_ragged_attention.py).
+// (tests/kernels/test_ragged_attention.py).
 // One-token segments (decode) take the same path: reading keys in place, it is no slower
 // than PagedDecodeAttention on SmolLM2's decode shapes (measured when this kernel was added;
 // gathering every key block into the copy, as ps = 8 still does with AVX-512, about doubled

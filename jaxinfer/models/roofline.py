@@ -2,7 +2,7 @@
 (The benchmark's JSON / Markdown writers are in `jaxinfer.tools.bench.report`.)
 
 Everything here is plain Python on a `ModelConfig`: no timing, no devices, so
-it is unit-tested on hand-computed tiny configs (tests/test_metrics.py).
+it is unit-tested on hand-computed tiny configs (tests/engine/test_metrics.py).
 
 Counting conventions (shape letters as in DESIGN.md: B batch, T prompt tokens,
 D hidden, N query heads, K kv heads, H head_dim, F mlp hidden, V vocab, L layers,

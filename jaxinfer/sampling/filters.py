@@ -36,7 +36,7 @@ A row's path depends only on its own logits and parameters, and each step
 (`lax.top_k`, either bisection) runs only when some row in the batch needs it
 (`lax.cond`), so no full-vocabulary sort runs per step (measured against a
 sort in benchmarks/README.md, "Sampling"). The sort-based definition stays as
-the slow reference in tests/test_sampling.py.
+the slow reference in tests/sampling/test_sampling.py.
 
 Drawing: one uniform per row and a two-level inverse CDF (`inverse_cdf`),
 one O(V) pass, instead of `jax.random.categorical`'s V Gumbel draws and a

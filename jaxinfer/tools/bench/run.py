@@ -69,6 +69,7 @@ from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculat
 from jaxinfer.tools.bench.sweep import (FULL, QUICK, Sweep, compile_probe, enable_persistent_cache,
                                         measure_compile_starts, measure_jaxinfer, model_facts)
 from jaxinfer.tools.bench.targets import compute_targets, print_targets
+from jaxinfer.tools.bench.serve_setup import setup_peers
 
 
 def _env(quick: bool) -> dict:
@@ -306,8 +307,6 @@ def _serving_peer_main(argv: Sequence[str]) -> int:
 
 
 def _setup_peers_main(argv: Sequence[str]) -> int:
-    from jaxinfer.tools.bench.serve_setup import setup_peers
-
     p = argparse.ArgumentParser(prog="jaxinfer.tools.bench --setup-peers",
                                 description="set up --serve-load's peers and smoke-test each server")
     p.add_argument("--setup-peers", choices=("all", "vllm", "llamacpp"), required=True)

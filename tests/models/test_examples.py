@@ -17,7 +17,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.loading import import_python_file, load_python_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "byo_model.py"
 SOURCE = f"python:{EXAMPLE}:build"
 PROMPT = "Hello, world"

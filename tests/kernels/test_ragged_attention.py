@@ -3,7 +3,7 @@ float64 numpy reference, its bitwise invariance to how a prompt is split into
 steps, and its input checks.
 
 Tolerance: atol 2e-6 on outputs of magnitude ~1 for scores of size ~1, as in
-tests/test_cpu_kernels.py (float32 sums in another order; the kernel's
+tests/kernels/test_cpu_kernels.py (float32 sums in another order; the kernel's
 polynomial exp has a relative error of about 1e-7).
 
 Pools are filled with NaN wherever no query may look (pages no slot uses,

@@ -241,7 +241,7 @@ def test_smollm2_tp3_matches_hf(hf_gguf, real_model_path, tmp_path):
 
 @pytest.mark.slow
 def test_gemma3_tp2_matches_hf(hf_gguf, real_model_path, tmp_path):
-    from test_gemma3 import LONG, LOGIT_ATOL, LOGIT_RTOL
+    from gemma3_cases import LONG, LOGIT_ATOL, LOGIT_RTOL
 
     result = _real("gemma3-270m", 2, hf_gguf, real_model_path, tmp_path, LOGIT_ATOL, LOGIT_RTOL,
                    ["The capital of France is", LONG])

@@ -577,7 +577,7 @@ def build_without_torch(path: pathlib.Path, texts: list[str]) -> dict:
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", TORCH_BLOCKED, str(path)], input=json.dumps(texts),
                           capture_output=True, text=True, env=env, timeout=600)

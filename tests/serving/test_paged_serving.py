@@ -5,7 +5,7 @@ config keys of the pool, and a warmed runner compiling nothing (slow).
 
 Tolerance: a prefix hit's log-probs within 3e-5 of a miss's (the same
 sums: the cached pages' K/V are those the miss computes; see
-tests/test_paged.py for the measured differences of the step).
+tests/serving/test_paged.py for the measured differences of the step).
 """
 
 import jax

@@ -4,8 +4,8 @@ phases (`engine.phases.prefill` / `decode_step` on a dense `KVCache`) for
 page sizes 1, 3 and 16 on both tiny configs and both attention backends,
 pages reused by a new owner, continuous batching on pages, and the real
 models' greedy tokens (slow).
-The allocator is tested in tests/test_pages.py, prefix caching, preemption
-and the pool's statistics in tests/test_paged_serving.py.
+The allocator is tested in tests/serving/test_pages.py, prefix caching, preemption
+and the pool's statistics in tests/serving/test_paged_serving.py.
 
 Tolerance: log-probs within 3e-5 absolute of the dense phases (float32; the
 dense phases prefill a whole prompt at once, the step in chunks packed with

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cpu_kernels import _masks, reference_attention
+from attention_cases import masks as _masks, reference_attention
 
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import attention as attention_kernels

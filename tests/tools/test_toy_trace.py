@@ -20,7 +20,7 @@ from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.tools import toy
 from jaxinfer.tools.trace import run as trace
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY_YAML = ROOT / "configs" / "toy-two-layer.yaml"
 GEN_YAML = ROOT / "configs" / "smollm2-135m-instruct.yaml"
 

@@ -1,5 +1,5 @@
 """Qwen3 (`jaxinfer/models/qwen3.py`) against transformers, on tiny random
-models made at test time (CPU, float32), as tests/test_hf_folders.py does
+models made at test time (CPU, float32), as tests/checkpoint/test_hf_folders.py does
 for the other families.
 
 Each case builds a `Qwen3ForCausalLM` from `Qwen3Config` (seeded), with

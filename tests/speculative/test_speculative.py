@@ -1,7 +1,7 @@
 """Speculative decoding: n-gram proposals, acceptance bookkeeping
 (`sampling.rows.accept_drafts`) on hand-made logits, and the output
 distribution (chi-square). Greedy equality with plain decoding through the
-serving step is in tests/test_step.py."""
+serving step is in tests/engine/test_step.py."""
 
 import jax
 import jax.numpy as jnp

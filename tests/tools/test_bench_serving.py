@@ -235,7 +235,7 @@ def test_serve_load_harness_against_a_fake_server(tmp_path):
                       request_timeout_s=30.0, run_timeout_s=60.0)
     traces = make_traces(_WordTokenizer(), sweep)
     count = lambda text: len(text.split())  # noqa: E731
-    script = pathlib.Path(__file__).with_name("fake_openai_server.py")
+    script = pathlib.Path(__file__).parents[1] / "fake_openai_server.py"
     cmd = [sys.executable, str(script), "--port", str(free_port())]
     runner = _Runner("fake", traces, sweep, count, lambda m: None)
     out = start_server("fake", cmd, {}, sweep, count, tmp_path / "fake.log", runner)
