@@ -48,7 +48,7 @@ from jaxinfer.cache.int8 import decode_attention_int8, quantize_kv
 class LayerKV(NamedTuple):
     """One layer's buffers: keys [B, K, H, S or R] (keys-minor), values
     [B, K, S or R, H]; for an int8 cache also key_scale and value_scale
-    float32 [B, K, S or R], one per token per kv head (`kv_quant.quantize_kv`),
+    float32 [B, K, S or R], one per token per kv head (`cache.int8.quantize_kv`),
     else None."""
 
     keys: jax.Array
@@ -165,7 +165,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp
         number of speculative tokens a verification step may write and roll back).
       kv_cache_dtype: None (use `dtype`) or one of KV_CACHE_DTYPES; "int8"
         stores int8 codes with a float32 scale per token per kv head,
-        quantized when written (`kv_quant.quantize_kv`).
+        quantized when written (`cache.int8.quantize_kv`).
     Raises:
       ValueError: if batch_size < 1, max_seq_len < 1, ring_extra < 0 or an
         unknown kv_cache_dtype.

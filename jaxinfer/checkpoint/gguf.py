@@ -264,7 +264,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, reader=None,
       progress: shows a "loading tensors" bar when enabled.
       keep_quantized: keep every linear weight of a type in BLOCK_TYPES as
         `quant.BlockCodes` (no float32 round trip; see `_params_keeping_blocks`
-        for the layout), for `params.prepare_params(..., weights="q4")`;
+        for the layout), for `weights.prepare.prepare_params(..., weights="q4")`;
         other tensors load as above. Peak host memory is then about the file
         plus one tensor's float32 codes (in chunks of 8192 rows).
 

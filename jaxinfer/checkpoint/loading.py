@@ -54,9 +54,9 @@ def load_params(path: pathlib.Path, dtype=jnp.float32, *, prepared: bool = False
         `JAXINFER_LOAD_CACHE=0`).
       progress: a `Progress`, or True / False; None reports when stderr is a terminal.
       reader: for a .gguf, a function returning its `gguf.GGUFReader`.
-      weights: prepared weight format, one of `params.WEIGHT_FORMATS`
+      weights: prepared weight format, one of `weights.prepare.WEIGHT_FORMATS`
         ("int8" and "q4" keep a GGUF file's blocks without a float32 round
-        trip where they can; see `params.prepare_params`).
+        trip where they can; see `weights.prepare.prepare_params`).
     Raises:
       CheckpointError: a tensor is missing or has the wrong shape.
       FileNotFoundError / ValueError: an unreadable checkpoint.

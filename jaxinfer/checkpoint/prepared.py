@@ -1,7 +1,7 @@
 """Load cache: prepared params saved once, memory-mapped on every later start.
 
 Loading a GGUF dequantizes every tensor, converts the layout and packs the
-matmul weights for the CPU kernels (`params.prepare_params`); all of it is
+matmul weights for the CPU kernels (`weights.prepare.prepare_params`); all of it is
 the same work on every start. After the first load the prepared params pytree
 is written to
 

@@ -211,7 +211,7 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     the module docstring).
 
     Args:
-      params: prepared params (`params.prepare_params`; the phases never
+      params: prepared params (`weights.prepare.prepare_params`; the phases never
         convert a checkpoint's layout themselves).
       cache: donated; row b holds cache.lengths[b] tokens.
       tokens: int32 [B, C]; row b's new tokens are tokens[b, :lengths[b]],

@@ -78,10 +78,10 @@ def decode_attention_int8(q: jax.Array, k: jax.Array, k_scale: jax.Array, v: jax
     """One query token per row attends over its int8 K/V cache buffer (GQA).
 
     Keys are k_scale[b, k, s] * k[b, k, :, s] and values v_scale[b, k, s] *
-    v[b, k, s, :] (`kv_quant.quantize_kv`); the result is the float32
+    v[b, k, s, :] (`cache.int8.quantize_kv`); the result is the float32
     attention of `cpu_kernels.decode_attention` on those dequantized K/V,
     including all-zero output for a row that sees no position
-    (`kv_quant.decode_attention_int8_reference` is the same in XLA).
+    (`cache.int8.decode_attention_int8_reference` is the same in XLA).
 
     Args:
       q: float32 [B, K, G, H], grouped queries multiplied by the query scale.

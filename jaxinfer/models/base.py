@@ -23,7 +23,7 @@ of its own; see examples/byo_model.py):
 
   `params` are prepared params (`prepare`'s output): a dict whose "layers"
   entry is a sequence of L per-layer pytrees (the engine runs layer i on
-  `params["layers"][i]` and the cache's layer i, `engine.phases.run_layers`);
+  `params["layers"][i]` and the cache's layer i, `engine.forward.run_layers`);
   everything else in it is the family's own. `rope` is (cos, sin), each
   float32 [B, T, H], for the layer's RoPE base (`rope_theta`, or
   `rope_local_theta` on sliding layers; `nn.apply_rope` rotates with it);

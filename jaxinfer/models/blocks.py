@@ -55,7 +55,7 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     QK-norm and RoPE.
 
     Args:
-      p: one layer's prepared params (`params.prepare_params`): `qkv_proj`
+      p: one layer's prepared params (`weights.prepare.prepare_params`): `qkv_proj`
         [D, (N + 2K) * H], optional `qkv_bias` [(N + 2K) * H], `q_norm` /
         `k_norm` [H]. Tensor-parallel params (`jaxinfer.parallel.sharding`) hold
         `qkv_proj` as [D, S, (N/S + 2K/S) * H] (and the bias as [S, ...]):
@@ -117,7 +117,7 @@ def replicated(x: jax.Array) -> jax.Array:
 def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Logits float32 [..., V] from final-normed hidden states [..., D].
 
-    Reads the [D, V] `lm_head` of prepared params (`params.prepare_params`,
+    Reads the [D, V] `lm_head` of prepared params (`weights.prepare.prepare_params`,
     which gives tied models one too) and applies `final_logit_softcapping`
     when set.
     """

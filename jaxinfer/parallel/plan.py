@@ -148,7 +148,7 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh,
       params: raw checkpoint params or unpacked prepared params
         (`prepare_params(..., pack=False)`), float arrays.
     Returns:
-      prepared params (`params.prepare_params` layout, with per-shard
+      prepared params (`weights.prepare.prepare_params` layout, with per-shard
       [D, tp, ...] fused columns where split); run them with
       `plan.model_config(config)`.
     Raises:

@@ -15,8 +15,8 @@ Order of operations, matching Hugging Face `generate` and vLLM:
 
 Modules: `arrays` (per-row parameters and PRNG keys), `penalties`, `filters`
 (the threshold filters and their tie rules), `draw` (greedy and sampled
-draws, the processed distribution, log-probs), `pipeline` (the per-token
-pipeline every phase and speculative acceptance run). `SamplingParams`, the
+draws, the processed distribution, log-probs), `rows` (the per-row state
+and the per-token pipeline every step and speculative acceptance run). `SamplingParams`, the
 host-side settings, lives in `jaxinfer.config` and is re-exported here.
 """
 

@@ -9,7 +9,7 @@ the continuous-batching engine. Needs the `serve` extra
 
 Modules: `app` (routes, errors, auth, body limit), `protocol` (request
 models), `responses` (OpenAI response shapes), `async_engine` (the engine
-thread seen from asyncio), `metrics` (Prometheus), `run` (the command,
+thread seen from asyncio), `prometheus` (metrics), `run` (the command,
 warm-up, uvicorn).
 """
 

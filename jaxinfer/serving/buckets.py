@@ -1,9 +1,12 @@
 """Shape buckets: the few sizes the compiled programs are built for.
 
 Shapes are fixed before tracing, so every size a program runs at is a
-compile. Prompts are padded to a prompt-length bucket (powers of two), slot
-counts to a batch bucket (powers of two), and the KV cache is sized to a
-cache bucket (two per doubling) that covers the longest running row.
+compile. The serving step pads to token buckets (`serving.runner`); the
+buckets here are `LLM`'s: a `generate` call's slot count is the batch
+bucket (a power of two) of its prompts, and `LLM.score`'s dense prefill
+pads prompts to a prompt-length bucket (powers of two). The cache buckets
+(two per doubling, `Buckets.cache`) sized the dense serving engine's KV
+cache; nothing reads them now.
 """
 
 from __future__ import annotations

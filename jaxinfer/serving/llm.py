@@ -158,7 +158,7 @@ class LLM:
           source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder",
             or a Python factory "python:path/to/file.py:function" (`serving.loading`).
           dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
-          weights: matmul weight format, one of `params.WEIGHT_FORMATS`.
+          weights: matmul weight format, one of `weights.prepare.WEIGHT_FORMATS`.
           progress: a `jaxinfer.progress.Progress`, or True / False; None shows
             download/load bars and compile lines when stderr is a terminal.
           load_cache: keep prepared params in the load cache

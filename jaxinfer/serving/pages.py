@@ -13,7 +13,7 @@ used (referenced by at least one request), or cached (unreferenced, but
 holding the K/V of a known token prefix, kept for later hits and evicted
 least recently used first when the free list is empty), so free + used +
 cached = num_pages at all times. Page ids are plain indices into the
-device pools (`cache.init_paged_cache`); none is special.
+device pools (`cache.paged.init_paged_cache`); none is special.
 
 Prefix caching (vLLM's hashed blocks): a full page is identified by a chained
 hash of (the previous page's hash, the page's token ids), rooted in an

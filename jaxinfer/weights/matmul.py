@@ -18,7 +18,7 @@ def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
     if given, else x's dtype.
 
     A `PackedWeight` (float32 or bfloat16 panels on CPU, see
-    `params.prepare_params`) goes through `kernels.packed.packed_matmul`, a
+    `weights.prepare.prepare_params`) goes through `kernels.packed.packed_matmul`, a
     `QuantizedWeight` (int8, 4-bit or bfloat16 codes) through `quant.matmul`;
     both accumulate in float32."""
     if isinstance(w, PackedWeight):

@@ -2,7 +2,7 @@
 
     jaxinfer eval --config configs/smollm2-135m-instruct.yaml [--weights int8,q4] [--out eval-out]
 
-Loads the model once per weight format (`params.prepare_params(weights=...)`;
+Loads the model once per weight format (`weights.prepare.prepare_params(weights=...)`;
 "q4" and "int8" start from a GGUF file's blocks, `load_gguf(keep_quantized=True)`), then
 reports against the float32 reference (`accuracy` has the formulas):
 
@@ -53,7 +53,7 @@ def load_variants(source: str, weights: Sequence[str]):
     head); everything else from the float32 load.
 
     Raises:
-      ValueError: an unknown weight format (see `params.WEIGHT_FORMATS`).
+      ValueError: an unknown weight format (see `weights.prepare.WEIGHT_FORMATS`).
     """
 
     bad = [w for w in weights if w not in WEIGHT_FORMATS]
