@@ -23,15 +23,15 @@ class RunStats:
       tpot_s: time per output token after the first, mean over requests with
         two or more tokens ((finish - first token) / (tokens - 1)).
       decode_s: from the first request's first token to the last request's end.
-      decode_steps: compiled decode steps run (chunks run whole, so steps
-        past a request's end count too).
+      decode_steps: steps that decoded at least one row (a decode loop's
+        steps count whole, so steps past a request's end count too).
       decoded_tokens: tokens after each request's first.
       drafted, accepted, rounds: speculative decoding totals (tokens
         proposed and verified, accepted, verification rounds with a draft).
       prefix_query_tokens, prefix_hit_tokens: paged KV with prefix caching:
         prompt tokens looked up in the prefix cache, and served from it.
       num_preempted: requests preempted (paged KV pool ran dry; recomputed).
-      num_pages: pages in the paged KV pool (0: dense KV cache).
+      num_pages: pages in the paged KV pool.
     """
 
     prompt_tokens: int = 0
