@@ -1,4 +1,4 @@
-"""Token sampling: penalties, greedy / temperature / top-k / top-p / min-p.
+"""The threshold filters of sampled rows: top-k, top-p, min-p (`keep_mask`).
 
 Everything here is pure, model-free and jit-friendly. Every sampling
 parameter is a per-row array (`SamplingArrays`, shape [B]), so changing a
