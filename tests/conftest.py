@@ -3,11 +3,31 @@ import os
 import pathlib
 import sys
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+_COMPILE_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                          "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(autouse=True)
+def _persistent_compile_cache_stays_off():
+    """The CLI turns JAX's persistent compilation cache on for the whole
+    process (`serving.loading.enable_compilation_cache`); a test that runs it
+    in-process must not leave every later test writing executables to the
+    user's cache, so the options and JAX's cache object are restored."""
+    before = {name: getattr(jax.config, name) for name in _COMPILE_CACHE_OPTIONS}
+    yield
+    if any(getattr(jax.config, name) != value for name, value in before.items()):
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def load_hf_gguf(gguf_path):
