@@ -127,7 +127,7 @@ def test_sliding_pools_hold_num_slots_times_r_pages():
     llm = _llm(True)
     runner = llm.runner(4)
     cache = runner.cache
-    assert llm.ring_pages() == cache.ring_pages == RING
+    assert llm.ring_pages == cache.ring_pages == RING
     assert cache.num_pages == runner.num_pages == llm.pool_pages(4)
     for kind, kv in zip(CONFIG.attention_types, cache.layers):
         pages = 4 * RING if kind == SLIDING_ATTENTION else runner.num_pages
@@ -196,7 +196,8 @@ def test_speculative_rollback_under_the_ring_emits_the_greedy_tokens(full_pages)
     """n-gram drafts write up to k positions past a row's length; rejected
     ones are rewritten in place. R covers the budget plus k."""
     llm = _llm(True, speculative=SpecConfig("ngram", 3))
-    assert llm.ring_pages() == 8                  # ceil((8 + 16 + 3) / 4) + 1
+    assert llm.ring_pages == 8                  # ceil((8 + 16 + 3) / 4) + 1
     outs = llm.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert [c.token_ids for c in outs] == [c.token_ids for c in full_pages]
-    assert llm.last_stats.drafted > 0
+    assert llm._scheduler.runner.cache.ring_pages == 8
+    assert llm.last_stats.drafted > llm.last_stats.accepted

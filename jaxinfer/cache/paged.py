@@ -12,7 +12,8 @@ Every layer, full or sliding-window, keeps every position of a slot in its
 pages: a query at position p of a sliding layer reads positions
 [p - W + 1, p] only (the window is a bound on what is read, not on what is
 stored), so the same pages serve both layer types and a cached prefix is
-whole for every layer (prefix caching works for Gemma 3 too). Page id P
+whole for every layer (prefix caching works for Gemma 3 too; the opt-in
+`cache.paged_ring` trades that for sliding layers in fixed rings). Page id P
 means "no page": writes there are dropped, and no visible position may map
 to it (the host allocator guarantees the pages of every position a step
 touches).

@@ -115,6 +115,14 @@ def ring_pages_needed(window: int, page_size: int, step_tokens: int,
     return min(need, pages_per_seq) if pages_per_seq else need
 
 
+def ring_pages_for(config: ModelConfig, page_size: int, step_tokens: int, max_seq_len: int) -> int:
+    """`ring_pages_needed` for `config`'s window, capped at the block tables
+    of `max_seq_len` tokens. Raises ValueError as `check_ring_model`."""
+    check_ring_model(config)
+    return ring_pages_needed(int(config.sliding_window), page_size, step_tokens,
+                             -(-max_seq_len // page_size))
+
+
 def init_ring_cache(config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                     dtype=jnp.float32, kv_cache_dtype=None, *, step_tokens: int,
                     pages_per_seq: Optional[int] = None,
@@ -149,18 +157,19 @@ def init_ring_cache(config: ModelConfig, num_slots: int, num_pages: int, page_si
                             config.attention_types, window, ring, num_pages)
 
 
-def full_page_nbytes(config: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one host page over the full-attention layers only (the
-    sliding layers' rings are sized apart: `ring_nbytes`)."""
-    full = sum(t != SLIDING_ATTENTION for t in config.attention_types)
-    return page_nbytes(config, page_size, dtype) // config.num_layers * full
-
-
-def ring_nbytes(config: ModelConfig, num_slots: int, ring_pages: int, page_size: int, dtype) -> int:
-    """Bytes of every sliding layer's ring pool (S * R pages each)."""
+def pool_costs(config: ModelConfig, page_size: int, dtype, num_slots: int,
+               ring_pages: int) -> tuple[int, int]:
+    """(bytes of one host page, bytes outside the host's pool) for sizing a
+    KV budget: `paged.page_nbytes` and 0 without rings (ring_pages 0); with
+    them, the full layers' share of a page (at least 1) and every sliding
+    layer's S * R ring pages."""
+    per_layer = page_nbytes(config, page_size, dtype) // config.num_layers
+    if not ring_pages:
+        return page_nbytes(config, page_size, dtype), 0
     sliding = sum(t == SLIDING_ATTENTION for t in config.attention_types)
-    return page_nbytes(config, page_size, dtype) // config.num_layers * sliding * num_slots * ring_pages
+    return (max(per_layer * (config.num_layers - sliding), 1),
+            per_layer * sliding * num_slots * ring_pages)
 
 
-__all__ = ["RingPagedKVCache", "check_ring_model", "full_page_nbytes", "init_ring_cache", "ring_nbytes",
-           "ring_pages_needed", "ring_tables"]
+__all__ = ["RingPagedKVCache", "check_ring_model", "init_ring_cache", "pool_costs",
+           "ring_pages_for", "ring_pages_needed", "ring_tables"]

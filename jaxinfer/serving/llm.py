@@ -28,8 +28,7 @@ from jaxinfer.engine import phases as engine
 from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
-from jaxinfer.cache.paged import page_nbytes
-from jaxinfer.cache.paged_ring import check_ring_model, full_page_nbytes, ring_nbytes, ring_pages_needed
+from jaxinfer.cache.paged_ring import pool_costs, ring_pages_for
 from jaxinfer.config.generation import check_ring
 from jaxinfer.engine.ragged import choose_backend
 from jaxinfer.config import ModelConfig
@@ -109,9 +108,8 @@ class LLM:
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
         size below 1, both num_pages and kv_cache_memory given, no model
-        family registered as config.arch, sliding_window_ring on a model
-        without sliding-window layers, or prefix_caching=True with
-        sliding_window_ring.
+        family registered as config.arch, or sliding_window_ring on a model
+        without sliding layers or with prefix_caching=True.
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
@@ -135,8 +133,9 @@ class LLM:
         if num_pages is not None and kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
         check_ring(prefix_caching, sliding_window_ring)
-        if sliding_window_ring:
-            check_ring_model(config)
+        step_tokens = max_num_batched_tokens + (speculative.num_speculative_tokens if speculative else 0)
+        self.ring_pages = (ring_pages_for(config, page_size, step_tokens, max_seq_len)
+                           if sliding_window_ring else 0)      # R per slot (`cache.paged_ring`)
         self.config = config
         self.params = models.family(config.arch).prepare(params, config)
         self.tokenizer = tokenizer
@@ -267,33 +266,23 @@ class LLM:
     def pool_pages(self, max_num_seqs: int) -> int:
         """Pages in the KV page pool of a runner of `max_num_seqs` slots:
         num_pages, else what kv_cache_memory holds, else enough for
-        max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY.
+        max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY (less the
+        bytes of sliding-window rings, if any: `cache.paged_ring.pool_costs`).
 
         Raises:
           ValueError: kv_cache_memory does not hold one page.
         """
         if self.num_pages is not None:
             return self.num_pages
-        dtype = self.kv_cache_dtype or self.cache_dtype
-        page, rings = page_nbytes(self.config, self.page_size, dtype), 0
-        if self.sliding_window_ring:     # the sliding layers' rings are apart from the pool
-            page = full_page_nbytes(self.config, self.page_size, dtype)
-            rings = ring_nbytes(self.config, max_num_seqs, self.ring_pages(), self.page_size, dtype)
+        page, rings = pool_costs(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype,
+                                 max_num_seqs, self.ring_pages)      # rings: apart from the pool
         if self.kv_cache_memory is not None:
             if self.kv_cache_memory - rings < page:
                 raise ValueError(f"a KV budget of {self.kv_cache_memory} bytes holds no page "
                                  f"({page} bytes, besides {rings} bytes of sliding-window rings)")
             return (self.kv_cache_memory - rings) // page
         full = max_num_seqs * -(-(self.max_seq_len + self.page_size) // self.page_size)
-        return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - rings, 0) // max(page, 1)))
-
-    def ring_pages(self) -> int:
-        """R, pages per slot of each sliding layer's ring under
-        sliding_window_ring (`cache.paged_ring.ring_pages_needed` for the
-        token budget plus k drafts)."""
-        k = self.speculative.num_speculative_tokens if self.speculative is not None else 0
-        return ring_pages_needed(int(self.config.sliding_window or 0), self.page_size,
-                                 self.token_budget + k, -(-self.max_seq_len // self.page_size))
+        return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - rings, 0) // page))
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
