@@ -312,6 +312,12 @@ class ModelRunner:
         self.decode_steps += num_steps
         return Dispatched(out, num_steps)
 
+    def check_page_ids(self, what: str) -> None:
+        """Raise ValueError when `what` (prefix caching, a page transfer)
+        cannot address this runner's K/V by page id (sliding_window_ring:
+        `PagedKVCache.check_page_ids`)."""
+        self.cache.check_page_ids(what)
+
     def read_pages(self, pages: Sequence[int], from_repeat: int = 1):
         """The contents of `pages` (page id num_pages: zeros) in every layer,
         every field, with KV heads stored `from_repeat` times de-duplicated

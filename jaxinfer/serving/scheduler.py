@@ -115,7 +115,7 @@ class Scheduler:
             raise ValueError(f"prefill_chunk_size and decode_chunk must be >= 1, got "
                              f"{prefill_chunk_size}, {decode_chunk}")
         if prefix_caching:
-            runner.cache.check_page_ids("prefix caching")
+            runner.check_page_ids("prefix caching")
         self.runner = runner
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)

@@ -81,7 +81,7 @@ class PrefillWorker:
         self.llm, self.transport, self.worker_id = llm, transport, worker_id
         self.runner = llm.runner(max_num_seqs)
         r = self.runner
-        r.cache.check_page_ids("disaggregated prefill (a KV page transfer)")
+        r.check_page_ids("disaggregated prefill (a KV page transfer)")
         self.pages = KVPageManager(r.num_pages, r.page_size, r.max_num_seqs, r.pages_per_seq,
                                    prefix_caching=False)
         self.chunk = min(llm.prefill_chunk_size or r.token_budget, r.token_budget)
