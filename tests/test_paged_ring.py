@@ -201,3 +201,17 @@ def test_speculative_rollback_under_the_ring_emits_the_greedy_tokens(full_pages)
     assert [c.token_ids for c in outs] == [c.token_ids for c in full_pages]
     assert llm._scheduler.runner.cache.ring_pages == 8
     assert llm.last_stats.drafted > llm.last_stats.accepted
+
+
+def test_draft_model_speculation_under_the_ring_emits_the_greedy_tokens(full_pages):
+    """The draft model's cache keeps rings too (its sliding layers), written
+    by its catch-up and one-token forwards; greedy output is unchanged."""
+    from jaxinfer.speculative import DraftModel
+    from jaxinfer.weights.prepare import prepare_params
+
+    draft = DraftModel(CONFIG, prepare_params(random_params(CONFIG, seed=1), CONFIG), "random")
+    llm = _llm(True, speculative=SpecConfig("draft", 2, draft=draft))
+    outs = llm.generate(PROMPTS[:2], max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in full_pages[:2]]
+    assert isinstance(llm._scheduler.runner.cache.draft, RingPagedKVCache)
+    assert llm.last_stats.drafted > 0
