@@ -7,8 +7,14 @@ see, writing, growing and copying:
   `paged`  pages in a pool, found through per-slot block tables: serving
            (`engine.step`); sliding layers keep every position, the window
            bounds what is read
+  `paged_ring`  `paged` with each sliding layer in a fixed ring of R pages
+           per slot (opt-in, `sliding_window_ring`): R covers the window
+           plus one step's tokens, so sliding layers' memory stops growing
+           with the context; their tables are computed in the step, and
+           prefix caching and page transfers (pages by id) are refused
   `int8`   the int8 codec any layout stores K/V with (codes plus a float32
            scale per token per kv head), and its decode-attention kernel
 A layout answers the engine's questions itself (`LayerKV.plain`,
-`LayerKV.decode_attention`): no layout or codec branch lives outside here.
+`LayerKV.decode_attention`, `PagedKVCache.layer_tables`): no layout or
+codec branch lives outside here.
 """

@@ -12,7 +12,8 @@ Every layer, full or sliding-window, keeps every position of a slot in its
 pages: a query at position p of a sliding layer reads positions
 [p - W + 1, p] only (the window is a bound on what is read, not on what is
 stored), so the same pages serve both layer types and a cached prefix is
-whole for every layer (prefix caching works for Gemma 3 too). Page id P
+whole for every layer (prefix caching works for Gemma 3 too; the opt-in
+`cache.paged_ring` trades that for sliding layers in fixed rings). Page id P
 means "no page": writes there are dropped, and no visible position may map
 to it (the host allocator guarantees the pages of every position a step
 touches).
@@ -35,7 +36,7 @@ from flax import struct
 
 from jaxinfer.cache.int8 import quantize_kv
 from jaxinfer.cache.kv import KV_CACHE_DTYPES, LayerKV
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import FULL_ATTENTION, ModelConfig
 
 
 @struct.dataclass
@@ -73,6 +74,22 @@ class PagedKVCache:
     def quantized(self) -> bool:
         return self.layers[0].key_scale is not None
 
+    def layer_tables(self, layer_type: str, block_tables: jax.Array) -> jax.Array:
+        """The block tables int32 [S, M] a layer of `layer_type` reads and
+        writes its pool through: here the host's `block_tables` for every
+        layer (other layouts, `cache.paged_ring`, give sliding layers their own)."""
+        return block_tables
+
+    def layer_num_pages(self, layer_type: str) -> int:
+        """Pages in the pools of `layer_type` layers (P here, for every layer):
+        the page id writes are dropped at."""
+        return self.num_pages
+
+    def check_page_ids(self, what: str) -> None:
+        """Nothing here: every layer keeps every position in the host's pages,
+        so `what` (prefix caching, a page transfer) may read pages by id.
+        Layouts where that is false raise ValueError naming `what`."""
+
 
 def _pool(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype) -> LayerKV:
     kv, hd = config.num_kv_heads, config.head_dim
@@ -108,14 +125,16 @@ def init_paged_cache(config: ModelConfig, num_slots: int, num_pages: int, page_s
 
 
 def token_pages(cache: PagedKVCache, block_tables: jax.Array, slots: jax.Array,
-                positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+                positions: jax.Array, valid: jax.Array,
+                layer_type: str = FULL_ATTENTION) -> tuple[jax.Array, jax.Array]:
     """(page int32 [T], offset int32 [T]) of tokens at `positions` [T] of
-    `slots` [T]: block_tables[slot, p // ps] and p % ps; P (dropped by the
-    scatter) where not valid."""
+    `slots` [T] in the pools of `layer_type` layers, whose block tables are
+    `block_tables` (`cache.layer_tables`): block_tables[slot, p // ps] and
+    p % ps; the pools' page count (dropped by the scatter) where not valid."""
     ps, m = cache.page_size, block_tables.shape[1]
     col = jnp.clip(positions // ps, 0, m - 1)
     page = block_tables[jnp.clip(slots, 0, block_tables.shape[0] - 1), col]
-    return jnp.where(valid, page, cache.num_pages), positions % ps
+    return jnp.where(valid, page, cache.layer_num_pages(layer_type)), positions % ps
 
 
 def write(kv: LayerKV, k: jax.Array, v: jax.Array, page: jax.Array, offset: jax.Array) -> LayerKV:
@@ -152,7 +171,13 @@ def gather_rows(kv: LayerKV, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
 def read_pages(cache: PagedKVCache, pages: jax.Array) -> tuple[LayerKV, ...]:
     """The contents of `pages` [n] in every layer (a copy, every field of
     each pool, int8 scales included; page id P, "no page", reads as zeros):
-    what a KV transfer sends."""
+    what a KV transfer sends.
+
+    Raises:
+      ValueError: a layout whose pages are not all the host's
+        (`PagedKVCache.check_page_ids`), when tracing.
+    """
+    cache.check_page_ids("reading pages by id (a KV page transfer)")
     take = lambda x: None if x is None else jnp.take(x, pages, axis=0, mode="fill", fill_value=0)
     return tuple(LayerKV(*(take(x) for x in kv)) for kv in cache.layers)
 
@@ -164,8 +189,10 @@ def write_pages(cache: PagedKVCache, pages: jax.Array, data: tuple[LayerKV, ...]
     Raises:
       ValueError (when tracing): data's layers, fields or shapes do not
         match the cache's (an int8 transfer into a float pool, another page
-        size, another model).
+        size, another model), or a layout whose pages are not all the host's
+        (`PagedKVCache.check_page_ids`).
     """
+    cache.check_page_ids("writing pages by id (a KV page transfer)")
     if len(data) != len(cache.layers):
         raise ValueError(f"write_pages: {len(data)} layers of pages into a cache of "
                          f"{len(cache.layers)}")

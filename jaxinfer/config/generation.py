@@ -62,12 +62,17 @@ class GenerationConfig:
         when the pool runs dry.
       prefix_caching: requests reuse the KV pages of an equal prompt
         prefix computed before (full pages only; a request's cache_salt
-        keeps its pages apart).
+        keeps its pages apart). null: on, unless sliding_window_ring.
       prefill_chunk_size: prompt tokens per serving step while requests
         decode (the bound on a running stream's gap between two tokens);
         null: the whole token budget (see jaxinfer/serving/scheduler.py).
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget and largest compiled token bucket).
+      sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed
+        ring of KV pages per request instead of every position, so their
+        memory stops growing with the context (see
+        jaxinfer/cache/paged_ring.py); prefix caching is then off (true
+        with it is an error), and disaggregated prefill refuses it.
       speculative: null (off), "ngram" (prompt lookup) or "draft" (a draft
         model): speculative decoding (see jaxinfer/speculative/).
       num_speculative_tokens: k, tokens proposed per verification round.
@@ -106,9 +111,10 @@ class GenerationConfig:
     page_size: int = 16
     num_pages: Optional[int] = None
     kv_cache_memory: Optional[int] = None
-    prefix_caching: bool = True
+    prefix_caching: Optional[bool] = None
     prefill_chunk_size: Optional[int] = 512
     max_num_batched_tokens: int = 512
+    sliding_window_ring: bool = False
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1
@@ -149,6 +155,9 @@ class GenerationConfig:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
+        check_ring(self.prefix_caching, self.sliding_window_ring)
+        if self.prefix_caching is None:
+            object.__setattr__(self, "prefix_caching", not self.sliding_window_ring)
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
@@ -158,7 +167,8 @@ class GenerationConfig:
                  "max_seq_len": int,
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
-                 "ngram_min": int, "ngram_max": int, "warmup": bool, "prefix_caching": bool,
+                 "ngram_min": int, "ngram_max": int, "warmup": bool,
+                 "sliding_window_ring": bool,
                  "page_size": int, "max_num_batched_tokens": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
@@ -168,6 +178,8 @@ class GenerationConfig:
             raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
+        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be bool or null, got {self.prefix_caching!r}")
         for name in ("prefill_chunk_size", "max_waiting_requests", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -230,6 +242,17 @@ class GenerationConfig:
         `SamplingParams`'), for `jaxinfer generate --help`."""
         docs = {**attribute_docs(cls), **attribute_docs(SamplingParams)}
         return {k: docs[k] for k in cls.keys()}
+
+
+def check_ring(prefix_caching: Optional[bool], sliding_window_ring: bool) -> None:
+    """Raise ValueError when prefix caching is asked for (True, not None)
+    with sliding_window_ring: a cached prefix's sliding-window pages are
+    overwritten once the ring wraps."""
+    if sliding_window_ring and prefix_caching:
+        raise ValueError("prefix_caching and sliding_window_ring cannot both be on: the "
+                         "sliding-window layers' ring keeps only the last window of each "
+                         "request, so a cached prefix would miss their K/V; set "
+                         "prefix_caching to false (or leave it unset)")
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

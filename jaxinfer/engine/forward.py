@@ -101,16 +101,22 @@ def place(lengths: jax.Array, slot: jax.Array, start: jax.Array, count: jax.Arra
 def _attend_paged(cache: PagedKVCache, block_tables: jax.Array, seg: Segments,
                   config: ModelConfig, backend: AttentionBackend):
     """The engine's `attend` for a paged step: write the tokens' K/V into
-    their pages, then ragged attention over the pages."""
-    page, offset = paged.token_pages(cache, block_tables, seg.token_slot, seg.token_pos,
-                                     seg.token_valid)
+    their pages, then ragged attention over the pages. Each layer type reads
+    and writes through the block tables the cache gives it
+    (`cache.layer_tables`: the host's, or a sliding layer's own)."""
+    places = {}
+    for layer_type in dict.fromkeys(config.attention_types):
+        tables = cache.layer_tables(layer_type, block_tables)
+        places[layer_type] = (tables, *paged.token_pages(cache, tables, seg.token_slot, seg.token_pos,
+                                                         seg.token_valid, layer_type))
 
     def layer_attend(layer_type, q, k, v, kv):
+        tables, page, offset = places[layer_type]
         kv = paged.write(kv, k[0], v[0], page, offset)
         t, n, h = q.shape[1:]
         kh = k.shape[2]
         window = cache.window if layer_type == SLIDING_ATTENTION else 0
-        out = attend(backend, q[0].reshape(t, kh, n // kh, h), kv, block_tables, seg, window,
+        out = attend(backend, q[0].reshape(t, kh, n // kh, h), kv, tables, seg, window,
                      config.attn_logit_softcapping)
         return out.reshape(1, t, n, h), kv
 

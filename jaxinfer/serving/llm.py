@@ -28,7 +28,8 @@ from jaxinfer.engine import phases as engine
 from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
-from jaxinfer.cache.paged import page_nbytes
+from jaxinfer.cache.paged_ring import pool_costs, ring_pages_for
+from jaxinfer.config.generation import check_ring
 from jaxinfer.engine.ragged import choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.serving.loading import load_model, speculative_config
@@ -97,13 +98,18 @@ class LLM:
       kv_cache_memory: the KV page pool's budget in bytes; None: what
         max_num_seqs slots of max_seq_len tokens need, at most
         DEFAULT_KV_CACHE_MEMORY.
-      prefix_caching: requests share the cached pages of equal prompt prefixes.
+      prefix_caching: requests share the cached pages of equal prompt
+        prefixes; None: on, unless sliding_window_ring.
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget, the largest compiled token bucket).
+      sliding_window_ring: sliding-window layers keep a fixed ring of pages
+        per slot (`cache.paged_ring`): their K/V memory no longer grows with
+        the context; prefix caching is off and page transfers are refused.
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
-        size below 1, both num_pages and kv_cache_memory given, or no
-        model family registered as config.arch.
+        size below 1, both num_pages and kv_cache_memory given, no model
+        family registered as config.arch, or sliding_window_ring on a model
+        without sliding layers or with prefix_caching=True.
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
@@ -112,8 +118,8 @@ class LLM:
                  min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
                  speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
                  page_size: int = 16, num_pages: Optional[int] = None,
-                 kv_cache_memory: Optional[int] = None, prefix_caching: bool = True,
-                 max_num_batched_tokens: int = 512):
+                 kv_cache_memory: Optional[int] = None, prefix_caching: Optional[bool] = None,
+                 max_num_batched_tokens: int = 512, sliding_window_ring: bool = False):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
@@ -126,6 +132,10 @@ class LLM:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if num_pages is not None and kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
+        check_ring(prefix_caching, sliding_window_ring)
+        step_tokens = max_num_batched_tokens + (speculative.num_speculative_tokens if speculative else 0)
+        self.ring_pages = (ring_pages_for(config, page_size, step_tokens, max_seq_len)
+                           if sliding_window_ring else 0)      # R per slot (`cache.paged_ring`)
         self.config = config
         self.params = models.family(config.arch).prepare(params, config)
         self.tokenizer = tokenizer
@@ -142,7 +152,8 @@ class LLM:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
         self.page_size, self.num_pages, self.kv_cache_memory = page_size, num_pages, kv_cache_memory
-        self.prefix_caching = prefix_caching
+        self.sliding_window_ring = bool(sliding_window_ring)
+        self.prefix_caching = not sliding_window_ring if prefix_caching is None else prefix_caching
         self.token_budget = int(max_num_batched_tokens)
         self.backend = choose_backend(self.cache_dtype)
         self.programs = ProgramCache()
@@ -204,7 +215,8 @@ class LLM:
                   kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
                   num_pages=cfg.num_pages, kv_cache_memory=cfg.kv_cache_memory,
                   prefix_caching=cfg.prefix_caching,
-                  max_num_batched_tokens=cfg.max_num_batched_tokens)
+                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  sliding_window_ring=cfg.sliding_window_ring)
         llm.programs.progress = progress
         return llm
 
@@ -248,26 +260,29 @@ class LLM:
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                            cache_dtype=self.cache_dtype, kv_cache_dtype=self.kv_cache_dtype,
                            speculative=self.speculative, programs=self.programs,
-                           backend=self.backend, token_budget=self.token_budget)
+                           backend=self.backend, token_budget=self.token_budget,
+                           sliding_window_ring=self.sliding_window_ring)
 
     def pool_pages(self, max_num_seqs: int) -> int:
         """Pages in the KV page pool of a runner of `max_num_seqs` slots:
         num_pages, else what kv_cache_memory holds, else enough for
-        max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY.
+        max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY (less the
+        bytes of sliding-window rings, if any: `cache.paged_ring.pool_costs`).
 
         Raises:
           ValueError: kv_cache_memory does not hold one page.
         """
         if self.num_pages is not None:
             return self.num_pages
-        page = page_nbytes(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype)
+        page, rings = pool_costs(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype,
+                                 max_num_seqs, self.ring_pages)      # rings: apart from the pool
         if self.kv_cache_memory is not None:
-            if self.kv_cache_memory < page:
+            if self.kv_cache_memory - rings < page:
                 raise ValueError(f"a KV budget of {self.kv_cache_memory} bytes holds no page "
-                                 f"({page} bytes)")
-            return self.kv_cache_memory // page
+                                 f"({page} bytes, besides {rings} bytes of sliding-window rings)")
+            return (self.kv_cache_memory - rings) // page
         full = max_num_seqs * -(-(self.max_seq_len + self.page_size) // self.page_size)
-        return max(1, min(full, DEFAULT_KV_CACHE_MEMORY // page))
+        return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - rings, 0) // page))
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default

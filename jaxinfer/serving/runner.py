@@ -33,7 +33,8 @@ import numpy as np
 from jaxinfer import sampling
 from jaxinfer.cache import paged
 from jaxinfer.cache.paged import init_paged_cache
-from jaxinfer.config import ModelConfig
+from jaxinfer.cache.paged_ring import init_ring_cache
+from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
@@ -156,8 +157,13 @@ class ModelRunner:
       programs: the `ProgramCache` to compile through.
       backend: the attention backend (default `choose_backend(cache_dtype)`).
       token_budget: the most tokens one step runs (its largest bucket).
+      sliding_window_ring: sliding-window layers keep a ring of pages per
+        slot (`cache.paged_ring`; the draft model's too, when it has
+        sliding layers): their memory no longer grows with max_seq_len;
+        prefix caching and page transfers are refused.
     Raises:
-      ValueError: a size below 1.
+      ValueError: a size below 1; sliding_window_ring on a model without
+        sliding-window layers.
     """
 
     def __init__(self, config: ModelConfig, params: dict, *, max_num_seqs: int, max_seq_len: int,
@@ -165,7 +171,8 @@ class ModelRunner:
                  eos_token_ids: Sequence[int] = (), cache_dtype=jnp.float32,
                  kv_cache_dtype: Optional[str] = None, speculative: Optional[SpecConfig] = None,
                  programs: Optional[ProgramCache] = None,
-                 backend: Optional[AttentionBackend] = None, token_budget: int = 512):
+                 backend: Optional[AttentionBackend] = None, token_budget: int = 512,
+                 sliding_window_ring: bool = False):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_seq_len", max_seq_len),
                             ("page_size", page_size), ("num_pages", num_pages),
                             ("token_budget", token_budget)):
@@ -183,12 +190,11 @@ class ModelRunner:
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
         self.width = 1 + (self.spec.k if self.spec else 0)
         self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
-        self.cache = init_paged_cache(config, self.max_num_seqs, self.num_pages, self.page_size,
-                                      cache_dtype, kv_cache_dtype)
+        self.sliding_window_ring = bool(sliding_window_ring)
+        self.cache = self._init_cache(config, cache_dtype, kv_cache_dtype)
         if self.draft_params is not None:
-            self.cache = self.cache.replace(draft=init_paged_cache(
-                self.spec.config, self.max_num_seqs, self.num_pages, self.page_size, cache_dtype,
-                kv_cache_dtype))
+            self.cache = self.cache.replace(draft=self._init_cache(self.spec.config, cache_dtype,
+                                                                   kv_cache_dtype, draft=True))
         self.rows = engine_step.new_rows(row_inputs(
             [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
             self.max_seq_len))
@@ -198,6 +204,16 @@ class ModelRunner:
         self.ready_buckets: list[int] = []
         self._background: Optional[threading.Thread] = None
         self._stop_compiling = threading.Event()
+
+    def _init_cache(self, config: ModelConfig, dtype, kv_cache_dtype, draft: bool = False):
+        """An empty paged cache for `config` (the target or the draft): rings
+        for its sliding layers under sliding_window_ring (R covers the token
+        budget plus k drafts), else `init_paged_cache`."""
+        args = (config, self.max_num_seqs, self.num_pages, self.page_size, dtype, kv_cache_dtype)
+        if self.sliding_window_ring and not (draft and SLIDING_ATTENTION not in config.attention_types):
+            return init_ring_cache(*args, step_tokens=self.token_budget + self.width - 1,
+                                   pages_per_seq=self.pages_per_seq)
+        return init_paged_cache(*args)
 
     @staticmethod
     def _spec(spec: Optional[SpecConfig]):
@@ -295,6 +311,12 @@ class ModelRunner:
             backend=self.backend, num_steps=num_steps, num_logprobs=num_logprobs, spec=self.spec)
         self.decode_steps += num_steps
         return Dispatched(out, num_steps)
+
+    def check_page_ids(self, what: str) -> None:
+        """Raise ValueError when `what` (prefix caching, a page transfer)
+        cannot address this runner's K/V by page id (sliding_window_ring:
+        `PagedKVCache.check_page_ids`)."""
+        self.cache.check_page_ids(what)
 
     def read_pages(self, pages: Sequence[int], from_repeat: int = 1):
         """The contents of `pages` (page id num_pages: zeros) in every layer,

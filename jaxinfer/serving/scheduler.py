@@ -99,7 +99,9 @@ class Scheduler:
         request ever waits for a compile (serving).
       clock: the time source of request timings (seconds).
     Raises:
-      ValueError: an unknown policy or a size below 1.
+      ValueError: an unknown policy or a size below 1; prefix_caching on a
+        runner whose cache keeps pages apart from the host's page ids
+        (`sliding_window_ring`).
     """
 
     def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
@@ -112,6 +114,8 @@ class Scheduler:
         if (prefill_chunk_size is not None and prefill_chunk_size < 1) or decode_chunk < 1:
             raise ValueError(f"prefill_chunk_size and decode_chunk must be >= 1, got "
                              f"{prefill_chunk_size}, {decode_chunk}")
+        if prefix_caching:
+            runner.check_page_ids("prefix caching")
         self.runner = runner
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)

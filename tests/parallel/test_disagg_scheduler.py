@@ -62,6 +62,9 @@ class FakeRunner:
             self.rows[a.slot] = dict(last=None, n=len(a.generated), max=r.max_new_tokens,
                                      ignore=r.ignore_eos, done=False)
 
+    def check_page_ids(self, what):
+        """Every page is addressable by id here (no sliding-window rings)."""
+
     def _sample(self, row):
         row["last"] = token = nxt(row["last"])
         row["n"] += 1

@@ -44,6 +44,9 @@ class FakeRunner:
     def segment_width(self, segment):
         return 1 if segment.decode else len(segment.tokens)
 
+    def check_page_ids(self, what):
+        """Every page is addressable by id here (no sliding-window rings)."""
+
     def has_decode_loop(self, rows, num_steps, num_logprobs=-1):
         return self.loops
 

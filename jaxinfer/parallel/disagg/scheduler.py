@@ -91,10 +91,14 @@ class DisaggScheduler(Scheduler):
       transfer_timeout_s: a transfer not finished this many seconds after it
         started fails its request.
       kwargs: as for `Scheduler` (detokenizer_factory, stop ids, clock, ...).
+    Raises:
+      ValueError: a runner whose cache cannot take pages by id
+        (`sliding_window_ring`), before anything runs; as `Scheduler`.
     """
 
     def __init__(self, runner, prefill: PrefillClient, receive_device, *, kv_repeat: int = 1,
                  transfer_timeout_s: float = 60.0, idle_sleep_s: float = 0.001, **kwargs):
+        runner.check_page_ids("disaggregated prefill (a KV page transfer)")
         super().__init__(runner, **kwargs)
         self.prefill, self.receive_device, self.kv_repeat = prefill, receive_device, kv_repeat
         self.transfer_timeout_s, self.idle_sleep_s = transfer_timeout_s, idle_sleep_s

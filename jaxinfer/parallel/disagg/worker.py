@@ -72,12 +72,16 @@ class PrefillWorker:
       transport: `LocalTransport` or `PullTransport`.
       worker_id: reported with each result.
       max_num_seqs: requests prefilled at once (the runner's slots).
+    Raises:
+      ValueError: `llm` keeps sliding-window rings (`sliding_window_ring`):
+        their pages cannot be sent by id.
     """
 
     def __init__(self, llm, transport, worker_id: int = 0, max_num_seqs: int = 4):
         self.llm, self.transport, self.worker_id = llm, transport, worker_id
         self.runner = llm.runner(max_num_seqs)
         r = self.runner
+        r.check_page_ids("disaggregated prefill (a KV page transfer)")
         self.pages = KVPageManager(r.num_pages, r.page_size, r.max_num_seqs, r.pages_per_seq,
                                    prefix_caching=False)
         self.chunk = min(llm.prefill_chunk_size or r.token_budget, r.token_budget)
