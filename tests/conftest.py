@@ -30,6 +30,22 @@ def _persistent_compile_cache_stays_off():
         compilation_cache.reset_cache()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test module's compiled programs when it ends.
+
+    XLA:CPU maps every compiled executable's code into memory regions of
+    its own; one process running the whole suite compiles thousands of
+    programs, and past the kernel's limit on mappings per process
+    (`vm.max_map_count`, 65,530 by default) compiling crashes the process
+    (a segfault or an abort inside XLA). Programs held by session-scoped
+    fixtures stay."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 def load_hf_gguf(gguf_path):
     """(transformers model in float32 eval mode, its tokenizer) for a GGUF
     file, the reference the real-model tests compare against."""
