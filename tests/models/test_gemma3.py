@@ -294,7 +294,7 @@ def test_hf_folder_matches_gguf_load(llm, hf_folder, prompts):
     from jaxinfer.checkpoint.safetensors import load_hf_folder
     from jaxinfer.tokenizer.tokenizer import Tokenizer
 
-    from jaxinfer.kernels.cpu import PackedWeight
+    from jaxinfer.kernels.packed import PackedWeight
     from packing import unpack_weight
 
     config, params = load_hf_folder(hf_folder)
