@@ -6,7 +6,7 @@ The lowest layer: it imports nothing else of jaxinfer."""
 from jaxinfer.config.generation import GenerationConfig, parse_bytes
 from jaxinfer.config.model import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.config.paths import cache_dir
-from jaxinfer.config.sampling import SamplingParams
+from jaxinfer.config.sampling import SamplingParams, StructuredOutput
 
 __all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "GenerationConfig", "ModelConfig",
-           "SamplingParams", "cache_dir", "parse_bytes"]
+           "SamplingParams", "StructuredOutput", "cache_dir", "parse_bytes"]

@@ -6,6 +6,7 @@ The device side (per-row arrays, filters, draws) is `jaxinfer.sampling`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import secrets
@@ -17,6 +18,54 @@ TEMPERATURE_FLOOR = 1e-6
 # Seeds are 32-bit: with jax_enable_x64 off, `jax.random.key` keeps only the
 # low 32 bits of a larger seed, so larger seeds are rejected, not truncated.
 MAX_SEED = 2**32 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text (docs/structured.md); exactly
+    one field is set. Compiled by `jaxinfer.sampling.grammar` against the
+    tokenizer's vocabulary into tables the compiled step applies.
+
+    Attributes:
+      json_schema: a JSON schema (a dict or its JSON text; kept as canonical
+        JSON text, so equal schemas share one compiled automaton).
+      regex: a regular expression the whole output must match.
+      choice: the output is exactly one of these strings.
+      json_object: the output is any JSON object.
+    Raises:
+      ValueError / TypeError: none or several fields set, a schema that is
+        not JSON, an empty choice list or a choice that is not a string.
+    """
+
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("StructuredOutput needs exactly one of json_schema, regex, choice, "
+                             f"json_object; got {given or 'none'}")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"StructuredOutput.json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise TypeError(f"StructuredOutput.json_schema must be a JSON object, got {schema!r}")
+            object.__setattr__(self, "json_schema", json.dumps(schema, sort_keys=True))
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise TypeError(f"StructuredOutput.regex must be a string, got {self.regex!r}")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("StructuredOutput.choice must be non-empty strings, got "
+                                 f"{self.choice!r}")
+            object.__setattr__(self, "choice", choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +97,10 @@ class SamplingParams:
         generated) (OpenAI convention); 0 is off.
       seed: sampling seed in [0, 2**32 - 1]; None (YAML null) draws a random
         one per request (`resolve_seeds`). Greedy rows ignore it.
+      structured: None, or a `StructuredOutput` the output must follow: its
+        mask is applied before every other filter, and EOS is allowed only
+        where the output is complete (docs/structured.md). A dict (a YAML
+        mapping) is read as the `StructuredOutput` fields.
 
     Raises:
       ValueError: naming the field, for a value out of range or not finite.
@@ -63,8 +116,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Optional[int] = None
+    structured: Optional[StructuredOutput] = None
 
     def __post_init__(self):
+        if isinstance(self.structured, dict):     # a YAML mapping: the StructuredOutput fields
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise TypeError("SamplingParams.structured must be a StructuredOutput or None, got "
+                            f"{self.structured!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

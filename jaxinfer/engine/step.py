@@ -77,7 +77,9 @@ class RowInputs:
     [A] (the prompt's ids, then tokens generated before a preemption),
     keys [A] PRNG keys, sampling arrays; num_generated int32 [A] and counts
     int32 [A, V]: what a request resumed after preemption had generated (0
-    and zeros for a new one), so it goes on exactly where it stopped."""
+    and zeros for a new one), so it goes on exactly where it stopped;
+    grammar int32 [A]: each row's structured-output state (-1: none; the
+    state after its generated tokens when resumed), or None."""
 
     max_new_tokens: jax.Array
     min_tokens: jax.Array
@@ -89,6 +91,7 @@ class RowInputs:
     sampling: object
     num_generated: jax.Array
     counts: jax.Array
+    grammar: Optional[jax.Array] = None
 
 
 def new_rows(inputs: RowInputs) -> RowState:
@@ -100,7 +103,7 @@ def new_rows(inputs: RowInputs) -> RowState:
                     min_tokens=inputs.min_tokens.astype(jnp.int32), ignore_eos=inputs.ignore_eos,
                     seen=inputs.seen, counts=inputs.counts.astype(jnp.int32), history=inputs.history,
                     history_len=inputs.history_len.astype(jnp.int32), keys=inputs.keys,
-                    sampling=inputs.sampling)
+                    sampling=inputs.sampling, grammar=inputs.grammar)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "rows"))

@@ -16,6 +16,7 @@ from flax import struct
 from jaxinfer.sampling.arrays import SamplingArrays, step_keys
 from jaxinfer.sampling.draw import distribution, inverse_cdf, log_softmax_topn, sample
 from jaxinfer.sampling.penalties import apply_penalties, update_history
+from jaxinfer.sampling.structured import GrammarTables, advance, mask_logits
 
 # An output position a row did not fill (a speculative block that ended earlier).
 NO_TOKEN = -2
@@ -23,11 +24,14 @@ NO_TOKEN = -2
 
 @struct.dataclass
 class StopTokens:
-    """Token ids that end a row: ids int32 [E] (-1 padding) and is_eos bool
-    [E] (ids a row with ignore_eos keeps generating through)."""
+    """The token rules every row shares: ids that end a row, int32 [E] (-1
+    padding), is_eos bool [E] (ids a row with ignore_eos keeps generating
+    through), and grammar: the structured-output automata rows' states
+    index (`structured.GrammarTables`), None when no request has one."""
 
     ids: jax.Array
     is_eos: jax.Array
+    grammar: Optional[GrammarTables] = None
 
 
 @struct.dataclass
@@ -48,6 +52,8 @@ class RowState:
         an n-gram proposer searches); history_len: int32 [B], how many.
       keys: [B] PRNG keys, one per row, folded with the row's step.
       sampling: per-row `SamplingArrays`.
+      grammar: int32 [B], each row's structured-output state (a global state
+        of `StopTokens.grammar`; -1: unconstrained), or None (no row has one).
     """
 
     tokens: jax.Array
@@ -62,6 +68,7 @@ class RowState:
     history_len: jax.Array
     keys: jax.Array
     sampling: SamplingArrays
+    grammar: Optional[jax.Array] = None
 
 
 class StepOutput(NamedTuple):
@@ -90,8 +97,10 @@ def stops_row(token: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
 
 def processed_logits(logits: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
     """The logits [B, V] every draw and every acceptance test starts from:
-    stop ids at -inf in rows that have not reached min_tokens, then the
-    repetition / presence / frequency penalties."""
+    the tokens a constrained row's grammar state does not allow at -inf
+    (`structured.mask_logits`), stop ids at -inf in rows that have not
+    reached min_tokens, then the repetition / presence / frequency penalties."""
+    logits = mask_logits(logits, rows.grammar, stop.grammar)
     early = rows.num_generated < rows.min_tokens
     rows_idx = jnp.arange(logits.shape[0])[:, None]
     ids = jnp.where(stop.ids >= 0, stop.ids, logits.shape[-1])[None, :]
@@ -102,8 +111,8 @@ def processed_logits(logits: jax.Array, rows: RowState, stop: StopTokens) -> jax
 
 def record_tokens(rows: RowState, token: jax.Array, active: jax.Array, stop: StopTokens) -> RowState:
     """The rows after each active row emits `token` [B]: penalty history,
-    history, count, last token, and done when it is a stop token or the
-    budget is spent."""
+    history, count, last token, grammar state, and done when it is a stop
+    token or the budget is spent."""
     seen, counts = update_history(rows.seen, rows.counts, token, active)
     idx = jnp.arange(token.shape[0])
     history = rows.history.at[idx, jnp.where(active, rows.history_len, rows.history.shape[1])].set(
@@ -113,7 +122,8 @@ def record_tokens(rows: RowState, token: jax.Array, active: jax.Array, stop: Sto
     finished = active & (stops_row(token, rows, stop) | (num_generated >= rows.max_new_tokens))
     return rows.replace(tokens=jnp.where(active, token, rows.tokens), done=rows.done | finished,
                         num_generated=num_generated, seen=seen, counts=counts, history=history,
-                        history_len=rows.history_len + step)
+                        history_len=rows.history_len + step,
+                        grammar=advance(rows.grammar, token, active, stop.grammar))
 
 
 def _logprobs(out: StepOutput, logits: jax.Array, token: jax.Array, num_logprobs: int) -> StepOutput:

@@ -8,11 +8,9 @@ All input checks happen here, on the host, before any device work: JAX clamps
 out-of-range indices and slice starts silently, so lengths and ids are checked
 before they reach a compiled program.
 
-`generate` and `stream` run on the serving engine: the requests go to a
-`Scheduler` (continuous batching over `max_num_seqs` slots, chunked prefill)
-driving a `ModelRunner` (the compiled programs), on the calling thread. Which
-shapes compile is described in `jaxinfer.serving.runner` and `jaxinfer.serving.buckets`;
-`LLM.programs` counts them.
+`generate` and `stream` run on the serving engine: a `Scheduler` (continuous
+batching over `max_num_seqs` slots, chunked prefill) driving a `ModelRunner`,
+on the calling thread. Compiled shapes: `serving.runner`, `serving.buckets`.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
+from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving.request import Request, RequestOutput
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative import SpecConfig
@@ -139,6 +138,7 @@ class LLM:
         self.config = config
         self.params = models.family(config.arch).prepare(params, config)
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size) if tokenizer else None
         self.max_seq_len = int(max_seq_len)
         self.decode_chunk = int(decode_chunk)
         self.max_num_seqs = int(max_num_seqs)
@@ -220,8 +220,6 @@ class LLM:
         llm.programs.progress = progress
         return llm
 
-    # --- prompts -----------------------------------------------------------------------
-
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a prompt: text (raw, or a user turn with chat=True),
         chat messages [{"role", "content"}, ...], or ids given directly.
@@ -259,8 +257,8 @@ class LLM:
                            num_pages=self.pool_pages(max_num_seqs),
                            stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
                            cache_dtype=self.cache_dtype, kv_cache_dtype=self.kv_cache_dtype,
-                           speculative=self.speculative, programs=self.programs,
-                           backend=self.backend, token_budget=self.token_budget,
+                           speculative=self.speculative, programs=self.programs, backend=self.backend,
+                           token_budget=self.token_budget, grammars=self.grammars,
                            sliding_window_ring=self.sliding_window_ring)
 
     def pool_pages(self, max_num_seqs: int) -> int:
@@ -373,6 +371,8 @@ class LLM:
                     f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens "
                     "or raise max_seq_len")
             try:
+                if params[row].structured is not None and self.grammars is not None:
+                    self.grammars.compile(params[row].structured)    # a bad constraint fails here
                 out.append(Request(p, params[row], int(m), int(mins[row]), bool(ignores[row]),
                                    tuple(stop), logprobs))
             except (ValueError, TypeError) as e:

@@ -37,6 +37,7 @@ from jaxinfer.cache.paged_ring import init_ring_cache
 from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
+from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
@@ -62,12 +63,14 @@ def logprob_bucket(n: Optional[int]) -> int:
 
 
 def row_inputs(requests: Sequence[Request], vocab_size: int, history: int,
-               generated: Optional[Sequence[Sequence[int]]] = None) -> engine_step.RowInputs:
+               generated: Optional[Sequence[Sequence[int]]] = None,
+               grammar: Optional[Sequence[int]] = None) -> engine_step.RowInputs:
     """`step.admit`'s per-row inputs for requests (one row each): budgets,
     min_tokens, ignore_eos, the prompt's token set and ids (in a history of
     `history` positions, >= each prompt + max_new_tokens), PRNG keys,
     sampling arrays. `generated`: per request, the tokens it generated before
-    it was preempted (its row resumes after them; default none)."""
+    it was preempted (its row resumes after them; default none). `grammar`:
+    per request, its structured-output state (default -1, none)."""
     generated = generated or [()] * len(requests)
     seen = np.zeros((len(requests), vocab_size), bool)
     counts = np.zeros((len(requests), vocab_size), np.int32)
@@ -86,7 +89,8 @@ def row_inputs(requests: Sequence[Request], vocab_size: int, history: int,
         history=jnp.asarray(ids), history_len=jnp.array(lengths, jnp.int32),
         keys=sampling.row_keys([r.sampling.seed for r in requests]),
         sampling=sampling.stack_params([r.sampling for r in requests]),
-        num_generated=jnp.array([len(d) for d in generated], jnp.int32), counts=jnp.asarray(counts))
+        num_generated=jnp.array([len(d) for d in generated], jnp.int32), counts=jnp.asarray(counts),
+        grammar=jnp.array(grammar if grammar is not None else [-1] * len(requests), jnp.int32))
 
 
 def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> StopTokens:
@@ -161,6 +165,8 @@ class ModelRunner:
         slot (`cache.paged_ring`; the draft model's too, when it has
         sliding layers): their memory no longer grows with max_seq_len;
         prefix caching and page transfers are refused.
+      grammars: the `GrammarCompiler` of requests with structured output
+        (None: such requests are refused).
     Raises:
       ValueError: a size below 1; sliding_window_ring on a model without
         sliding-window layers.
@@ -172,7 +178,7 @@ class ModelRunner:
                  kv_cache_dtype: Optional[str] = None, speculative: Optional[SpecConfig] = None,
                  programs: Optional[ProgramCache] = None,
                  backend: Optional[AttentionBackend] = None, token_budget: int = 512,
-                 sliding_window_ring: bool = False):
+                 sliding_window_ring: bool = False, grammars: Optional[GrammarCompiler] = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_seq_len", max_seq_len),
                             ("page_size", page_size), ("num_pages", num_pages),
                             ("token_budget", token_budget)):
@@ -185,6 +191,7 @@ class ModelRunner:
         self.programs = programs or ProgramCache()
         self.backend = backend or choose_backend(cache_dtype)
         self.stop = stop_tokens(stop_token_ids, eos_token_ids)
+        self.grammars, self.grammar_pool = grammars, GrammarPool()
         self.speculative = speculative
         self.spec = self._spec(speculative)
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
@@ -244,13 +251,36 @@ class ModelRunner:
         a = self.admit_rows
         pad = [admissions[0].request] * (a - len(admissions))
         inputs = row_inputs([x.request for x in admissions] + pad, self.config.vocab_size,
-                            self.max_seq_len, [x.generated for x in admissions] + [()] * len(pad))
+                            self.max_seq_len, [x.generated for x in admissions] + [()] * len(pad),
+                            self._grammar_states(admissions) + [-1] * len(pad))
         slots = np.full(a, self.max_num_seqs, np.int32)
         slots[:len(admissions)] = [x.slot for x in admissions]
         lengths = np.zeros(a, np.int32)
         lengths[:len(admissions)] = [x.cached for x in admissions]
         self.cache, self.rows = self.programs(engine_step.admit, self.cache, self.rows,
                                               jnp.asarray(slots), inputs, jnp.asarray(lengths))
+
+    def check_structured(self, request: Request) -> None:
+        """Compile a request's structured output (cached). Raises ValueError:
+        an invalid constraint, or a runner without a `GrammarCompiler`."""
+        if request.sampling.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs a model with a tokenizer")
+            self.grammars.compile(request.sampling.structured)
+
+    def _grammar_states(self, admissions: Sequence[Admission]) -> list[int]:
+        """Each admitted row's global grammar state (-1: none), after the
+        tokens it generated before a preemption; the device tables follow."""
+        states = []
+        for x in admissions:
+            if x.request.sampling.structured is None:
+                states.append(-1)
+                continue
+            self.check_structured(x.request)
+            grammar = self.grammars.compile(x.request.sampling.structured)
+            states.append(self.grammar_pool.add(grammar) + grammar.walk(x.generated))
+        self.stop = self.stop.replace(grammar=self.grammar_pool.tables())
+        return states
 
     def step_shape(self, num_tokens: int) -> tuple[int, int]:
         """(T, R): the token bucket of a step of `num_tokens` tokens and its segments.

@@ -145,8 +145,10 @@ class Scheduler:
     def check(self, request: Request) -> None:
         """Raise ValueError when the request can never run here: an empty
         prompt, prompt + max_new_tokens beyond max_seq_len, or more pages
-        than the whole pool."""
+        than the whole pool, or a structured output that does not compile."""
         n, limit = len(request.prompt_ids), self.runner.max_seq_len
+        if request.sampling.structured is not None:
+            self.runner.check_structured(request)
         if n == 0:
             raise ValueError("empty prompt: a request needs at least one token")
         total = n + request.max_new_tokens

@@ -1,0 +1,253 @@
+"""Structured output on the host: a `StructuredOutput` compiled with
+outlines-core against the tokenizer's vocabulary into table form.
+
+    GrammarCompiler(tokenizer, vocab_size).compile(spec) -> Grammar   (cached per spec)
+    GrammarPool.add(grammar) -> offset; GrammarPool.tables() -> structured.GrammarTables
+
+The automaton is outlines-core's `Index`: a DFA whose edges are token ids
+(Willard & Louf 2023, arXiv:2307.09702). A JSON schema and "any JSON object"
+become a regular expression first (`outlines_core.json_schema`, nesting
+bounded by the library), a choice list becomes an alternation of escaped
+literals. Nothing here parses regexes or schemas. A `Grammar` is the Index
+renumbered densely (state 0 .. S-1) and laid out for the device: the packed
+allowed-token bitmask [S, ceil(V/32)] uint32 and, per state, its outgoing
+edges sorted by token id (CSR: starts [S + 1], tokens [E], next [E]). EOS
+ids are allowed only in final states (an edge to the same state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Iterable, Optional
+
+import numpy as np
+import outlines_core
+from outlines_core.json_schema import build_regex_from_schema
+
+from jaxinfer.config.sampling import StructuredOutput
+from jaxinfer.sampling.structured import GrammarTables, pad_tables
+
+# Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def escape_literal(text: str) -> str:
+    """A regex (outlines-core's Rust syntax) matching exactly `text`."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def constraint_regex(spec: StructuredOutput) -> str:
+    """The regular expression outlines-core compiles for `spec`.
+
+    Raises:
+      ValueError: a schema the library rejects (naming its message).
+    """
+    if spec.regex is not None:
+        return spec.regex
+    if spec.choice is not None:
+        return "(" + "|".join(escape_literal(c) for c in spec.choice) + ")"
+    schema = _ANY_OBJECT if spec.json_object else spec.json_schema
+    try:
+        return build_regex_from_schema(schema)
+    except Exception as e:  # the library raises its own error types
+        raise ValueError(f"json_schema: {e}") from None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable char -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """The bytes each ordinary token id stands for in decoded text: byte-level
+    BPE (GPT-2 alphabet), SentencePiece (U+2581 is a space, `<0xNN>` a byte)
+    or plain pieces. Special tokens are left out."""
+    backend = tokenizer.hf_tokenizer.backend_tokenizer
+    decoder = backend.decoder.__getstate__() if backend.decoder is not None else b""
+    byte_level = b"ByteLevel" in decoder
+    table = _byte_decoder() if byte_level else {}
+    out = {}
+    for piece, i in backend.get_vocab(with_added_tokens=True).items():
+        if i in tokenizer.special_token_ids:
+            continue
+        if byte_level:
+            if all(c in table for c in piece):
+                out[i] = bytes(table[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out[i] = bytes([int(piece[3:5], 16)])
+        else:
+            out[i] = piece.replace("\u2581", " ").encode("utf-8")
+    return out
+
+
+def build_vocabulary(pieces: dict[int, bytes], eos_id: int) -> "outlines_core.Vocabulary":
+    """An outlines-core Vocabulary of id -> bytes (`eos_id` and empty pieces left out)."""
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in pieces.items():
+        if i != eos_id and b:
+            by_bytes.setdefault(b, []).append(int(i))
+    return outlines_core.Vocabulary(int(eos_id), by_bytes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Grammar:
+    """One compiled constraint, states numbered 0 .. S-1 (host numpy arrays).
+
+    Attributes:
+      initial: the start state.
+      final: bool [S], accepting states (where EOS is allowed).
+      mask: uint32 [S, ceil(V/32)], bit t % 32 of word t // 32 set when
+        token t is allowed in the state.
+      starts: int32 [S + 1]; state s's edges are tokens[starts[s]:starts[s+1]]
+        (sorted ascending) -> next[...].
+      tokens, next: int32 [E].
+      source: the regex it was compiled from.
+    """
+
+    initial: int
+    final: np.ndarray
+    mask: np.ndarray
+    starts: np.ndarray
+    tokens: np.ndarray
+    next: np.ndarray
+    source: str = ""
+
+    @property
+    def num_states(self) -> int:
+        return int(self.final.shape[0])
+
+    def step(self, state: int, token: int) -> Optional[int]:
+        """The state after `token`, or None when the token is not allowed."""
+        lo, hi = int(self.starts[state]), int(self.starts[state + 1])
+        j = lo + int(np.searchsorted(self.tokens[lo:hi], token))
+        return int(self.next[j]) if j < hi and self.tokens[j] == token else None
+
+    def walk(self, tokens: Iterable[int]) -> int:
+        """The state after `tokens` from the start (a row resumed after
+        preemption). Raises ValueError on a token the grammar does not allow."""
+        state = self.initial
+        for t in tokens:
+            nxt = self.step(state, int(t))
+            if nxt is None:
+                raise ValueError(f"token {t} is not allowed in state {state}")
+            state = nxt
+        return state
+
+
+def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), source: str = "") -> Grammar:
+    """Lay out an outlines-core `Index` as a `Grammar` over `vocab_size` ids;
+    every id in `eos_ids` is allowed (and keeps the state) in final states,
+    like the Index's own EOS id."""
+    transitions = index.get_transitions()
+    finals = set(index.get_final_states())
+    names = sorted(set(transitions) | finals | {n for e in transitions.values() for n in e.values()})
+    dense = {s: i for i, s in enumerate(names)}
+    rows, toks, nxts = [], [], []
+    for s in names:
+        edges = dict(transitions.get(s, {}))
+        if s in finals:
+            edges.update({int(e): s for e in eos_ids})
+        for t, n in edges.items():
+            if 0 <= t < vocab_size:
+                rows.append(dense[s])
+                toks.append(t)
+                nxts.append(dense[n])
+    rows, toks, nxts = (np.array(x, np.int64) for x in (rows, toks, nxts))
+    order = np.lexsort((toks, rows))
+    rows, toks, nxts = rows[order], toks[order], nxts[order]
+    num = len(names)
+    starts = np.searchsorted(rows, np.arange(num + 1)).astype(np.int32)
+    mask = np.zeros((num, -(-vocab_size // 32)), np.uint32)
+    np.bitwise_or.at(mask, (rows, toks >> 5), (np.uint32(1) << (toks & 31).astype(np.uint32)))
+    final = np.array([s in finals for s in names], bool)
+    return Grammar(dense[index.get_initial_state()], final, mask, starts, toks.astype(np.int32),
+                   nxts.astype(np.int32), source)
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutput`s for one tokenizer, caching each by spec.
+
+    Args:
+      tokenizer: a `jaxinfer.tokenizer.Tokenizer` (compiling needs an EOS id).
+      vocab_size: the model's V (its logits' width; >= the tokenizer's).
+    Raises (compile):
+      ValueError: an invalid regex or schema, or one the library rejects,
+        naming the problem.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self.eos_ids = tuple(sorted(tokenizer.eos_token_ids))
+        self._vocabulary = None
+        self._lock = threading.Lock()
+        self.compile = functools.lru_cache(cache_size)(self._compile)
+
+    def vocabulary(self):
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = build_vocabulary(token_bytes(self.tokenizer), self.eos_ids[0])
+            return self._vocabulary
+
+    def _compile(self, spec: StructuredOutput) -> Grammar:
+        if not self.eos_ids:
+            raise ValueError("structured output needs a tokenizer with an EOS id")
+        regex = constraint_regex(spec)
+        try:
+            index = outlines_core.Index(regex, self.vocabulary())
+        except Exception as e:  # the library's own error types
+            raise ValueError(f"structured output: {e}") from None
+        return grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
+
+
+class GrammarPool:
+    """The grammars a runner's rows use, concatenated into one set of device
+    tables (state ids are global: a grammar's local state + its offset).
+    Grammars are kept once added (the same object again reuses its offset);
+    `tables()` pads S and E to powers of two, so the compiled step changes
+    shape only when the pool outgrows a size."""
+
+    def __init__(self):
+        self.grammars: list[Grammar] = []
+        self._offsets: dict[int, int] = {}
+        self._tables: Optional[GrammarTables] = None
+
+    @property
+    def num_states(self) -> int:
+        return sum(g.num_states for g in self.grammars)
+
+    def add(self, grammar: Grammar) -> int:
+        """The global id of `grammar`'s state 0 (adding it when new)."""
+        key = id(grammar)
+        if key not in self._offsets:
+            self._offsets[key] = self.num_states
+            self.grammars.append(grammar)
+            self._tables = None
+        return self._offsets[key]
+
+    def tables(self) -> Optional[GrammarTables]:
+        """The device tables of every grammar added (None before the first)."""
+        if self._tables is None and self.grammars:
+            offsets, edges = [], 0
+            for g in self.grammars:
+                offsets.append(edges)
+                edges += len(g.tokens)
+            starts = np.concatenate([g.starts[:-1] + o for g, o in zip(self.grammars, offsets)]
+                                    + [[edges]])
+            nxt = np.concatenate([g.next + self._offsets[id(g)] for g in self.grammars])
+            self._tables = pad_tables(np.concatenate([g.mask for g in self.grammars]),
+                                      starts, np.concatenate([g.tokens for g in self.grammars]), nxt)
+        return self._tables
+
+
+__all__ = ["Grammar", "GrammarCompiler", "GrammarPool", "build_vocabulary", "constraint_regex",
+           "escape_literal", "grammar_from_index", "token_bytes"]

@@ -1,0 +1,150 @@
+"""Structured output's tables (`sampling.grammar`) against outlines-core's own
+Index, state by state, and the device side (`sampling.structured`) against
+the host tables: masks, the binary-search transitions, EOS only in final
+states, unconstrained rows untouched."""
+
+import json
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import outlines_core
+import pytest
+
+from jaxinfer.config import SamplingParams, StructuredOutput
+from jaxinfer.config.generation import GenerationConfig
+from jaxinfer.sampling import grammar as G
+from jaxinfer.sampling import structured as D
+from structured_cases import CONFIG, VOCAB, ascii_tokenizer
+
+V = 40
+EOS = 3
+# A hand-made vocabulary: single characters, multi-byte pieces, a split UTF-8 character.
+HAND = {0: b"a", 1: b"b", 2: b"ab", 4: b"{", 5: b"}", 6: b"1", 7: b"12", 8: b"\xe2\x82",
+        9: b"\xac", 10: b'"', 11: b":", 12: b" ", 13: b"x", 14: b"yes", 15: b"no", 16: b"y", 17: b"e", 18: b"s", 19: b"n", 20: b"o"}
+REGEXES = ["(ab|a)b?", "a+b*", "(€|a)+", "[0-9]{1,3}", "(yes|no|x y)", '\\{"a":(12|1)\\}']
+
+
+def _bits(row: np.ndarray, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if row[t >> 5] >> np.uint32(t & 31) & 1}
+
+
+def _check_against_index(index, grammar: G.Grammar, vocab: int, eos_ids=(EOS,)):
+    transitions = index.get_transitions()
+    names = sorted(set(transitions) | set(index.get_final_states()))
+    dense = {s: i for i, s in enumerate(names)}
+    assert grammar.num_states == len(names)
+    assert grammar.initial == dense[index.get_initial_state()]
+    for s in names:
+        i = dense[s]
+        assert _bits(grammar.mask[i], vocab) == set(index.get_allowed_tokens(s)) | (
+            set(eos_ids) if index.is_final_state(s) else set()), s
+        assert bool(grammar.final[i]) == index.is_final_state(s)
+        edges = {int(t): dense[n] for t, n in transitions.get(s, {}).items()}
+        if index.is_final_state(s):
+            edges.update({e: i for e in eos_ids})
+        lo, hi = grammar.starts[i], grammar.starts[i + 1]
+        assert list(grammar.tokens[lo:hi]) == sorted(edges)
+        assert {int(t): int(n) for t, n in zip(grammar.tokens[lo:hi], grammar.next[lo:hi])} == edges
+        for t, n in edges.items():
+            assert grammar.step(i, t) == n
+
+
+@pytest.mark.parametrize("regex", REGEXES)
+def test_tables_equal_the_library_index_state_by_state(regex):
+    index = outlines_core.Index(regex, G.build_vocabulary(HAND, EOS))
+    _check_against_index(index, G.grammar_from_index(index, V, [EOS]), V)
+
+
+def test_json_schema_tables_equal_the_index_on_an_ascii_vocabulary():
+    tok = ascii_tokenizer()
+    compiler = G.GrammarCompiler(tok, CONFIG.vocab_size)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    spec = StructuredOutput(json_schema=schema)
+    grammar = compiler.compile(spec)
+    assert compiler.compile(StructuredOutput(json_schema=json.dumps(schema))) is grammar   # cached
+    index = outlines_core.Index(G.constraint_regex(spec), compiler.vocabulary())
+    _check_against_index(index, grammar, CONFIG.vocab_size, (VOCAB["<|endoftext|>"],))
+
+
+def test_token_bytes_of_the_character_tokenizer():
+    pieces = G.token_bytes(ascii_tokenizer())
+    assert pieces[VOCAB["a"]] == b"a" and pieces[VOCAB['{"']] == b'{"'
+    assert VOCAB["<|endoftext|>"] not in pieces       # special tokens are left out
+
+
+def test_eos_only_in_final_states():
+    grammar = G.grammar_from_index(outlines_core.Index("a+b", G.build_vocabulary(HAND, EOS)), V,
+                                   [EOS, 30])
+    for s in range(grammar.num_states):
+        allowed = _bits(grammar.mask[s], V)
+        assert ({EOS, 30} <= allowed) == bool(grammar.final[s])
+        assert not ({EOS, 30} & allowed) or grammar.final[s]
+
+
+@pytest.mark.parametrize("choice", [("a.b", "a+b"), ("(x)", "[y]", "{1}|$^"), ("yes", "no")])
+def test_choice_literals_are_escaped(choice):
+    regex = G.constraint_regex(StructuredOutput(choice=choice))
+    assert all(re.fullmatch(regex, c) for c in choice)
+    assert not re.fullmatch(regex, "ab") and not re.fullmatch(regex, choice[0] + choice[1])
+
+
+def test_device_lookup_and_mask_equal_the_host_tables_across_a_pool():
+    vocab = G.build_vocabulary(HAND, EOS)
+    grammars = [G.grammar_from_index(outlines_core.Index(r, vocab), V, [EOS]) for r in REGEXES]
+    pool = G.GrammarPool()
+    offsets = [pool.add(g) for g in grammars]
+    assert pool.add(grammars[0]) == offsets[0] == 0
+    tables = pool.tables()
+    states, tokens, want_next, want_mask = [], [], [], []
+    for g, off in zip(grammars, offsets):
+        for s in range(g.num_states):
+            for t in range(V):
+                states.append(off + s)
+                tokens.append(t)
+                nxt = g.step(s, t)
+                want_next.append(off + s if nxt is None else off + nxt)
+            want_mask.append(_bits(g.mask[s], V))
+    got = np.asarray(D.lookup(tables, jnp.array(states), jnp.array(tokens)))
+    np.testing.assert_array_equal(got, want_next)
+    flat = [off + s for g, off in zip(grammars, offsets) for s in range(g.num_states)]
+    mask = np.asarray(D.allowed(tables, jnp.array(flat), V))
+    assert [set(np.flatnonzero(m)) for m in mask] == want_mask
+
+
+def test_mask_logits_leaves_unconstrained_rows_and_advance_skips_them():
+    g = G.grammar_from_index(outlines_core.Index("ab", G.build_vocabulary(HAND, EOS)), V, [EOS])
+    pool = G.GrammarPool()
+    pool.add(g)
+    tables = pool.tables()
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, V)), jnp.float32)
+    state = jnp.array([g.initial, D.UNCONSTRAINED])
+    out = np.asarray(D.mask_logits(logits, state, tables))
+    np.testing.assert_array_equal(out[1], np.asarray(logits[1]))
+    assert set(np.flatnonzero(np.isfinite(out[0]))) == _bits(g.mask[g.initial], V)
+    assert D.mask_logits(logits, None, tables) is logits
+    moved = D.advance(state, jnp.array([0, 0]), jnp.array([True, True]), tables)
+    assert list(np.asarray(moved)) == [g.step(g.initial, 0), D.UNCONSTRAINED]
+    np.testing.assert_array_equal(np.asarray(D.mask_logits(logits, jnp.array([-1, -1]), tables)),
+                                  np.asarray(logits))
+
+
+def test_bad_constraints_are_value_errors_naming_the_problem():
+    compiler = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size)
+    with pytest.raises(ValueError, match="structured output"):
+        compiler.compile(StructuredOutput(regex="(unclosed"))
+    with pytest.raises(ValueError, match="json_schema"):
+        compiler.compile(StructuredOutput(json_schema={"type": "no-such-type"}))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutput(regex="a", choice=("b",))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutput(json_schema="{")
+    with pytest.raises(TypeError, match="structured"):
+        SamplingParams(structured="json")
+    assert SamplingParams(structured={"regex": "a+"}).structured == StructuredOutput(regex="a+")
+
+
+def test_the_config_key_builds_a_structured_output():
+    cfg = GenerationConfig.load(None, ('structured={choice: [red, blue]}',))
+    assert cfg.sampling.structured == StructuredOutput(choice=("red", "blue"))
