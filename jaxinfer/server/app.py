@@ -72,6 +72,27 @@ class ServerSettings:
     poll_s: float = 0.5
 
 
+def _constraint_param(body) -> str:
+    """The request field that carries its output constraint."""
+    return next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                            "tool_choice") if getattr(body, n, None) is not None)
+
+
+def _tool_calls(response: dict, body) -> dict:
+    """A chat response whose text is a forced tool's arguments, as OpenAI's
+    `tool_calls` (finish_reason "tool_calls" once the arguments are complete)."""
+    tool = body.forced_tool() if isinstance(body, ChatCompletionRequest) else None
+    if tool is None:
+        return response
+    for i, c in enumerate(response["choices"]):
+        call = {"id": f"call_{response['id'][-12:]}{i}", "type": "function",
+                "function": {"name": tool["name"], "arguments": c["message"]["content"]}}
+        c["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        if c["finish_reason"] == "stop":
+            c["finish_reason"] = "tool_calls"
+    return response
+
+
 def _json_error(status: int, message: str, type: str = "invalid_request_error",
                 param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
@@ -264,6 +285,9 @@ class OpenAIServer:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest):
         self._check_common(body)
+        if body.stream and body.forced_tool() is not None:
+            raise APIError(400, "streamed tool calls are not supported", param="stream")
+        await self._compile_structured(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [m.as_template_input() for m in body.messages]
@@ -277,6 +301,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: HTTPRequest):
         self._check_common(body)
+        await self._compile_structured(body)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -301,6 +326,17 @@ class OpenAIServer:
         if self.llm.tokenizer is None:
             raise APIError(400, "this server's model has no tokenizer")
 
+    async def _compile_structured(self, body) -> None:
+        """Compile the request's output constraint (cached; off the event
+        loop), so that a bad one is a 400 before any work starts."""
+        spec = body.structured_output()
+        if spec is not None:
+            try:
+                await asyncio.to_thread(self.llm.grammars.compile, spec)
+            except ValueError as e:
+                param = _constraint_param(body)
+                raise APIError(400, f"{param}: {e}", param=param) from None
+
     def _check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.settings.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
@@ -316,6 +352,8 @@ class OpenAIServer:
         """One engine Request per choice: n per prompt, choice j with seed + j."""
         limit, max_len = body.new_token_limit(), self.llm.max_seq_len
         overrides = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
+        if body.structured_output() is not None:
+            overrides["structured"] = body.structured_output()
         base_seed = body.seed if body.seed is not None else self.settings.defaults.seed
         out = []
         for ids in prompts:
@@ -372,7 +410,7 @@ class OpenAIServer:
             self._close(group, choices)
         if any(c.finish_reason == "abort" for c in choices):
             return Response(status_code=499)      # the client went away: nobody reads this
-        return fmt.response(choices, lengths)
+        return _tool_calls(fmt.response(choices, lengths), body)
 
     def _record(self, choice: Choice, event) -> None:
         choice.add(event, time.perf_counter())

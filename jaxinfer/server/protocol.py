@@ -11,6 +11,13 @@ API defines but jaxinfer does not implement are rejected when set
 
 An omitted (or null) sampling field takes the server's default, the
 value in its YAML config (`jaxinfer serve --config`).
+
+Structured output (docs/structured.md): `response_format` ({"type":
+"json_object"} or {"type": "json_schema", "json_schema": {"schema": ...,
+"strict": ...}}) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
+become a `StructuredOutput` (`structured_output`); so does a chat request's
+forced tool call (`tools` + `tool_choice` naming a function, or "required"
+with one tool: its `parameters` schema). At most one may be given.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxinfer.config import StructuredOutput
 from jaxinfer.serving.request import MAX_LOGPROBS
 from jaxinfer.sampling import MAX_SEED
 
@@ -86,7 +94,7 @@ class ChatMessage(_Strict):
 # to anything but these "off" values.
 UNSUPPORTED = {"logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"),
-               "response_format": (None, {"type": "text"}), "echo": (None, False),
+               "echo": (None, False),
                "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,)}
 
 
@@ -110,13 +118,16 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: Optional[str] = None
+    response_format: Optional[dict] = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
     # Unsupported (see UNSUPPORTED): typed loosely so that the check below names them.
     logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -128,6 +139,44 @@ class _Sampling(_Strict):
             if getattr(self, name) not in off:
                 return name
         return None
+
+    def structured_output(self) -> Optional[StructuredOutput]:
+        """The request's output constraint, or None.
+
+        Raises:
+          APIError: 400 naming the field, for an unknown response_format
+            type, a json_schema without a schema, or several constraints.
+        """
+        given = {}
+        tool = self.forced_tool() if hasattr(self, "forced_tool") else None
+        if tool is not None:
+            given["tool_choice"] = StructuredOutput(
+                json_schema=tool.get("parameters") or {"type": "object"})
+        fmt = self.response_format
+        kind = (fmt or {}).get("type", "text")
+        if kind == "json_object":
+            given["response_format"] = StructuredOutput(json_object=True)
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON schema "
+                               "object", param="response_format")
+            given["response_format"] = StructuredOutput(json_schema=schema)
+        elif kind != "text":
+            raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, "
+                           "json_schema", param="response_format")
+        for name, key in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice")):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    given[name] = StructuredOutput(**{key: value})
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, f"{name}: {e}", param=name) from None
+        if len(given) > 1:
+            raise APIError(400, f"give one output constraint, got {sorted(given)}",
+                           param=sorted(given)[1])
+        return next(iter(given.values()), None)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -161,6 +210,46 @@ class ChatCompletionRequest(_Sampling):
 
     def new_token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported_field(self) -> Optional[str]:
+        """As `_Sampling`'s, but `tools` and `tool_choice` are served (`forced_tool`)."""
+        for name, off in UNSUPPORTED.items():
+            if name not in ("tools", "tool_choice") and getattr(self, name) not in off:
+                return name
+        return None
+
+    def forced_tool(self) -> Optional[dict]:
+        """The function the reply must call, or None: the `tools` entry that
+        tool_choice names, or the only tool under "required" (its
+        `parameters` schema constrains the arguments).
+
+        Raises:
+          APIError: 400 for "auto" (this server does not parse free text for
+            tool calls), "required" with several tools, an unknown name, or
+            a malformed tools list.
+        """
+        tools, choice = self.tools or [], self.tool_choice
+        if not tools or choice == "none":
+            return None
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise APIError(400, "tools must be a list of {type: function, function: {name, "
+                           "parameters}}", param="tools")
+        functions = {t["function"]["name"]: t["function"] for t in tools}
+        if choice is None or choice == "auto":
+            raise APIError(400, 'tool_choice "auto" is not supported: give "required" or name a '
+                           "function", param="tool_choice")
+        if choice == "required":
+            if len(functions) != 1:
+                raise APIError(400, 'tool_choice "required" needs exactly one tool here; name one '
+                               "instead", param="tool_choice")
+            return next(iter(functions.values()))
+        name = ((choice or {}).get("function") or {}).get("name") if isinstance(choice, dict) else None
+        if name not in functions:
+            raise APIError(400, f"tool_choice names no function in tools: {choice!r}",
+                           param="tool_choice")
+        return functions[name]
 
 
 class TokenizeRequest(_Strict):

@@ -1,0 +1,111 @@
+"""Structured output through the OpenAI server, with the official `openai`
+client: `response_format` json_schema, vLLM's guided_regex / guided_choice,
+a streamed constrained response, and 400s for bad constraints. The model is
+the tiny random Llama with a character tokenizer (tests/structured_cases.py)."""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from jaxinfer.config import StructuredOutput  # noqa: E402
+from jaxinfer.serving.llm import LLM  # noqa: E402
+from jaxinfer.server import ServerThread, build_server  # noqa: E402
+from jaxinfer.server.protocol import APIError, ChatCompletionRequest  # noqa: E402
+from structured_cases import CONFIG, ascii_tokenizer, params  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "ok"]}
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def client():
+    llm = LLM(CONFIG, params(), ascii_tokenizer(), max_seq_len=128, decode_chunk=4, max_num_seqs=4,
+              min_kv_bucket=16)
+    llm.tokenizer.hf_tokenizer.chat_template = TEMPLATE
+    server = build_server(llm, model_name="tiny", max_num_seqs=4, max_waiting_requests=16)
+    with ServerThread(server.app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_response_format_json_schema(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_guided_regex_and_choice_sampled(client):
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=20, n=3, temperature=1.3,
+                                  seed=5, extra_body={"guided_regex": "(cat|dog)-[0-9]{2}"})
+    assert all(re.fullmatch("(cat|dog)-[0-9]{2}", c.text) for c in r.choices), r.choices
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=20,
+                                  extra_body={"guided_choice": ["red", "green", "dark red"]})
+    assert r.choices[0].text in ("red", "green", "dark red") and r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_constrained_response(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60, stream=True,
+        extra_body={"guided_json": SCHEMA})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_bad_constraints_are_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError, match="guided_regex") as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"guided_regex": "(unclosed"})
+    assert e.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError, match="one output constraint"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_schema", "json_schema": {}})
+
+
+def test_response_format_kinds_map_to_structured_output():
+    def spec(**kw):
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                     **kw).structured_output()
+
+    assert spec(response_format={"type": "text"}) is None and spec() is None
+    assert spec(response_format={"type": "json_object"}) == StructuredOutput(json_object=True)
+    assert spec(guided_json=json.dumps(SCHEMA)) == StructuredOutput(json_schema=SCHEMA)
+    with pytest.raises(APIError, match="yaml"):
+        spec(response_format={"type": "yaml"})
+
+
+TOOL = {"type": "function", "function": {"name": "set_colour", "parameters": {
+    "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["colour"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "set_colour"}}])
+def test_forced_tool_call_is_returned_as_tool_calls(client, tool_choice):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=60, tools=[TOOL], tool_choice=tool_choice)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "set_colour"
+    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+
+
+def test_tool_choice_auto_and_unknown_names_are_400(client):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="auto"):
+        client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL])
+    with pytest.raises(openai.BadRequestError, match="names no function"):
+        client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "x"}})
