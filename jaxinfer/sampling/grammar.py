@@ -32,6 +32,8 @@ from jaxinfer.sampling.structured import GrammarTables, pad_tables
 # Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 _ANY_OBJECT = '{"type": "object"}'
+# Device tables one grammar may take (SmolLM2's vocabulary: 6 KiB of mask per state).
+MAX_TABLE_BYTES = 256 << 20
 
 
 def escape_literal(text: str) -> str:
@@ -126,6 +128,11 @@ class Grammar:
     def num_states(self) -> int:
         return int(self.final.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its device tables (mask, starts, edges)."""
+        return self.mask.nbytes + self.starts.nbytes + self.tokens.nbytes + self.next.nbytes
+
     def step(self, state: int, token: int) -> Optional[int]:
         """The state after `token`, or None when the token is not allowed."""
         lo, hi = int(self.starts[state]), int(self.starts[state + 1])
@@ -180,13 +187,16 @@ class GrammarCompiler:
     Args:
       tokenizer: a `jaxinfer.tokenizer.Tokenizer` (compiling needs an EOS id).
       vocab_size: the model's V (its logits' width; >= the tokenizer's).
+      max_table_bytes: the most device memory one grammar's tables may take.
     Raises (compile):
       ValueError: an invalid regex or schema, or one the library rejects,
-        naming the problem.
+        naming the problem; tables over max_table_bytes, with the figure.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64,
+                 max_table_bytes: int = MAX_TABLE_BYTES):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self.max_table_bytes = int(max_table_bytes)
         self.eos_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._vocabulary = None
         self._lock = threading.Lock()
@@ -206,7 +216,12 @@ class GrammarCompiler:
             index = outlines_core.Index(regex, self.vocabulary())
         except Exception as e:  # the library's own error types
             raise ValueError(f"structured output: {e}") from None
-        return grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
+        grammar = grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
+        if grammar.nbytes > self.max_table_bytes:
+            raise ValueError(f"structured output: its automaton needs {grammar.nbytes / 2**20:.1f} "
+                             f"MiB of device tables ({grammar.num_states} states), over the limit "
+                             f"of {self.max_table_bytes / 2**20:.0f} MiB; simplify the constraint")
+        return grammar
 
 
 class GrammarPool:
@@ -249,5 +264,5 @@ class GrammarPool:
         return self._tables
 
 
-__all__ = ["Grammar", "GrammarCompiler", "GrammarPool", "build_vocabulary", "constraint_regex",
+__all__ = ["MAX_TABLE_BYTES", "Grammar", "GrammarCompiler", "GrammarPool", "build_vocabulary", "constraint_regex",
            "escape_literal", "grammar_from_index", "token_bytes"]

@@ -145,6 +145,13 @@ def test_bad_constraints_are_value_errors_naming_the_problem():
     assert SamplingParams(structured={"regex": "a+"}).structured == StructuredOutput(regex="a+")
 
 
+def test_tables_over_the_memory_limit_are_refused_with_the_figure():
+    compiler = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size, max_table_bytes=1024)
+    with pytest.raises(ValueError, match=r"MiB of device tables \(\d+ states\), over the limit"):
+        compiler.compile(StructuredOutput(regex="[a-z]{20}"))
+    assert compiler.compile(StructuredOutput(choice=("a",))).nbytes <= 1024
+
+
 def test_the_config_key_builds_a_structured_output():
     cfg = GenerationConfig.load(None, ('structured={choice: [red, blue]}',))
     assert cfg.sampling.structured == StructuredOutput(choice=("red", "blue"))
