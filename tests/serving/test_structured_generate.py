@@ -126,3 +126,26 @@ def test_bad_constraint_fails_before_any_work(llm):
     with pytest.raises(ValueError, match="row 1: structured output"):
         llm.generate(["a", "b"], [SamplingParams(), SamplingParams(
             structured=StructuredOutput(regex="(unclosed"))])
+
+
+def test_preempted_constrained_rows_resume_in_their_state():
+    """A pool too small for every row at once: rows are preempted and
+    recomputed, resuming in the automaton state after their generated tokens
+    (`Grammar.walk`); outputs equal a run with a pool for all."""
+    from jaxinfer.serving.request import Request
+    from serving_runs import ids, run
+
+    spec = StructuredOutput(regex="[a-z]{3}(-[0-9]{4}){5}")
+    requests = [Request(ids(n, 90, 40 + n), SamplingParams(structured=spec, temperature=1.0,
+                                                           seed=n), max_new_tokens=40)
+                for n in (9, 14, 6, 11)]
+    big = _llm(page_size=4)
+    small = _llm(page_size=4, num_pages=14)
+    small.programs = big.programs
+    want = run(big.scheduler(4), requests, arrive=[0, 0, 1, 2])
+    sched = small.scheduler(4)
+    got = run(sched, requests, arrive=[0, 0, 1, 2])
+    assert sched.num_preempted > 0
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for tokens, _ in got:
+        assert tokens[-1] == 0 and _valid(spec, small.tokenizer.decode(tokens[:-1]))
