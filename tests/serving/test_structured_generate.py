@@ -149,3 +149,20 @@ def test_preempted_constrained_rows_resume_in_their_state():
     assert [t for t, _ in got] == [t for t, _ in want]
     for tokens, _ in got:
         assert tokens[-1] == 0 and _valid(spec, small.tokenizer.decode(tokens[:-1]))
+
+
+def test_draft_model_speculation_keeps_outputs_in_the_language(llm):
+    """The draft model proposes from its own masked distribution (its rows
+    carry the grammar state too); verification keeps the output in the language."""
+    from jaxinfer.speculative import DraftModel
+    from jaxinfer.weights.prepare import prepare_params
+
+    draft = DraftModel(CONFIG, prepare_params(params(seed=1), CONFIG), "random")
+    spec_llm = _llm(speculative=SpecConfig("draft", 3, draft=draft))
+    params_ = [SamplingParams(structured=SPECS[1])] + [
+        SamplingParams(structured=SPECS[1], temperature=1.2, seed=s) for s in range(3)]
+    outs = spec_llm.generate(PROMPTS, params_, max_new_tokens=40)
+    assert all(o.finish_reason == "stop" and _valid(SPECS[1], o.text) for o in outs), outs
+    [plain] = llm.generate(PROMPTS[:1], params_[:1], max_new_tokens=40)
+    assert outs[0].token_ids == plain.token_ids
+    assert spec_llm.last_stats.drafted > 0
