@@ -26,7 +26,8 @@ class Request:
       sampling: per-request `SamplingParams` (seed None draws one on the host).
       max_new_tokens: generated tokens at most, >= 1.
       min_tokens: stop tokens and stop strings are ignored until this many
-        tokens were generated (stop-token logits are masked, as in vLLM), >= 0.
+        tokens were generated (stop-token logits are masked, as in vLLM), >= 0;
+        0 with structured output.
       ignore_eos: the tokenizer's EOS ids do not end the request (other stop
         token ids still do); for fixed-length runs and benchmarks.
       stop: stop strings; the matched text is excluded from the output.
@@ -64,6 +65,9 @@ class Request:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
+        if self.min_tokens and self.sampling.structured is not None:
+            raise ValueError("min_tokens cannot be combined with structured output (the "
+                             "constraint decides where the output ends)")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or

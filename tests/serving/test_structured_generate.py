@@ -91,6 +91,14 @@ def test_a_budget_ending_inside_the_structure_finishes_with_length(llm):
     assert not grammar.final[grammar.walk(o.token_ids)]     # a prefix of the language
 
 
+def test_min_tokens_with_a_constraint_is_refused(llm):
+    """The constraint decides where the output ends (its accepting state may
+    allow only EOS), so min_tokens > 0 is refused before any work."""
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        llm.generate(["q"], SamplingParams(structured=StructuredOutput(choice=("ab",))),
+                     max_new_tokens=8, min_tokens=6)
+
+
 def test_choice_distribution_is_the_renormalised_model_distribution(llm):
     """Over single-token choices the sampled frequencies follow the model's
     probabilities of those tokens, renormalised (chi-square, 600 draws)."""
