@@ -65,11 +65,12 @@ def build_engine_server(llm, engine, *, model_name: str, defaults: SamplingParam
 
 def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tuple[float, int]:
     """Compile what serving needs before it answers (`ModelRunner.warmup` in
-    the background mode: the largest token bucket and admission now, the
-    other buckets on a thread while requests are served), then run one short
-    request through `scheduler` so the first request does not pay the
-    programs' first-execution costs. Programs for log-probs still compile on
-    first use.
+    the background mode: admission and the largest and smallest token
+    buckets now), run one short request through `scheduler` (in the smallest
+    bucket) so the first request does not pay the first-execution costs,
+    then compile the other buckets on a thread while requests are served
+    (`ModelRunner.compile_behind`; it starts after the request, so it does
+    not slow it). Programs for log-probs still compile on first use.
 
     Returns (seconds, programs compiled).
     Raises:
@@ -84,6 +85,7 @@ def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tu
         scheduler.step()
     else:
         raise RuntimeError(f"warm-up did not finish within {max_steps} scheduler steps")
+    scheduler.runner.compile_behind(log)
     return time.perf_counter() - t0, compiled
 
 

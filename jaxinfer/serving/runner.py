@@ -48,6 +48,9 @@ from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 # read once either way).
 MIN_TOKEN_BUCKET = 4
 
+# Allocates the KV page pools (`ModelRunner.cache`).
+_ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-kv-pool")
+
 # Rows one admission program writes (more admissions take several calls).
 ADMIT_ROWS = 8
 
@@ -191,10 +194,11 @@ class ModelRunner:
         self.width = 1 + (self.spec.k if self.spec else 0)
         self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
         self.sliding_window_ring = bool(sliding_window_ring)
-        self.cache = self._init_cache(config, cache_dtype, kv_cache_dtype)
-        if self.draft_params is not None:
-            self.cache = self.cache.replace(draft=self._init_cache(self.spec.config, cache_dtype,
-                                                                   kv_cache_dtype, draft=True))
+        # The pool is zero-filled on a thread (about a second of CPU per GiB, outside
+        # the GIL), so it overlaps the warm-up's compiles: they need its shapes only.
+        build = lambda: self._init_caches(cache_dtype, kv_cache_dtype)
+        self._cache_shape = jax.eval_shape(build)
+        self._cache_future = _ALLOCATOR.submit(build)
         self.rows = engine_step.new_rows(row_inputs(
             [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
             self.max_seq_len))
@@ -203,7 +207,26 @@ class ModelRunner:
         # or, once `warmup` ran, those compiled so far (a larger bucket pads).
         self.ready_buckets: list[int] = []
         self._background: Optional[threading.Thread] = None
+        self._behind: list = []
         self._stop_compiling = threading.Event()
+
+    @property
+    def cache(self):
+        """The KV cache pytree (`cache.paged.PagedKVCache`); the first read
+        waits for the pool's allocation."""
+        if self._cache_future is not None:
+            self._cache, self._cache_future = self._cache_future.result(), None
+        return self._cache
+
+    @cache.setter
+    def cache(self, value) -> None:
+        self._cache, self._cache_future = value, None
+
+    def _init_caches(self, dtype, kv_cache_dtype):
+        cache = self._init_cache(self.config, dtype, kv_cache_dtype)
+        if self.draft_params is not None:
+            cache = cache.replace(draft=self._init_cache(self.spec.config, dtype, kv_cache_dtype, True))
+        return cache
 
     def _init_cache(self, config: ModelConfig, dtype, kv_cache_dtype, draft: bool = False):
         """An empty paged cache for `config` (the target or the draft): rings
@@ -355,7 +378,7 @@ class ModelRunner:
         log-prob counts and decode loops (`decode_plan`)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         abstract = lambda tree: jax.tree_util.tree_map(shape, tree)
-        cache, rows = abstract(self.cache), abstract(self.rows)
+        cache, rows = self._cache_shape, abstract(self.rows)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         plan = []
         for t in reversed(self.token_buckets):
@@ -381,7 +404,7 @@ class ModelRunner:
         one = jax.ShapeDtypeStruct((rows,), jnp.int32)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         return (engine_step.decode_loop,
-                (self.params, abstract(self.cache), abstract(self.rows), one, tables, one, self.stop,
+                (self.params, self._cache_shape, abstract(self.rows), one, tables, one, self.stop,
                  self.draft_params),
                 dict(config=self.config, backend=self.backend, num_steps=num_steps,
                      num_logprobs=num_logprobs, spec=self.spec))
@@ -397,26 +420,32 @@ class ModelRunner:
         """Compile `compile_plan` ahead of time (nothing runs); from then on
         steps use compiled token buckets only (`ready_buckets`).
 
-        With background=False everything compiles now, on one thread per
-        CPU core. With background=True only the largest token bucket (every
-        step fits it, padded) and admission compile now; the other buckets
-        compile on a daemon thread, smallest first, each used as soon as it
-        is ready. `log` gets one line per compile and one at the end.
+        With background=False everything compiles now. With background=True
+        admission and the largest and smallest token buckets compile now
+        (every step fits the largest, padded; the smallest keeps a step of a
+        few tokens cheap), and `compile_behind` compiles the others. Programs
+        compile on one thread per CPU core. `log` gets one line per compile.
         Returns the programs compiled before returning.
         """
         before = self.programs.num_compiles
         plan = self.compile_plan(num_logprobs)
         steps = [item for item in plan if item[0] is engine_step.step]
-        first = [item for item in plan if item not in steps] + steps[:len(num_logprobs)]
-        rest = steps[len(num_logprobs):][::-1]
+        n = len(num_logprobs)
+        ends = steps[:n] + steps[n:][-n:]          # largest, smallest (plan order: largest first)
+        first = [item for item in plan if item not in steps] + ends
+        self._behind = [item for item in steps if item not in ends][::-1] if background else []
         self._compile(first if background else plan, log, threads=0)
-        if background and rest:
-            self._stop_compiling = threading.Event()
-            self._background = threading.Thread(target=self._compile_behind, args=(rest, log),
+        return self.programs.num_compiles - before
+
+    def compile_behind(self, log=lambda msg: None) -> None:
+        """Compile the token buckets a background `warmup` left, smallest
+        first, on a daemon thread; each is used as soon as it is ready."""
+        if self._behind and self._background is None:
+            self._background = threading.Thread(target=self._compile_behind,
+                                                args=(self._behind, log),
                                                 name="jaxinfer-compile", daemon=True)
             self._background.start()
             atexit.register(self.stop_compiling)
-        return self.programs.num_compiles - before
 
     def _compile(self, plan, log, threads: int) -> None:
         """Compile plan items on `threads` threads (0: one per core); a step's
