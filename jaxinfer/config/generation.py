@@ -66,6 +66,11 @@ class GenerationConfig:
       prefill_chunk_size: prompt tokens per serving step while requests
         decode (the bound on a running stream's gap between two tokens);
         null: the whole token budget (see jaxinfer/serving/scheduler.py).
+      long_prefill_chunk_size: in `jaxinfer serve`, tokens per step of a
+        prompt longer than the token budget while requests decode (such a
+        prompt takes several steps anyway; small pieces keep the running
+        streams' gaps near one decode step's, at some cost to its own
+        TTFT); null: as any prompt (prefill_chunk_size).
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget and largest compiled token bucket).
       sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed
@@ -113,6 +118,7 @@ class GenerationConfig:
     kv_cache_memory: Optional[int] = None
     prefix_caching: Optional[bool] = None
     prefill_chunk_size: Optional[int] = 512
+    long_prefill_chunk_size: Optional[int] = 64
     max_num_batched_tokens: int = 512
     sliding_window_ring: bool = False
     speculative: Optional[str] = None
@@ -148,8 +154,9 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be >= 1 or null, got {value}")
         if self.num_pages is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1 or null, got {self.prefill_chunk_size}")
+        for name in ("prefill_chunk_size", "long_prefill_chunk_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 or null, got {self.max_waiting_requests}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -180,7 +187,8 @@ class GenerationConfig:
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be bool or null, got {self.prefix_caching!r}")
-        for name in ("prefill_chunk_size", "max_waiting_requests", "num_pages"):
+        for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
+                     "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be int or null, got {value!r}")

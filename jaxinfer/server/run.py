@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import uvicorn
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.config import GenerationConfig, SamplingParams
 from jaxinfer.server.app import OpenAIServer, ServerSettings
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.serving.request import Request
@@ -30,12 +30,14 @@ from jaxinfer.serving.thread import EngineThread
 def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_requests: Optional[int],
                  defaults: SamplingParams = SamplingParams(), api_key: Optional[str] = None,
                  max_request_bytes: int = 1 << 20, warmup: bool = False,
+                 long_prefill_chunk_size: Optional[int] = GenerationConfig.long_prefill_chunk_size,
                  log: Callable[[str], None] = lambda msg: None):
     """An `OpenAIServer` over a new scheduler of `max_num_seqs` slots of `llm`
     (the engine thread starts with the app). The scheduler decodes one step
     per dispatch (decode_chunk 1), so every token is streamed as soon as it
-    is computed and a new request joins the very next step. With warmup,
-    `warm_up` runs first.
+    is computed and a new request joins the very next step; a prompt longer
+    than the token budget takes long_prefill_chunk_size tokens per step while
+    others decode (`serving.scheduler`). With warmup, `warm_up` runs first.
 
     Raises:
       ValueError: max_num_seqs or max_request_bytes < 1.
@@ -43,7 +45,8 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     if max_num_seqs < 1 or max_request_bytes < 1:
         raise ValueError(f"max_num_seqs and max_request_bytes must be >= 1, got {max_num_seqs} "
                          f"and {max_request_bytes}")
-    scheduler = llm.scheduler(max_num_seqs, decode_chunk=1)
+    scheduler = llm.scheduler(max_num_seqs, decode_chunk=1,
+                              long_prefill_chunk_size=long_prefill_chunk_size)
     if warmup:
         seconds, n = warm_up(llm, scheduler, log=log)
         log(f"ready after {seconds:.1f} s: {n} programs compiled now, the other token buckets "

@@ -15,7 +15,11 @@ Each request tracks how many of its tokens have K/V in its slot's pages
 One compiled ragged forward (`engine.step`) runs all of it. The budget is
 `prefill_chunk_size` prompt tokens while rows decode (it bounds the gap
 between two tokens of a running stream) and the runner's whole token budget
-when none do.
+when none do. A prompt longer than the token budget, which takes several
+steps whatever is done, takes at most `long_prefill_chunk_size` tokens per
+step while rows decode, so it does not stall the running streams for
+several steps in a row (Sarathi-Serve's stall-free batching; vLLM's
+long_prefill_token_threshold caps every prompt's chunk instead).
 
 The step is dispatched before the previous step's tokens are read: decoding
 rows take their tokens and positions from the device, so the host runs one
@@ -73,6 +77,7 @@ class _Seq:
     computed: int = 0
     order: int = 0
     inflight: int = 0          # tokens the dispatched, unread steps can still add
+    long_prompt: bool = False  # more tokens to prefill at admission than the token budget
 
     @property
     def prefilling(self) -> bool:
@@ -90,6 +95,8 @@ class Scheduler:
       stop_token_ids / eos_token_ids: host copies of the runner's stop rule.
       prefill_chunk_size: prompt tokens per step while rows decode (None:
         the runner's whole budget).
+      long_prefill_chunk_size: tokens per step of a prompt longer than the
+        runner's token budget while rows decode (None: no such cap).
       decode_chunk: decoding steps per dispatch in steady state.
       policy: "continuous" or "static" (see the module docstring).
       max_waiting_requests: bound of the waiting queue (None: unbounded).
@@ -106,20 +113,23 @@ class Scheduler:
 
     def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
                  stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
-                 decode_chunk: int = 16, policy: str = "continuous",
+                 long_prefill_chunk_size: Optional[int] = None, decode_chunk: int = 16, policy: str = "continuous",
                  max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
                  compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if (prefill_chunk_size is not None and prefill_chunk_size < 1) or decode_chunk < 1:
-            raise ValueError(f"prefill_chunk_size and decode_chunk must be >= 1, got "
-                             f"{prefill_chunk_size}, {decode_chunk}")
+        sizes = (prefill_chunk_size, long_prefill_chunk_size, decode_chunk)
+        if any(n is not None and n < 1 for n in sizes):
+            raise ValueError(f"prefill_chunk_size, long_prefill_chunk_size and decode_chunk must "
+                             f"be >= 1, got {prefill_chunk_size}, {long_prefill_chunk_size}, "
+                             f"{decode_chunk}")
         if prefix_caching:
             runner.check_page_ids("prefix caching")
         self.runner = runner
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
+        self.long_prefill_chunk_size = long_prefill_chunk_size
         self.decode_chunk, self.policy = decode_chunk, policy
         self.compile_loops = compile_loops
         self.max_waiting_requests = max_waiting_requests
@@ -256,7 +266,8 @@ class Scheduler:
             seq.inflight += width
             segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
             owners.append((seq.state.request_id, True, seq.order))
-        self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits)
+        self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits,
+                           bool(decoding))
         if not segments:
             return None
         self.runner.admit(admits)
@@ -349,13 +360,21 @@ class Scheduler:
         self.waiting.appendleft(seq.state.request_id)
         self.num_preempted += 1
 
-    def _fill_prompts(self, budget: int, segments, owners, admits) -> None:
-        """Prompt chunks of running prefills, then of new admissions, within `budget` tokens."""
+    def _fill_prompts(self, budget: int, segments, owners, admits, decoding: bool) -> None:
+        """Prompt chunks of running prefills, then of new admissions, within
+        `budget` tokens (a long prompt's within long_prefill_chunk_size while
+        rows are `decoding`)."""
+        def chunk(seq: _Seq) -> int:
+            cap = budget
+            if decoding and self.long_prefill_chunk_size and seq.long_prompt:
+                cap = min(cap, self.long_prefill_chunk_size)
+            return self._chunk(seq, cap, segments, owners)
+
         for seq in self._running():
             if budget <= 0:
                 return
             if seq.prefilling and not seq.state.finished:
-                budget -= self._chunk(seq, budget, segments, owners)
+                budget -= chunk(seq)
         if self.policy == "static" and self.num_running:
             return
         while budget > 0 and self.waiting and None in self.slots:
@@ -364,7 +383,7 @@ class Scheduler:
             if admission is None:
                 return
             admits.append(admission)
-            budget -= self._chunk(seq, budget, segments, owners)
+            budget -= chunk(seq)
 
     def _admit(self, seq: _Seq, budget: int) -> Optional[Admission]:
         """Give the first waiting request a slot, its prefix-cache hit and the
@@ -386,6 +405,7 @@ class Scheduler:
         ids are its prompt, then the tokens it generated before. Its prefill
         goes on from `computed`. Returns the runner's `Admission`."""
         seq.ids, seq.slot, seq.computed, seq.inflight = ids, slot, computed, 0
+        seq.long_prompt = len(ids) - computed > self.runner.token_budget
         seq.order = next(self._admitted)
         self.slots[slot] = seq.state.request_id
         return Admission(slot, seq.state.request, ids[len(seq.state.request.prompt_ids):], computed)
