@@ -217,7 +217,7 @@ class LLM:
                   prefix_caching=cfg.prefix_caching,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                   sliding_window_ring=cfg.sliding_window_ring)
-        llm.programs.progress = progress
+        llm.programs.progress, llm.programs.max_programs = progress, cfg.max_programs
         return llm
 
     # --- prompts -----------------------------------------------------------------------
