@@ -387,7 +387,7 @@ class LLM:
         kept = self._scheduler
         if kept is None or kept.runner.max_num_seqs != max_num_seqs or kept.has_unfinished():
             self._scheduler = None      # the old pools go before the new ones are allocated
-            self._scheduler = self.scheduler(max_num_seqs, compile_loops=True)
+            self._scheduler = self.scheduler(max_num_seqs, compile_loops=True, isolate_faults=False)
         return self._scheduler
 
     def _run(self, requests: Sequence[Request], stream: bool = False

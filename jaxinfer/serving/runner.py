@@ -191,19 +191,26 @@ class ModelRunner:
         self.width = 1 + (self.spec.k if self.spec else 0)
         self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
         self.sliding_window_ring = bool(sliding_window_ring)
-        self.cache = self._init_cache(config, cache_dtype, kv_cache_dtype)
-        if self.draft_params is not None:
-            self.cache = self.cache.replace(draft=self._init_cache(self.spec.config, cache_dtype,
-                                                                   kv_cache_dtype, draft=True))
-        self.rows = engine_step.new_rows(row_inputs(
-            [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
-            self.max_seq_len))
+        self._dtypes = (cache_dtype, kv_cache_dtype)
+        self.reset()
         self.decode_steps = 0     # decoding steps dispatched
         # Token buckets a step may use: all of them (compiled on first use),
         # or, once `warmup` ran, those compiled so far (a larger bucket pads).
         self.ready_buckets: list[int] = []
         self._background: Optional[threading.Thread] = None
         self._stop_compiling = threading.Event()
+
+    def reset(self) -> None:
+        """Empty device state: a zeroed KV cache (the draft's too) and idle
+        rows, as at construction; what the slots held is gone (after a
+        failed step: `serving.faults.fail_step`)."""
+        self.cache = self._init_cache(self.config, *self._dtypes)
+        if self.draft_params is not None:
+            self.cache = self.cache.replace(draft=self._init_cache(self.spec.config, *self._dtypes,
+                                                                   draft=True))
+        self.rows = engine_step.new_rows(row_inputs(
+            [Request((0,), max_new_tokens=1)] * self.max_num_seqs, self.config.vocab_size,
+            self.max_seq_len))
 
     def _init_cache(self, config: ModelConfig, dtype, kv_cache_dtype, draft: bool = False):
         """An empty paged cache for `config` (the target or the draft): rings

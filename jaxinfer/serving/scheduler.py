@@ -38,6 +38,12 @@ running rows their next pages, the newest running request is preempted
 later recomputed from its prompt and the tokens it generated, continuing
 where it stopped. A request that cannot fit the whole pool is refused up front.
 
+Faults (`serving.faults`): an exception while processing one request's
+tokens fails that request (a `FailedOutput` event, its slot and pages
+freed); one in the shared part of a step fails the requests holding slots
+and resets the device state. Either way `step` returns and the engine
+serves on (isolate_faults=False: the exception propagates instead).
+
 `policy="static"` admits new requests only when no request is running: the
 behaviour of a fixed batch, kept as the benchmark's baseline.
 """
@@ -51,6 +57,7 @@ import time
 from typing import Callable, Optional
 
 from jaxinfer.sampling.rows import NO_TOKEN
+from jaxinfer.serving import faults
 from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import Request, RequestOutput, RequestState
 from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
@@ -98,6 +105,9 @@ class Scheduler:
         it (offline generation); False: loops run only once compiled, so no
         request ever waits for a compile (serving).
       clock: the time source of request timings (seconds).
+      isolate_faults: a fault ends the requests it touches with a
+        `FailedOutput` and `step` goes on (`serving.faults`); False: it
+        propagates (offline generation: the caller sees the exception).
     Raises:
       ValueError: an unknown policy or a size below 1; prefix_caching on a
         runner whose cache keeps pages apart from the host's page ids
@@ -108,7 +118,8 @@ class Scheduler:
                  stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
                  decode_chunk: int = 16, policy: str = "continuous",
                  max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
-                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 isolate_faults: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if (prefill_chunk_size is not None and prefill_chunk_size < 1) or decode_chunk < 1:
@@ -123,7 +134,7 @@ class Scheduler:
         self.decode_chunk, self.policy = decode_chunk, policy
         self.compile_loops = compile_loops
         self.max_waiting_requests = max_waiting_requests
-        self.clock = clock
+        self.clock, self.isolate_faults = clock, isolate_faults
         self.pages = KVPageManager(runner.num_pages, runner.page_size, runner.max_num_seqs,
                                    runner.pages_per_seq, prefix_caching)
         self._ids = itertools.count()
@@ -133,6 +144,7 @@ class Scheduler:
         self.slots: list[Optional[int]] = [None] * runner.max_num_seqs
         self._pending: list = []          # (Dispatched, owners) not read yet
         self._aborted: list[int] = []
+        self._failed: list[RequestOutput] = []    # FailedOutputs for the next step's events
         self.num_preempted = 0
         self.streaming: set[int] = set()  # requests that want each token as it comes
 
@@ -212,7 +224,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Work is left: waiting, running, or unprocessed outputs."""
-        return bool(self.waiting or self._pending or self._aborted
+        return bool(self.waiting or self._pending or self._aborted or self._failed
                     or any(r is not None for r in self.slots))
 
     @property
@@ -231,14 +243,23 @@ class Scheduler:
     # --- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration (see the module docstring); returns the events it produced."""
+        """One iteration (see the module docstring); returns the events it
+        produced, `FailedOutput`s of the requests a fault ended included."""
         events = self._take_aborted()
         pending, self._pending = self._pending, []
-        dispatched = self._dispatch()
-        for item in pending:
-            events += self._process(*item)
+        try:
+            dispatched = self._dispatch()
+            for item in pending:
+                events += self._process(*item)
+        except Exception as e:  # noqa: BLE001 - a shared step failed: its rows fail, the engine goes on
+            if not self.isolate_faults:
+                raise
+            faults.fail_step(self, e)
+            dispatched = None
         if dispatched is not None:
             self._pending.append(dispatched)
+        events += self._failed
+        self._failed = []
         return events
 
     def _dispatch(self):
@@ -428,22 +449,31 @@ class Scheduler:
             seq = self.seqs.get(rid)
             if seq is None or not samples or seq.slot is None or seq.order != admission:
                 continue            # aborted, or preempted: its outputs are recomputed
-            state = seq.state
             seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
-            if out.drafted is not None:
-                state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
-                                         int((out.drafted[:, row] > 0).sum()))
-            for step in range(out.token.shape[0]):
-                for i in range(out.token.shape[2]):
-                    token = int(out.token[step, row, i])
-                    if token == NO_TOKEN or state.finished:
-                        continue
-                    lp = None if out.logprob is None else (
-                        out.logprob[step, row, i], out.top_ids[step, row, i],
-                        out.top_logprobs[step, row, i])
-                    state.add(token, lp)
-            events += self._emit(seq)
+            try:
+                events += self._take_tokens(seq, out, row)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if not self.isolate_faults:
+                    raise
+                faults.fail_request(self, rid, f"processing its tokens: {faults.describe(e)}")
         return events
+
+    def _take_tokens(self, seq: _Seq, out, row: int) -> list[RequestOutput]:
+        """Feed row `row` of a fetched output to its request; its events."""
+        state = seq.state
+        if out.drafted is not None:
+            state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
+                                     int((out.drafted[:, row] > 0).sum()))
+        for step in range(out.token.shape[0]):
+            for i in range(out.token.shape[2]):
+                token = int(out.token[step, row, i])
+                if token == NO_TOKEN or state.finished:
+                    continue
+                lp = None if out.logprob is None else (
+                    out.logprob[step, row, i], out.top_ids[step, row, i],
+                    out.top_logprobs[step, row, i])
+                state.add(token, lp)
+        return self._emit(seq)
 
     def _emit(self, seq: _Seq) -> list[RequestOutput]:
         state = seq.state
