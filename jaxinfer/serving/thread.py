@@ -111,7 +111,9 @@ class EngineThread:
         return self
 
     def submit(self, request: Request, on_event: Optional[Callable] = None) -> RequestHandle:
-        """Queue a request for the engine thread.
+        """Queue a request for the engine thread. Its events go to the handle
+        (or `on_event`); a request the scheduler then fails to add, or fails
+        while running, ends with a `serving.faults.FailedOutput`.
 
         Raises:
           ValueError: the request cannot fit max_seq_len (checked now).
@@ -185,13 +187,15 @@ class EngineThread:
                 with self._lock:
                     self._queued -= 1
                     try:
-                        rid = self.scheduler.add_request(handle.request)
+                        rid, error = self.scheduler.add_request(handle.request), None
                     except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                        now = self.scheduler.clock()
-                        handle._deliver(failed_output(-1, len(handle.request.prompt_ids), 0,
-                                                      Timings(now, finished=now),
-                                                      f"adding the request: {describe(e)}"))
-                        continue
+                        rid, error = None, e
+                if error is not None:
+                    now = self.scheduler.clock()
+                    handle._deliver(failed_output(-1, len(handle.request.prompt_ids), 0,
+                                                  Timings(now, finished=now),
+                                                  f"adding the request: {describe(error)}"))
+                    continue
                 self._by_sched[rid] = handle
                 self._sched_id[handle.request_id] = rid
             elif kind == "abort":
