@@ -12,6 +12,10 @@ import yaml
 
 from jaxinfer.config.sampling import SamplingParams
 
+# Compiled programs a process keeps alive at most (`serving.programs.ProgramCache`):
+# XLA:CPU maps each one's code, and vm.max_map_count (65,530) bounds the maps.
+DEFAULT_MAX_PROGRAMS = 512
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
@@ -92,6 +96,10 @@ class GenerationConfig:
       warmup: `jaxinfer serve` only: before serving, compile ahead of time
         the step of every token bucket (ModelRunner.warmup), so that no
         request waits for a compile.
+      max_programs: compiled programs kept alive at most (null: unbounded);
+        past it the least recently used is dropped and compiled again when
+        next needed (see jaxinfer/serving/programs.py). XLA:CPU maps each
+        program's code, and a process past vm.max_map_count crashes.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 
@@ -129,6 +137,7 @@ class GenerationConfig:
     draft_weights: str = "float32"
     max_waiting_requests: Optional[int] = 256
     warmup: bool = True
+    max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
@@ -154,11 +163,10 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be >= 1 or null, got {value}")
         if self.num_pages is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
-        for name in ("prefill_chunk_size", "long_prefill_chunk_size"):
+        for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
+                     "max_programs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1 or null, got {self.max_waiting_requests}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
@@ -188,7 +196,7 @@ class GenerationConfig:
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be bool or null, got {self.prefix_caching!r}")
         for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
-                     "num_pages"):
+                     "num_pages", "max_programs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be int or null, got {value!r}")

@@ -17,7 +17,11 @@ Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}:
 max_tokens beyond max_seq_len, token ids outside the vocabulary, an
 unsupported feature), 401 missing or wrong API key on a /v1/ route, 404
 unknown model or route, 413 body over `max_request_bytes`, 503 waiting
-queue full or engine stopped, 500 engine failure.
+queue full or engine stopped, 500 engine failure. A request the engine
+failed (`serving.faults.FailedOutput`: a fault in its prefill worker, its
+KV transfer, its admission, a step it ran in, or processing its tokens)
+answers 500 with code "request_failed" (streamed: an error event, then
+`data: [DONE]`); the other requests and the server go on.
 """
 
 from __future__ import annotations
@@ -363,9 +367,9 @@ class OpenAIServer:
         try:
             async for index, event in group.events(self.settings.poll_s, request.is_disconnected):
                 self._record(choices[index], event)
-                if event.finish_reason == "error":      # disaggregated: its prefill worker failed
-                    raise APIError(503, f"the request failed: {event.error}", type="server_error",
-                                   code="worker_failed")
+                if event.finish_reason == "error":      # a FailedOutput (serving.faults)
+                    raise APIError(500, f"the request failed: {event.error}", type="server_error",
+                                   code="request_failed")
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from None
         finally:
@@ -400,9 +404,9 @@ class OpenAIServer:
             async for index, event in group.events():
                 choice = choices[index]
                 self._record(choice, event)
-                if event.finish_reason == "error":      # disaggregated: its prefill worker failed
+                if event.finish_reason == "error":      # a FailedOutput (serving.faults)
                     yield _sse(error_body(f"the request failed: {event.error}", "server_error",
-                                          code="worker_failed"))
+                                          code="request_failed"))
                     break
                 if event.text or (fmt.top is not None and event.logprobs):
                     yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,

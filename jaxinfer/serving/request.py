@@ -17,6 +17,10 @@ from jaxinfer.tokenizer.stop import StopMatcher
 MAX_LOGPROBS = 20
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds `max_waiting_requests` requests."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One generation request.

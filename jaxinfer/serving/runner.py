@@ -18,12 +18,9 @@ warm-up and dispatch share.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import dataclasses
-import os
 import threading
-import time
 from typing import Optional, Sequence
 
 import jax
@@ -41,6 +38,7 @@ from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.warmup import WarmUp
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
 # The smallest token bucket: a decoding batch of up to this many rows runs
@@ -143,7 +141,7 @@ class Dispatched:
     steps: int
 
 
-class ModelRunner:
+class ModelRunner(WarmUp):
     """Runs one model's step over a paged KV cache for the scheduler.
 
     Args:
@@ -194,14 +192,11 @@ class ModelRunner:
         self.width = 1 + (self.spec.k if self.spec else 0)
         self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
         self.sliding_window_ring = bool(sliding_window_ring)
+        self._dtypes = (cache_dtype, kv_cache_dtype)
         # The pool is zero-filled on a thread (about a second of CPU per GiB, outside
         # the GIL), so it overlaps the warm-up's compiles: they need its shapes only.
-        build = lambda: self._init_caches(cache_dtype, kv_cache_dtype)
-        self._cache_shape = jax.eval_shape(build)
-        self._cache_future = _ALLOCATOR.submit(build)
-        self.rows = engine_step.new_rows(row_inputs(
-            [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
-            self.max_seq_len))
+        self._cache_shape = jax.eval_shape(self._init_caches)
+        self.reset()
         self.decode_steps = 0     # decoding steps dispatched
         # Token buckets a step may use: all of them (compiled on first use),
         # or, once `warmup` ran, those compiled so far (a larger bucket pads).
@@ -213,7 +208,7 @@ class ModelRunner:
     @property
     def cache(self):
         """The KV cache pytree (`cache.paged.PagedKVCache`); the first read
-        waits for the pool's allocation."""
+        after `reset` waits for the pool's allocation."""
         if self._cache_future is not None:
             self._cache, self._cache_future = self._cache_future.result(), None
         return self._cache
@@ -222,7 +217,18 @@ class ModelRunner:
     def cache(self, value) -> None:
         self._cache, self._cache_future = value, None
 
-    def _init_caches(self, dtype, kv_cache_dtype):
+    def reset(self) -> None:
+        """Empty device state: a zeroed KV cache (the draft's too; allocated
+        on a thread, see `cache`) and idle rows, as at construction; what the
+        slots held is gone (after a failed step: `serving.faults.fail_step`)."""
+        self.cache = None
+        self._cache_future = _ALLOCATOR.submit(self._init_caches)
+        self.rows = engine_step.new_rows(row_inputs(
+            [Request((0,), max_new_tokens=1)] * self.max_num_seqs, self.config.vocab_size,
+            self.max_seq_len))
+
+    def _init_caches(self):
+        dtype, kv_cache_dtype = self._dtypes
         cache = self._init_cache(self.config, dtype, kv_cache_dtype)
         if self.draft_params is not None:
             cache = cache.replace(draft=self._init_cache(self.spec.config, dtype, kv_cache_dtype, True))
@@ -414,81 +420,6 @@ class ModelRunner:
         a loop only once it is: compiling one never delays a request)."""
         fn, args, static = self.decode_plan(rows, num_steps, num_logprobs)
         return self.programs.has(fn, *args, **static)
-
-    def warmup(self, num_logprobs: Sequence[int] = (-1,), background: bool = False,
-               log=lambda msg: None) -> int:
-        """Compile `compile_plan` ahead of time (nothing runs); from then on
-        steps use compiled token buckets only (`ready_buckets`).
-
-        With background=False everything compiles now. With background=True
-        admission and the largest and smallest token buckets compile now
-        (every step fits the largest, padded; the smallest keeps a step of a
-        few tokens cheap), and `compile_behind` compiles the others. Programs
-        compile on one thread per CPU core. `log` gets one line per compile.
-        Returns the programs compiled before returning.
-        """
-        before = self.programs.num_compiles
-        plan = self.compile_plan(num_logprobs)
-        steps = [item for item in plan if item[0] is engine_step.step]
-        n = len(num_logprobs)
-        ends = steps[:n] + steps[n:][-n:]          # largest, smallest (plan order: largest first)
-        first = [item for item in plan if item not in steps] + ends
-        self._behind = [item for item in steps if item not in ends][::-1] if background else []
-        self._compile(first if background else plan, log, threads=0)
-        return self.programs.num_compiles - before
-
-    def compile_behind(self, log=lambda msg: None) -> None:
-        """Compile the token buckets a background `warmup` left, smallest
-        first, on a daemon thread; each is used as soon as it is ready."""
-        if self._behind and self._background is None:
-            self._background = threading.Thread(target=self._compile_behind,
-                                                args=(self._behind, log),
-                                                name="jaxinfer-compile", daemon=True)
-            self._background.start()
-            atexit.register(self.stop_compiling)
-
-    def _compile(self, plan, log, threads: int) -> None:
-        """Compile plan items on `threads` threads (0: one per core); a step's
-        token bucket becomes ready as soon as its programs are."""
-        def one(item):
-            fn, args, static = item
-            t0 = time.perf_counter()
-            self.programs.compiled(fn, *args, **static)
-            if fn is engine_step.step:
-                t = args[3].tokens.shape[0]
-                self.ready_buckets = sorted(set(self.ready_buckets) | {t})
-                log(f"compiled the step for {t} tokens in {time.perf_counter() - t0:.1f} s")
-            else:
-                log(f"compiled {fn.__name__} in {time.perf_counter() - t0:.1f} s")
-
-        if threads == 1:
-            for item in plan:
-                if self._stop_compiling.is_set():
-                    return
-                one(item)
-            return
-        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            for done in [pool.submit(one, item) for item in plan]:
-                done.result()
-
-    def _compile_behind(self, plan, log) -> None:
-        with self.programs.background():
-            self._compile(plan, log, threads=1)
-        log("every token bucket compiled")
-
-    def stop_compiling(self) -> None:
-        """Stop a background warm-up after the compile under way (at exit: a
-        thread killed inside XLA's compiler aborts the process)."""
-        self._stop_compiling.set()
-        if self._background is not None:
-            self._background.join()
-
-    def wait_compiled(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait for a background warm-up; True once it is done (or none ran)."""
-        if self._background is not None:
-            self._background.join(timeout_s)
-            return not self._background.is_alive()
-        return True
 
 
 __all__ = ["Admission", "Dispatched", "LOGPROB_BUCKETS", "ModelRunner", "NO_TOKEN", "Segment",

@@ -12,35 +12,34 @@ Each request tracks how many of its tokens have K/V in its slot's pages
   2. prompts being prefilled, oldest first, then waiting requests (first
      come, first served) while a slot is free, take the rest of the budget
      in chunks; a request's last chunk samples its first token in the same step.
-One compiled ragged forward (`engine.step`) runs all of it. The budget is
-`prefill_chunk_size` prompt tokens while rows decode (it bounds the gap
-between two tokens of a running stream) and the runner's whole token budget
-when none do. A prompt longer than the token budget, which takes several
-steps whatever is done, takes at most `long_prefill_chunk_size` tokens per
-step while rows decode, so it does not stall the running streams for
-several steps in a row (Sarathi-Serve's stall-free batching; vLLM's
-long_prefill_token_threshold caps every prompt's chunk instead).
+One compiled ragged forward (`engine.step`) runs all of it. While rows
+decode, prompts take at most `prefill_chunk_size` tokens per step (it bounds
+a running stream's gap between tokens), and a prompt longer than the token
+budget at most `long_prefill_chunk_size` (it takes several steps anyway;
+Sarathi-Serve's stall-free batching); with nothing decoding, the whole budget.
 
-The step is dispatched before the previous step's tokens are read: decoding
-rows take their tokens and positions from the device, so the host runs one
-step behind the device, detokenizing and matching stop strings while the
-device computes. A row the device finished (stop token, max_new_tokens)
-does nothing in the step already dispatched; its slot and pages are freed
-when its last token is processed.
+The step is dispatched before the previous step's tokens are read (decoding
+rows take their tokens from the device), so the host detokenizes and matches
+stop strings while the device computes; a row finished on the device idles
+in the step already dispatched, and is freed when its last token is read.
 
 When nothing waits and no request streams, running rows decode
-`decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`), once that
-program is compiled (compiling one never delays a request): k = 1 while
-requests arrive or a stream wants each token as it comes, k = decode_chunk
-in steady state.
+`decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`) once that
+program is compiled: k = 1 while requests arrive or a stream wants each
+token as it comes, k = decode_chunk in steady state.
 
 Pages (`serving.pages.KVPageManager`, owned here): a request gets its
-prefix-cache hit and the pages of each chunk as it is scheduled; a decoding
-row gets the pages of its next positions. When the pool cannot give the
-running rows their next pages, the newest running request is preempted
-(pages freed, full pages of known tokens kept in the prefix cache) and
-later recomputed from its prompt and the tokens it generated, continuing
-where it stopped. A request that cannot fit the whole pool is refused up front.
+prefix-cache hit and the pages of each chunk as it is scheduled, a decoding
+row the pages of its next positions. When the pool runs dry the newest
+running request is preempted (its full pages of known tokens stay in the
+prefix cache) and later recomputed, continuing where it stopped. A request
+that cannot fit the whole pool is refused up front.
+
+Faults (`serving.faults`): an exception while processing one request's
+tokens fails that request (a `FailedOutput` event, its slot and pages
+freed); one in the shared part of a step fails the requests holding slots
+and resets the device state. Either way `step` returns and the engine
+serves on (isolate_faults=False: the exception propagates instead).
 
 `policy="static"` admits new requests only when no request is running: the
 behaviour of a fixed batch, kept as the benchmark's baseline.
@@ -55,15 +54,12 @@ import time
 from typing import Callable, Optional
 
 from jaxinfer.sampling.rows import NO_TOKEN
+from jaxinfer.serving import faults
 from jaxinfer.serving.pages import KVPageManager
-from jaxinfer.serving.request import Request, RequestOutput, RequestState
+from jaxinfer.serving.request import QueueFullError, Request, RequestOutput, RequestState
 from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
 
 POLICIES = ("continuous", "static")
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue already holds `max_waiting_requests` requests."""
 
 
 @dataclasses.dataclass
@@ -105,6 +101,9 @@ class Scheduler:
         it (offline generation); False: loops run only once compiled, so no
         request ever waits for a compile (serving).
       clock: the time source of request timings (seconds).
+      isolate_faults: a fault ends the requests it touches with a
+        `FailedOutput` and `step` goes on (`serving.faults`); False: it
+        propagates (offline generation: the caller sees the exception).
     Raises:
       ValueError: an unknown policy or a size below 1; prefix_caching on a
         runner whose cache keeps pages apart from the host's page ids
@@ -113,36 +112,35 @@ class Scheduler:
 
     def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
                  stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
-                 long_prefill_chunk_size: Optional[int] = None, decode_chunk: int = 16, policy: str = "continuous",
+                 long_prefill_chunk_size: Optional[int] = None, decode_chunk: int = 16,
+                 policy: str = "continuous",
                  max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
-                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 isolate_faults: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        sizes = (prefill_chunk_size, long_prefill_chunk_size, decode_chunk)
-        if any(n is not None and n < 1 for n in sizes):
-            raise ValueError(f"prefill_chunk_size, long_prefill_chunk_size and decode_chunk must "
-                             f"be >= 1, got {prefill_chunk_size}, {long_prefill_chunk_size}, "
-                             f"{decode_chunk}")
+        sizes = dict(prefill_chunk_size=prefill_chunk_size, decode_chunk=decode_chunk,
+                     long_prefill_chunk_size=long_prefill_chunk_size)
+        if any(n is not None and n < 1 for n in sizes.values()):
+            raise ValueError(f"sizes must be >= 1 (or None where optional), got {sizes}")
         if prefix_caching:
             runner.check_page_ids("prefix caching")
         self.runner = runner
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
-        self.prefill_chunk_size = prefill_chunk_size
-        self.long_prefill_chunk_size = long_prefill_chunk_size
+        self.prefill_chunk_size, self.long_prefill_chunk_size = prefill_chunk_size, long_prefill_chunk_size
         self.decode_chunk, self.policy = decode_chunk, policy
-        self.compile_loops = compile_loops
-        self.max_waiting_requests = max_waiting_requests
-        self.clock = clock
+        self.compile_loops, self.max_waiting_requests = compile_loops, max_waiting_requests
+        self.clock, self.isolate_faults = clock, isolate_faults
         self.pages = KVPageManager(runner.num_pages, runner.page_size, runner.max_num_seqs,
                                    runner.pages_per_seq, prefix_caching)
-        self._ids = itertools.count()
-        self._admitted = itertools.count()
+        self._ids, self._admitted = itertools.count(), itertools.count()
         self.waiting: collections.deque[int] = collections.deque()
         self.seqs: dict[int, _Seq] = {}
         self.slots: list[Optional[int]] = [None] * runner.max_num_seqs
         self._pending: list = []          # (Dispatched, owners) not read yet
         self._aborted: list[int] = []
+        self._failed: list[RequestOutput] = []    # FailedOutputs for the next step's events
         self.num_preempted = 0
         self.streaming: set[int] = set()  # requests that want each token as it comes
 
@@ -222,7 +220,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Work is left: waiting, running, or unprocessed outputs."""
-        return bool(self.waiting or self._pending or self._aborted
+        return bool(self.waiting or self._pending or self._aborted or self._failed
                     or any(r is not None for r in self.slots))
 
     @property
@@ -241,14 +239,23 @@ class Scheduler:
     # --- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration (see the module docstring); returns the events it produced."""
+        """One iteration (see the module docstring); returns the events it
+        produced, `FailedOutput`s of the requests a fault ended included."""
         events = self._take_aborted()
         pending, self._pending = self._pending, []
-        dispatched = self._dispatch()
-        for item in pending:
-            events += self._process(*item)
+        try:
+            dispatched = self._dispatch()
+            for item in pending:
+                events += self._process(*item)
+        except Exception as e:  # noqa: BLE001 - a shared step failed: its rows fail, the engine goes on
+            if not self.isolate_faults:
+                raise
+            faults.fail_step(self, e)
+            dispatched = None
         if dispatched is not None:
             self._pending.append(dispatched)
+        events += self._failed
+        self._failed = []
         return events
 
     def _dispatch(self):
@@ -448,22 +455,31 @@ class Scheduler:
             seq = self.seqs.get(rid)
             if seq is None or not samples or seq.slot is None or seq.order != admission:
                 continue            # aborted, or preempted: its outputs are recomputed
-            state = seq.state
             seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
-            if out.drafted is not None:
-                state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
-                                         int((out.drafted[:, row] > 0).sum()))
-            for step in range(out.token.shape[0]):
-                for i in range(out.token.shape[2]):
-                    token = int(out.token[step, row, i])
-                    if token == NO_TOKEN or state.finished:
-                        continue
-                    lp = None if out.logprob is None else (
-                        out.logprob[step, row, i], out.top_ids[step, row, i],
-                        out.top_logprobs[step, row, i])
-                    state.add(token, lp)
-            events += self._emit(seq)
+            try:
+                events += self._take_tokens(seq, out, row)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if not self.isolate_faults:
+                    raise
+                faults.fail_request(self, rid, f"processing its tokens: {faults.describe(e)}")
         return events
+
+    def _take_tokens(self, seq: _Seq, out, row: int) -> list[RequestOutput]:
+        """Feed row `row` of a fetched output to its request; its events."""
+        state = seq.state
+        if out.drafted is not None:
+            state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
+                                     int((out.drafted[:, row] > 0).sum()))
+        for step in range(out.token.shape[0]):
+            for i in range(out.token.shape[2]):
+                token = int(out.token[step, row, i])
+                if token == NO_TOKEN or state.finished:
+                    continue
+                lp = None if out.logprob is None else (
+                    out.logprob[step, row, i], out.top_ids[step, row, i],
+                    out.top_logprobs[step, row, i])
+                state.add(token, lp)
+        return self._emit(seq)
 
     def _emit(self, seq: _Seq) -> list[RequestOutput]:
         state = seq.state
