@@ -300,7 +300,11 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
 
 
 def check_keys(values: Mapping[str, Any], known: Sequence[str], what: str) -> None:
-    """Raise ValueError naming every key of `values` not in `known` (and the known keys)."""
+    """Raise ValueError naming every key of `values` not in `known` (and the
+    known keys), or the first key that is not a string (YAML allows `1: x`)."""
+    for key in values:
+        if not isinstance(key, str):
+            raise ValueError(f"{what} keys must be strings, got {key!r} ({type(key).__name__})")
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
