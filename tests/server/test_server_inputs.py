@@ -113,6 +113,20 @@ def test_assistant_message_may_have_null_content(http):
     assert r.json()["choices"][0]["message"]["content"] == "世界"
 
 
+def test_more_alternatives_than_the_vocabulary(http):
+    """top_logprobs 20 on the toy's 13-token vocabulary: 13 alternatives per
+    token (the engine thread used to die: top_k of 20 over 13 logits)."""
+    body = {"model": MODEL, "messages": _user("你好"), "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 20}
+    r = _post(http, CHAT, body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [len(c["top_logprobs"]) for c in content] == [13, 13]
+    r = _post(http, COMPLETIONS, {"model": MODEL, "prompt": "你好", "max_tokens": 2, "logprobs": 9})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "世界"
+
+
 def test_tokenize_refuses_null_user_content(http):
     r = _post(http, "/tokenize", {"messages": _user(None)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
