@@ -345,7 +345,7 @@ class OpenAIServer:
                     out.append(Request(tuple(ids), sampling, limit if limit is not None else room,
                                        body.min_tokens, body.ignore_eos, body.stop_strings(), top))
                 except (ValueError, TypeError) as e:      # names its field first
-                    field = str(e).split(" ", 1)[0]
+                    field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
                     param = field if field in type(body).model_fields else None
                     raise APIError(400, str(e), param=param) from None
         return out
