@@ -294,14 +294,21 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
     """A YAML file's top-level mapping ({} for an empty file).
 
     Raises:
-      FileNotFoundError: no such file.
-      ValueError: the file is not valid YAML or not a mapping (names the file).
+      FileNotFoundError: no such file ("config file not found: <path>").
+      ValueError: the file cannot be read (a folder, no permission), is not
+        UTF-8, not valid YAML or not a mapping (names the file).
     """
-    with open(path, encoding="utf-8") as f:
-        try:
+    try:
+        with open(path, encoding="utf-8") as f:
             values = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
     values = {} if values is None else values
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
@@ -309,7 +316,11 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
 
 
 def check_keys(values: Mapping[str, Any], known: Sequence[str], what: str) -> None:
-    """Raise ValueError naming every key of `values` not in `known` (and the known keys)."""
+    """Raise ValueError naming every key of `values` not in `known` (and the
+    known keys), or the first key that is not a string (YAML allows `1: x`)."""
+    for key in values:
+        if not isinstance(key, str):
+            raise ValueError(f"{what} keys must be strings, got {key!r} ({type(key).__name__})")
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")

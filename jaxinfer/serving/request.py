@@ -249,7 +249,8 @@ class RequestState:
         self._new_tokens.append(token)
         if logprob is not None:
             lp, top_ids, top_lp = logprob
-            entry = (token, float(lp), [(int(i), float(v)) for i, v in zip(top_ids, top_lp)])
+            entry = (token, float(lp), [(int(i), float(v)) for i, v in zip(top_ids, top_lp)
+                                        if i >= 0])       # -1: past a vocabulary smaller than n
             self.logprobs.append(entry)
             self._new_logprobs.append(entry)
         n = len(self.token_ids)
