@@ -17,8 +17,8 @@ protocol (`jaxinfer.models.base.Family`):
   `attend` (which owns the KV cache) instead of its plain attention.
 
     python examples/byo_model.py                    # LLM.generate, greedy
-    jaxinfer serve model=python:examples/byo_model.py:build max_num_seqs=4 warmup=false
-    # then: POST http://127.0.0.1:8000/v1/completions {"prompt": "Hello", "max_tokens": 8}
+    jaxinfer serve model=python:examples/byo_model.py:build max_num_seqs=4 warmup=false --served-model-name byo
+    # then: POST http://127.0.0.1:8000/v1/completions {"model": "byo", "prompt": "Hello", "max_tokens": 8}
 """
 
 from __future__ import annotations

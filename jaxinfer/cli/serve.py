@@ -88,7 +88,8 @@ def cmd_serve(args) -> int:
         app = server.build_server(llm, model_name=model_name, max_num_seqs=cfg.max_num_seqs,
                               max_waiting_requests=cfg.max_waiting_requests, defaults=cfg.sampling,
                               api_key=api_key, max_request_bytes=args.max_request_bytes,
-                              warmup=cfg.warmup, log=log)
+                              warmup=cfg.warmup, long_prefill_chunk_size=cfg.long_prefill_chunk_size,
+                              log=log)
     host, port = sock.getsockname()[:2]
     log(f"serving {app.settings.model_name!r} at http://{host}:{port}/v1 ({cfg.max_num_seqs} slots, "
         f"max_seq_len {cfg.max_seq_len}, api key {'required' if api_key else 'off'})")

@@ -12,6 +12,10 @@ import yaml
 
 from jaxinfer.config.sampling import SamplingParams
 
+# Compiled programs a process keeps alive at most (`serving.programs.ProgramCache`):
+# XLA:CPU maps each one's code, and vm.max_map_count (65,530) bounds the maps.
+DEFAULT_MAX_PROGRAMS = 512
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
@@ -66,6 +70,11 @@ class GenerationConfig:
       prefill_chunk_size: prompt tokens per serving step while requests
         decode (the bound on a running stream's gap between two tokens);
         null: the whole token budget (see jaxinfer/serving/scheduler.py).
+      long_prefill_chunk_size: in `jaxinfer serve`, tokens per step of a
+        prompt longer than the token budget while requests decode (such a
+        prompt takes several steps anyway; small pieces keep the running
+        streams' gaps near one decode step's, at some cost to its own
+        TTFT); null: as any prompt (prefill_chunk_size).
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget and largest compiled token bucket).
       sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed
@@ -87,6 +96,10 @@ class GenerationConfig:
       warmup: `jaxinfer serve` only: before serving, compile ahead of time
         the step of every token bucket (ModelRunner.warmup), so that no
         request waits for a compile.
+      max_programs: compiled programs kept alive at most (null: unbounded);
+        past it the least recently used is dropped and compiled again when
+        next needed (see jaxinfer/serving/programs.py). XLA:CPU maps each
+        program's code, and a process past vm.max_map_count crashes.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
 
@@ -113,6 +126,7 @@ class GenerationConfig:
     kv_cache_memory: Optional[int] = None
     prefix_caching: Optional[bool] = None
     prefill_chunk_size: Optional[int] = 512
+    long_prefill_chunk_size: Optional[int] = 64
     max_num_batched_tokens: int = 512
     sliding_window_ring: bool = False
     speculative: Optional[str] = None
@@ -123,6 +137,7 @@ class GenerationConfig:
     draft_weights: str = "float32"
     max_waiting_requests: Optional[int] = 256
     warmup: bool = True
+    max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
@@ -148,10 +163,10 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be >= 1 or null, got {value}")
         if self.num_pages is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1 or null, got {self.prefill_chunk_size}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1 or null, got {self.max_waiting_requests}")
+        for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
+                     "max_programs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
@@ -180,7 +195,8 @@ class GenerationConfig:
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be bool or null, got {self.prefix_caching!r}")
-        for name in ("prefill_chunk_size", "max_waiting_requests", "num_pages"):
+        for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
+                     "num_pages", "max_programs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be int or null, got {value!r}")
@@ -278,14 +294,21 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
     """A YAML file's top-level mapping ({} for an empty file).
 
     Raises:
-      FileNotFoundError: no such file.
-      ValueError: the file is not valid YAML or not a mapping (names the file).
+      FileNotFoundError: no such file ("config file not found: <path>").
+      ValueError: the file cannot be read (a folder, no permission), is not
+        UTF-8, not valid YAML or not a mapping (names the file).
     """
-    with open(path, encoding="utf-8") as f:
-        try:
+    try:
+        with open(path, encoding="utf-8") as f:
             values = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
     values = {} if values is None else values
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of key: value, got {type(values).__name__}")
@@ -293,7 +316,11 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
 
 
 def check_keys(values: Mapping[str, Any], known: Sequence[str], what: str) -> None:
-    """Raise ValueError naming every key of `values` not in `known` (and the known keys)."""
+    """Raise ValueError naming every key of `values` not in `known` (and the
+    known keys), or the first key that is not a string (YAML allows `1: x`)."""
+    for key in values:
+        if not isinstance(key, str):
+            raise ValueError(f"{what} keys must be strings, got {key!r} ({type(key).__name__})")
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")

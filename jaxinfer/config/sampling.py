@@ -18,6 +18,7 @@ TEMPERATURE_FLOOR = 1e-6
 # Seeds are 32-bit: with jax_enable_x64 off, `jax.random.key` keeps only the
 # low 32 bits of a larger seed, so larger seeds are rejected, not truncated.
 MAX_SEED = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38      # float values must stay finite in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,8 @@ class SamplingParams:
         mapping) is read as the `StructuredOutput` fields.
 
     Raises:
-      ValueError: naming the field, for a value out of range or not finite.
+      ValueError: naming the field, for a value out of range, not finite, or
+        beyond float32's range (|x| > 3.4e38: the device computes in float32).
       TypeError: naming the field, for a value of the wrong type (a float
         field that is not a real number, top_k or seed not an integer).
     """
@@ -131,6 +133,9 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.{name} must be a real number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"SamplingParams.{name} must be finite, got {value!r}")
+            if abs(value) > FLOAT32_MAX:       # the device computes in float32: it would be inf
+                raise ValueError(f"SamplingParams.{name} must be at most {FLOAT32_MAX:.7g} in "
+                                 f"magnitude (float32), got {value!r}")
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)

@@ -157,12 +157,16 @@ def log_softmax_topn(logits: jax.Array, tokens: jax.Array, n: int):
 
     Returns:
       (token_logprob f32[B], top_ids i32[B, n], top_logprobs f32[B, n]);
-      top entries in descending order, lower index first on ties.
+      top entries in descending order, lower index first on ties. When the
+      vocabulary V is smaller than n, entries past V are id -1, log-prob -inf.
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     token_lp = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     if n <= 0:
         b = logits.shape[0]
         return token_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-    top_lp, top_ids = jax.lax.top_k(logprobs, n)
-    return token_lp, top_ids.astype(jnp.int32), top_lp
+    k = min(n, logits.shape[-1])     # a vocabulary smaller than n: the rest is padding
+    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    pad = ((0, 0), (0, n - k))
+    top_ids = jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1)
+    return token_lp, top_ids, jnp.pad(top_lp, pad, constant_values=-jnp.inf)

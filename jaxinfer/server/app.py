@@ -13,11 +13,17 @@ is aborted (its slot frees at the next scheduler step); a non-streamed
 one is checked for a disconnected client every `poll_s` seconds.
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}:
-400 bad input (malformed JSON, wrong types, values out of range, prompt +
-max_tokens beyond max_seq_len, token ids outside the vocabulary, an
+400 bad input (malformed JSON, wrong types, values out of range, no
+`model`, a null or missing `content` outside an assistant message, a
+prompt that alone fills max_seq_len (param prompt / messages), prompt +
+max_tokens beyond max_seq_len (param max_tokens), token ids outside the vocabulary, an
 unsupported feature), 401 missing or wrong API key on a /v1/ route, 404
 unknown model or route, 413 body over `max_request_bytes`, 503 waiting
-queue full or engine stopped, 500 engine failure.
+queue full or engine stopped, 500 engine failure. A request the engine
+failed (`serving.faults.FailedOutput`: a fault in its prefill worker, its
+KV transfer, its admission, a step it ran in, or processing its tokens)
+answers 500 with code "request_failed" (streamed: an error event, then
+`data: [DONE]`); the other requests and the server go on.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest, error_body)
+                                      DetokenizeRequest, TokenizeRequest, check_messages,
+                                      error_body)
 from jaxinfer.server.responses import Choice, Formatter, TokenText
 from jaxinfer.serving.thread import EngineError
 
@@ -264,6 +271,8 @@ class OpenAIServer:
         tok = self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
+        if body.messages is not None:
+            check_messages(body.messages)
         try:
             if body.prompt is not None:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -285,6 +294,7 @@ class OpenAIServer:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest):
         self._check_common(body)
+        check_messages(body.messages)
         if body.stream and body.forced_tool() is not None:
             raise APIError(400, "streamed tool calls are not supported", param="stream")
         await self._compile_structured(body)
@@ -314,6 +324,10 @@ class OpenAIServer:
         return await self._generate(body, ids, body.logprobs, False, request, "max_tokens", "prompt")
 
     def _check_common(self, body) -> None:
+        if body.model is None:     # OpenAI requires it on both routes (vLLM would take its own)
+            raise APIError(400, "you must provide a model parameter; this server serves "
+                           f"{self.settings.model_name!r}", param="model",
+                           code="missing_required_parameter")
         self._check_model(body.model)
         unsupported = body.unsupported_field()
         if unsupported:
@@ -372,8 +386,10 @@ class OpenAIServer:
                     sampling = dataclasses.replace(self.settings.defaults, seed=seed, **overrides)
                     out.append(Request(tuple(ids), sampling, limit if limit is not None else room,
                                        body.min_tokens, body.ignore_eos, body.stop_strings(), top))
-                except (ValueError, TypeError) as e:
-                    raise APIError(400, str(e)) from None
+                except (ValueError, TypeError) as e:      # names its field first
+                    field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+                    param = field if field in type(body).model_fields else None
+                    raise APIError(400, str(e), param=param) from None
         return out
 
     async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
@@ -401,9 +417,9 @@ class OpenAIServer:
         try:
             async for index, event in group.events(self.settings.poll_s, request.is_disconnected):
                 self._record(choices[index], event)
-                if event.finish_reason == "error":      # disaggregated: its prefill worker failed
-                    raise APIError(503, f"the request failed: {event.error}", type="server_error",
-                                   code="worker_failed")
+                if event.finish_reason == "error":      # a FailedOutput (serving.faults)
+                    raise APIError(500, f"the request failed: {event.error}", type="server_error",
+                                   code="request_failed")
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from None
         finally:
@@ -438,9 +454,9 @@ class OpenAIServer:
             async for index, event in group.events():
                 choice = choices[index]
                 self._record(choice, event)
-                if event.finish_reason == "error":      # disaggregated: its prefill worker failed
+                if event.finish_reason == "error":      # a FailedOutput (serving.faults)
                     yield _sse(error_body(f"the request failed: {event.error}", "server_error",
-                                          code="worker_failed"))
+                                          code="request_failed"))
                     break
                 if event.text or (fmt.top is not None and event.logprobs):
                     yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,

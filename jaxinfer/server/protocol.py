@@ -75,9 +75,23 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    """One chat message. `content` may be null or omitted only in an
+    assistant message (OpenAI's rule: an assistant turn that made tool
+    calls has none); `content_error` names the fault otherwise. An empty
+    string is content, as in OpenAI and vLLM."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+
+    def content_error(self) -> Optional[str]:
+        """Why this message's content is not acceptable, or None."""
+        if self.content is not None or self.role == "assistant":
+            return None
+        if "content" not in self.model_fields_set:
+            return f"content is required in a {self.role} message"
+        return (f"content must be a string or a list of text parts in a {self.role} message, "
+                "got null")
 
     def as_template_input(self) -> dict:
         """{"role", "content"} with the content parts joined into one string."""
@@ -250,6 +264,15 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, f"tool_choice names no function in tools: {choice!r}",
                            param="tool_choice")
         return functions[name]
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Raises APIError (400, param "messages") for the first message whose
+    content is missing or null where its role needs content."""
+    for i, message in enumerate(messages):
+        error = message.content_error()
+        if error is not None:
+            raise APIError(400, f"messages[{i}]: {error}", param="messages")
 
 
 class TokenizeRequest(_Strict):

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import uvicorn
 
-from jaxinfer.config import SamplingParams
+from jaxinfer.config import GenerationConfig, SamplingParams
 from jaxinfer.server.app import OpenAIServer, ServerSettings
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.serving.request import Request
@@ -30,12 +30,14 @@ from jaxinfer.serving.thread import EngineThread
 def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_requests: Optional[int],
                  defaults: SamplingParams = SamplingParams(), api_key: Optional[str] = None,
                  max_request_bytes: int = 1 << 20, warmup: bool = False,
+                 long_prefill_chunk_size: Optional[int] = GenerationConfig.long_prefill_chunk_size,
                  log: Callable[[str], None] = lambda msg: None):
     """An `OpenAIServer` over a new scheduler of `max_num_seqs` slots of `llm`
     (the engine thread starts with the app). The scheduler decodes one step
     per dispatch (decode_chunk 1), so every token is streamed as soon as it
-    is computed and a new request joins the very next step. With warmup,
-    `warm_up` runs first.
+    is computed and a new request joins the very next step; a prompt longer
+    than the token budget takes long_prefill_chunk_size tokens per step while
+    others decode (`serving.scheduler`). With warmup, `warm_up` runs first.
 
     Raises:
       ValueError: max_num_seqs or max_request_bytes < 1.
@@ -43,7 +45,8 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     if max_num_seqs < 1 or max_request_bytes < 1:
         raise ValueError(f"max_num_seqs and max_request_bytes must be >= 1, got {max_num_seqs} "
                          f"and {max_request_bytes}")
-    scheduler = llm.scheduler(max_num_seqs, decode_chunk=1)
+    scheduler = llm.scheduler(max_num_seqs, decode_chunk=1,
+                              long_prefill_chunk_size=long_prefill_chunk_size)
     if warmup:
         seconds, n = warm_up(llm, scheduler, log=log)
         log(f"ready after {seconds:.1f} s: {n} programs compiled now, the other token buckets "
@@ -65,11 +68,12 @@ def build_engine_server(llm, engine, *, model_name: str, defaults: SamplingParam
 
 def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tuple[float, int]:
     """Compile what serving needs before it answers (`ModelRunner.warmup` in
-    the background mode: the largest token bucket and admission now, the
-    other buckets on a thread while requests are served), then run one short
-    request through `scheduler` so the first request does not pay the
-    programs' first-execution costs. Programs for log-probs still compile on
-    first use.
+    the background mode: admission and the largest and smallest token
+    buckets now), run one short request through `scheduler` (in the smallest
+    bucket) so the first request does not pay the first-execution costs,
+    then compile the other buckets on a thread while requests are served
+    (`ModelRunner.compile_behind`; it starts after the request, so it does
+    not slow it). Programs for log-probs still compile on first use.
 
     Returns (seconds, programs compiled).
     Raises:
@@ -84,6 +88,7 @@ def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tu
         scheduler.step()
     else:
         raise RuntimeError(f"warm-up did not finish within {max_steps} scheduler steps")
+    scheduler.runner.compile_behind(log)
     return time.perf_counter() - t0, compiled
 
 

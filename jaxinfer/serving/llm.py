@@ -217,7 +217,7 @@ class LLM:
                   prefix_caching=cfg.prefix_caching,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                   sliding_window_ring=cfg.sliding_window_ring)
-        llm.programs.progress = progress
+        llm.programs.progress, llm.programs.max_programs = progress, cfg.max_programs
         return llm
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -387,7 +387,7 @@ class LLM:
         kept = self._scheduler
         if kept is None or kept.runner.max_num_seqs != max_num_seqs or kept.has_unfinished():
             self._scheduler = None      # the old pools go before the new ones are allocated
-            self._scheduler = self.scheduler(max_num_seqs, compile_loops=True)
+            self._scheduler = self.scheduler(max_num_seqs, compile_loops=True, isolate_faults=False)
         return self._scheduler
 
     def _run(self, requests: Sequence[Request], stream: bool = False

@@ -5,17 +5,36 @@ new static arguments or input shapes compiles ahead of time (`fn.lower(...)
 .compile()`), later calls reuse the program. The count and the seconds spent
 compiling are kept, so run statistics can leave compile time out and tests
 can assert how many programs a workload needs.
+
+Live programs are bounded: XLA:CPU maps each executable's code into the
+process (several memory maps per program, held until the program is
+freed), and a process past `vm.max_map_count` (65,530 by default) fails to
+compile ("LLVM compilation error: Cannot allocate memory") or crashes. The
+cache keeps at most `max_programs` programs (default `DEFAULT_MAX_PROGRAMS`,
+the `max_programs` key of `GenerationConfig`), least recently used evicted
+first. Eviction drops the cache's reference to the compiled program and
+clears JAX's caches, which hold one too (`_release_jax_references`),
+so its code is unmapped once no caller holds it; the next call that needs
+it compiles it again (from JAX's persistent compilation cache when that is
+enabled, else from scratch; the compile is counted in `num_compiles` and
+`compile_s` like the first). A serving engine's programs (one step per
+token bucket and log-prob count, admission, decode loops, page transfer)
+number well under the default, so eviction only happens in a process that
+keeps compiling new shapes.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import threading
 import time
+from typing import Optional
 
 import jax
 
+from jaxinfer.config.generation import DEFAULT_MAX_PROGRAMS
 from jaxinfer.progress import Progress
 
 
@@ -23,15 +42,24 @@ class ProgramCache:
     """Ahead-of-time compiled programs keyed by function, static arguments
     and input shapes/dtypes.
 
+    Args:
+      max_programs: live compiled programs at most (None: unbounded); the
+        least recently used is evicted past it (module docstring).
     Attributes:
-      num_compiles: programs compiled so far.
+      num_compiles: programs compiled so far (recompiles after an eviction included).
+      num_evictions: programs evicted so far.
       compile_s: seconds spent compiling so far (all threads).
+    Raises:
+      ValueError: max_programs below 1.
     """
 
-    def __init__(self):
-        self._compiled = {}
+    def __init__(self, max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS):
+        self._compiled: collections.OrderedDict = collections.OrderedDict()   # oldest use first
         self._compiling: dict = {}        # key -> Future of a compile under way
         self._lock = threading.Lock()
+        self.num_evictions = 0
+        self._max_programs = None
+        self.max_programs = max_programs
         self._local = threading.local()   # .background: compiles here do not stop the clock
         self._blocking_s = 0.0            # compile seconds that held up a caller (see clock)
         self.num_compiles = 0
@@ -54,6 +82,7 @@ class ProgramCache:
         with self._lock:
             program = self._compiled.get(key)
             if program is not None:
+                self._compiled.move_to_end(key)
                 return program
             future = self._compiling.get(key)
             owner = future is None
@@ -71,6 +100,9 @@ class ProgramCache:
                     self._blocking_s += time.perf_counter() - t0
                 self.num_compiles += 1
                 self._compiled[key] = program
+                evicted = self._evict()
+            if evicted:
+                _release_jax_references()
             future.set_result(program)
             return program
         except BaseException as e:
@@ -79,6 +111,35 @@ class ProgramCache:
         finally:
             with self._lock:
                 del self._compiling[key]
+
+    @property
+    def max_programs(self) -> Optional[int]:
+        return self._max_programs
+
+    @max_programs.setter
+    def max_programs(self, value: Optional[int]) -> None:
+        if value is not None and (isinstance(value, bool) or int(value) < 1):
+            raise ValueError(f"max_programs must be >= 1 or None, got {value!r}")
+        with self._lock:
+            self._max_programs = None if value is None else int(value)
+            evicted = self._evict()
+        if evicted:
+            _release_jax_references()
+
+    def _evict(self) -> int:
+        """Drop least recently used programs past max_programs (lock held);
+        returns how many."""
+        n = 0
+        while self._max_programs is not None and len(self._compiled) > self._max_programs:
+            self._compiled.popitem(last=False)
+            n += 1
+        self.num_evictions += n
+        return n
+
+    @property
+    def num_programs(self) -> int:
+        """Live compiled programs held (at most max_programs)."""
+        return len(self._compiled)
 
     def has(self, fn, *args, **static) -> bool:
         """Whether `compiled(fn, *args, **static)` would return a program
@@ -107,3 +168,13 @@ class ProgramCache:
             yield
         finally:
             self._local.background = False
+
+
+def _release_jax_references() -> None:
+    """Drop the references JAX's own caches keep to lowered and compiled
+    programs (its tracing caches hold each executable alive after its last
+    user let go: without this an evicted program's code stays mapped), with
+    `jax.clear_caches()`. Programs held elsewhere (this cache, a caller)
+    are untouched; plain `jax.jit` functions retrace and recompile on their
+    next call (small helpers; evictions are rare at the default cap)."""
+    jax.clear_caches()

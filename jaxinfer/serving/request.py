@@ -17,6 +17,10 @@ from jaxinfer.tokenizer.stop import StopMatcher
 MAX_LOGPROBS = 20
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds `max_waiting_requests` requests."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One generation request.
@@ -249,7 +253,8 @@ class RequestState:
         self._new_tokens.append(token)
         if logprob is not None:
             lp, top_ids, top_lp = logprob
-            entry = (token, float(lp), [(int(i), float(v)) for i, v in zip(top_ids, top_lp)])
+            entry = (token, float(lp), [(int(i), float(v)) for i, v in zip(top_ids, top_lp)
+                                        if i >= 0])       # -1: past a vocabulary smaller than n
             self.logprobs.append(entry)
             self._new_logprobs.append(entry)
         n = len(self.token_ids)

@@ -18,12 +18,9 @@ warm-up and dispatch share.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import dataclasses
-import os
 import threading
-import time
 from typing import Optional, Sequence
 
 import jax
@@ -42,12 +39,16 @@ from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.warmup import WarmUp
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
 # The smallest token bucket: a decoding batch of up to this many rows runs
 # at this width (below it the step costs about the same: the weights are
 # read once either way).
 MIN_TOKEN_BUCKET = 4
+
+# Allocates the KV page pools (`ModelRunner.cache`).
+_ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-kv-pool")
 
 # Rows one admission program writes (more admissions take several calls).
 ADMIT_ROWS = 8
@@ -144,7 +145,7 @@ class Dispatched:
     steps: int
 
 
-class ModelRunner:
+class ModelRunner(WarmUp):
     """Runs one model's step over a paged KV cache for the scheduler.
 
     Args:
@@ -198,19 +199,47 @@ class ModelRunner:
         self.width = 1 + (self.spec.k if self.spec else 0)
         self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
         self.sliding_window_ring = bool(sliding_window_ring)
-        self.cache = self._init_cache(config, cache_dtype, kv_cache_dtype)
-        if self.draft_params is not None:
-            self.cache = self.cache.replace(draft=self._init_cache(self.spec.config, cache_dtype,
-                                                                   kv_cache_dtype, draft=True))
-        self.rows = engine_step.new_rows(row_inputs(
-            [Request((0,), max_new_tokens=1)] * self.max_num_seqs, config.vocab_size,
-            self.max_seq_len))
+        self._dtypes = (cache_dtype, kv_cache_dtype)
+        # The pool is zero-filled on a thread (about a second of CPU per GiB, outside
+        # the GIL), so it overlaps the warm-up's compiles: they need its shapes only.
+        self._cache_shape = jax.eval_shape(self._init_caches)
+        self.reset()
         self.decode_steps = 0     # decoding steps dispatched
         # Token buckets a step may use: all of them (compiled on first use),
         # or, once `warmup` ran, those compiled so far (a larger bucket pads).
         self.ready_buckets: list[int] = []
         self._background: Optional[threading.Thread] = None
+        self._behind: list = []
         self._stop_compiling = threading.Event()
+
+    @property
+    def cache(self):
+        """The KV cache pytree (`cache.paged.PagedKVCache`); the first read
+        after `reset` waits for the pool's allocation."""
+        if self._cache_future is not None:
+            self._cache, self._cache_future = self._cache_future.result(), None
+        return self._cache
+
+    @cache.setter
+    def cache(self, value) -> None:
+        self._cache, self._cache_future = value, None
+
+    def reset(self) -> None:
+        """Empty device state: a zeroed KV cache (the draft's too; allocated
+        on a thread, see `cache`) and idle rows, as at construction; what the
+        slots held is gone (after a failed step: `serving.faults.fail_step`)."""
+        self.cache = None
+        self._cache_future = _ALLOCATOR.submit(self._init_caches)
+        self.rows = engine_step.new_rows(row_inputs(
+            [Request((0,), max_new_tokens=1)] * self.max_num_seqs, self.config.vocab_size,
+            self.max_seq_len))
+
+    def _init_caches(self):
+        dtype, kv_cache_dtype = self._dtypes
+        cache = self._init_cache(self.config, dtype, kv_cache_dtype)
+        if self.draft_params is not None:
+            cache = cache.replace(draft=self._init_cache(self.spec.config, dtype, kv_cache_dtype, True))
+        return cache
 
     def _init_cache(self, config: ModelConfig, dtype, kv_cache_dtype, draft: bool = False):
         """An empty paged cache for `config` (the target or the draft): rings
@@ -385,7 +414,7 @@ class ModelRunner:
         log-prob counts and decode loops (`decode_plan`)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         abstract = lambda tree: jax.tree_util.tree_map(shape, tree)
-        cache, rows = abstract(self.cache), abstract(self.rows)
+        cache, rows = self._cache_shape, abstract(self.rows)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         plan = []
         for t in reversed(self.token_buckets):
@@ -411,7 +440,7 @@ class ModelRunner:
         one = jax.ShapeDtypeStruct((rows,), jnp.int32)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         return (engine_step.decode_loop,
-                (self.params, abstract(self.cache), abstract(self.rows), one, tables, one, self.stop,
+                (self.params, self._cache_shape, abstract(self.rows), one, tables, one, self.stop,
                  self.draft_params),
                 dict(config=self.config, backend=self.backend, num_steps=num_steps,
                      num_logprobs=num_logprobs, spec=self.spec))
@@ -421,75 +450,6 @@ class ModelRunner:
         a loop only once it is: compiling one never delays a request)."""
         fn, args, static = self.decode_plan(rows, num_steps, num_logprobs)
         return self.programs.has(fn, *args, **static)
-
-    def warmup(self, num_logprobs: Sequence[int] = (-1,), background: bool = False,
-               log=lambda msg: None) -> int:
-        """Compile `compile_plan` ahead of time (nothing runs); from then on
-        steps use compiled token buckets only (`ready_buckets`).
-
-        With background=False everything compiles now, on one thread per
-        CPU core. With background=True only the largest token bucket (every
-        step fits it, padded) and admission compile now; the other buckets
-        compile on a daemon thread, smallest first, each used as soon as it
-        is ready. `log` gets one line per compile and one at the end.
-        Returns the programs compiled before returning.
-        """
-        before = self.programs.num_compiles
-        plan = self.compile_plan(num_logprobs)
-        steps = [item for item in plan if item[0] is engine_step.step]
-        first = [item for item in plan if item not in steps] + steps[:len(num_logprobs)]
-        rest = steps[len(num_logprobs):][::-1]
-        self._compile(first if background else plan, log, threads=0)
-        if background and rest:
-            self._stop_compiling = threading.Event()
-            self._background = threading.Thread(target=self._compile_behind, args=(rest, log),
-                                                name="jaxinfer-compile", daemon=True)
-            self._background.start()
-            atexit.register(self.stop_compiling)
-        return self.programs.num_compiles - before
-
-    def _compile(self, plan, log, threads: int) -> None:
-        """Compile plan items on `threads` threads (0: one per core); a step's
-        token bucket becomes ready as soon as its programs are."""
-        def one(item):
-            fn, args, static = item
-            t0 = time.perf_counter()
-            self.programs.compiled(fn, *args, **static)
-            if fn is engine_step.step:
-                t = args[3].tokens.shape[0]
-                self.ready_buckets = sorted(set(self.ready_buckets) | {t})
-                log(f"compiled the step for {t} tokens in {time.perf_counter() - t0:.1f} s")
-            else:
-                log(f"compiled {fn.__name__} in {time.perf_counter() - t0:.1f} s")
-
-        if threads == 1:
-            for item in plan:
-                if self._stop_compiling.is_set():
-                    return
-                one(item)
-            return
-        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            for done in [pool.submit(one, item) for item in plan]:
-                done.result()
-
-    def _compile_behind(self, plan, log) -> None:
-        with self.programs.background():
-            self._compile(plan, log, threads=1)
-        log("every token bucket compiled")
-
-    def stop_compiling(self) -> None:
-        """Stop a background warm-up after the compile under way (at exit: a
-        thread killed inside XLA's compiler aborts the process)."""
-        self._stop_compiling.set()
-        if self._background is not None:
-            self._background.join()
-
-    def wait_compiled(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait for a background warm-up; True once it is done (or none ran)."""
-        if self._background is not None:
-            self._background.join(timeout_s)
-            return not self._background.is_alive()
-        return True
 
 
 __all__ = ["Admission", "Dispatched", "LOGPROB_BUCKETS", "ModelRunner", "NO_TOKEN", "Segment",

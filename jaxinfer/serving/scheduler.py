@@ -12,31 +12,34 @@ Each request tracks how many of its tokens have K/V in its slot's pages
   2. prompts being prefilled, oldest first, then waiting requests (first
      come, first served) while a slot is free, take the rest of the budget
      in chunks; a request's last chunk samples its first token in the same step.
-One compiled ragged forward (`engine.step`) runs all of it. The budget is
-`prefill_chunk_size` prompt tokens while rows decode (it bounds the gap
-between two tokens of a running stream) and the runner's whole token budget
-when none do.
+One compiled ragged forward (`engine.step`) runs all of it. While rows
+decode, prompts take at most `prefill_chunk_size` tokens per step (it bounds
+a running stream's gap between tokens), and a prompt longer than the token
+budget at most `long_prefill_chunk_size` (it takes several steps anyway;
+Sarathi-Serve's stall-free batching); with nothing decoding, the whole budget.
 
-The step is dispatched before the previous step's tokens are read: decoding
-rows take their tokens and positions from the device, so the host runs one
-step behind the device, detokenizing and matching stop strings while the
-device computes. A row the device finished (stop token, max_new_tokens)
-does nothing in the step already dispatched; its slot and pages are freed
-when its last token is processed.
+The step is dispatched before the previous step's tokens are read (decoding
+rows take their tokens from the device), so the host detokenizes and matches
+stop strings while the device computes; a row finished on the device idles
+in the step already dispatched, and is freed when its last token is read.
 
 When nothing waits and no request streams, running rows decode
-`decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`), once that
-program is compiled (compiling one never delays a request): k = 1 while
-requests arrive or a stream wants each token as it comes, k = decode_chunk
-in steady state.
+`decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`) once that
+program is compiled: k = 1 while requests arrive or a stream wants each
+token as it comes, k = decode_chunk in steady state.
 
 Pages (`serving.pages.KVPageManager`, owned here): a request gets its
-prefix-cache hit and the pages of each chunk as it is scheduled; a decoding
-row gets the pages of its next positions. When the pool cannot give the
-running rows their next pages, the newest running request is preempted
-(pages freed, full pages of known tokens kept in the prefix cache) and
-later recomputed from its prompt and the tokens it generated, continuing
-where it stopped. A request that cannot fit the whole pool is refused up front.
+prefix-cache hit and the pages of each chunk as it is scheduled, a decoding
+row the pages of its next positions. When the pool runs dry the newest
+running request is preempted (its full pages of known tokens stay in the
+prefix cache) and later recomputed, continuing where it stopped. A request
+that cannot fit the whole pool is refused up front.
+
+Faults (`serving.faults`): an exception while processing one request's
+tokens fails that request (a `FailedOutput` event, its slot and pages
+freed); one in the shared part of a step fails the requests holding slots
+and resets the device state. Either way `step` returns and the engine
+serves on (isolate_faults=False: the exception propagates instead).
 
 `policy="static"` admits new requests only when no request is running: the
 behaviour of a fixed batch, kept as the benchmark's baseline.
@@ -51,15 +54,12 @@ import time
 from typing import Callable, Optional
 
 from jaxinfer.sampling.rows import NO_TOKEN
+from jaxinfer.serving import faults
 from jaxinfer.serving.pages import KVPageManager
-from jaxinfer.serving.request import Request, RequestOutput, RequestState
+from jaxinfer.serving.request import QueueFullError, Request, RequestOutput, RequestState
 from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
 
 POLICIES = ("continuous", "static")
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue already holds `max_waiting_requests` requests."""
 
 
 @dataclasses.dataclass
@@ -73,6 +73,7 @@ class _Seq:
     computed: int = 0
     order: int = 0
     inflight: int = 0          # tokens the dispatched, unread steps can still add
+    long_prompt: bool = False  # more tokens to prefill at admission than the token budget
 
     @property
     def prefilling(self) -> bool:
@@ -90,6 +91,8 @@ class Scheduler:
       stop_token_ids / eos_token_ids: host copies of the runner's stop rule.
       prefill_chunk_size: prompt tokens per step while rows decode (None:
         the runner's whole budget).
+      long_prefill_chunk_size: tokens per step of a prompt longer than the
+        runner's token budget while rows decode (None: no such cap).
       decode_chunk: decoding steps per dispatch in steady state.
       policy: "continuous" or "static" (see the module docstring).
       max_waiting_requests: bound of the waiting queue (None: unbounded).
@@ -98,6 +101,9 @@ class Scheduler:
         it (offline generation); False: loops run only once compiled, so no
         request ever waits for a compile (serving).
       clock: the time source of request timings (seconds).
+      isolate_faults: a fault ends the requests it touches with a
+        `FailedOutput` and `step` goes on (`serving.faults`); False: it
+        propagates (offline generation: the caller sees the exception).
     Raises:
       ValueError: an unknown policy or a size below 1; prefix_caching on a
         runner whose cache keeps pages apart from the host's page ids
@@ -106,37 +112,37 @@ class Scheduler:
 
     def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
                  stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
-                 decode_chunk: int = 16, policy: str = "continuous",
+                 long_prefill_chunk_size: Optional[int] = None, decode_chunk: int = 16,
+                 policy: str = "continuous",
                  max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
-                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 isolate_faults: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if (prefill_chunk_size is not None and prefill_chunk_size < 1) or decode_chunk < 1:
-            raise ValueError(f"prefill_chunk_size and decode_chunk must be >= 1, got "
-                             f"{prefill_chunk_size}, {decode_chunk}")
+        sizes = dict(prefill_chunk_size=prefill_chunk_size, decode_chunk=decode_chunk,
+                     long_prefill_chunk_size=long_prefill_chunk_size)
+        if any(n is not None and n < 1 for n in sizes.values()):
+            raise ValueError(f"sizes must be >= 1 (or None where optional), got {sizes}")
         if prefix_caching:
             runner.check_page_ids("prefix caching")
         self.runner = runner
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
-        self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_chunk_size, self.long_prefill_chunk_size = prefill_chunk_size, long_prefill_chunk_size
         self.decode_chunk, self.policy = decode_chunk, policy
-        self.compile_loops = compile_loops
-        self.max_waiting_requests = max_waiting_requests
-        self.clock = clock
+        self.compile_loops, self.max_waiting_requests = compile_loops, max_waiting_requests
+        self.clock, self.isolate_faults = clock, isolate_faults
         self.pages = KVPageManager(runner.num_pages, runner.page_size, runner.max_num_seqs,
                                    runner.pages_per_seq, prefix_caching)
-        self._ids = itertools.count()
-        self._admitted = itertools.count()
+        self._ids, self._admitted = itertools.count(), itertools.count()
         self.waiting: collections.deque[int] = collections.deque()
         self.seqs: dict[int, _Seq] = {}
         self.slots: list[Optional[int]] = [None] * runner.max_num_seqs
         self._pending: list = []          # (Dispatched, owners) not read yet
         self._aborted: list[int] = []
+        self._failed: list[RequestOutput] = []    # FailedOutputs for the next step's events
         self.num_preempted = 0
         self.streaming: set[int] = set()  # requests that want each token as it comes
-
-    # --- requests ------------------------------------------------------------------------
 
     @property
     def states(self) -> dict[int, RequestState]:
@@ -144,8 +150,8 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """Raise ValueError when the request can never run here: an empty
-        prompt, prompt + max_new_tokens beyond max_seq_len, or more pages
-        than the whole pool, or a structured output that does not compile."""
+        prompt, prompt + max_new_tokens beyond max_seq_len, more pages than
+        the whole pool, or a structured output that does not compile."""
         n, limit = len(request.prompt_ids), self.runner.max_seq_len
         if request.sampling.structured is not None:
             self.runner.check_structured(request)
@@ -214,7 +220,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Work is left: waiting, running, or unprocessed outputs."""
-        return bool(self.waiting or self._pending or self._aborted
+        return bool(self.waiting or self._pending or self._aborted or self._failed
                     or any(r is not None for r in self.slots))
 
     @property
@@ -233,14 +239,23 @@ class Scheduler:
     # --- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration (see the module docstring); returns the events it produced."""
+        """One iteration (see the module docstring); returns the events it
+        produced, `FailedOutput`s of the requests a fault ended included."""
         events = self._take_aborted()
         pending, self._pending = self._pending, []
-        dispatched = self._dispatch()
-        for item in pending:
-            events += self._process(*item)
+        try:
+            dispatched = self._dispatch()
+            for item in pending:
+                events += self._process(*item)
+        except Exception as e:  # noqa: BLE001 - a shared step failed: its rows fail, the engine goes on
+            if not self.isolate_faults:
+                raise
+            faults.fail_step(self, e)
+            dispatched = None
         if dispatched is not None:
             self._pending.append(dispatched)
+        events += self._failed
+        self._failed = []
         return events
 
     def _dispatch(self):
@@ -258,7 +273,8 @@ class Scheduler:
             seq.inflight += width
             segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
             owners.append((seq.state.request_id, True, seq.order))
-        self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits)
+        self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits,
+                           bool(decoding))
         if not segments:
             return None
         self.runner.admit(admits)
@@ -351,13 +367,21 @@ class Scheduler:
         self.waiting.appendleft(seq.state.request_id)
         self.num_preempted += 1
 
-    def _fill_prompts(self, budget: int, segments, owners, admits) -> None:
-        """Prompt chunks of running prefills, then of new admissions, within `budget` tokens."""
+    def _fill_prompts(self, budget: int, segments, owners, admits, decoding: bool) -> None:
+        """Prompt chunks of running prefills, then of new admissions, within
+        `budget` tokens (a long prompt's within long_prefill_chunk_size while
+        rows are `decoding`)."""
+        def chunk(seq: _Seq) -> int:
+            cap = budget
+            if decoding and self.long_prefill_chunk_size and seq.long_prompt:
+                cap = min(cap, self.long_prefill_chunk_size)
+            return self._chunk(seq, cap, segments, owners)
+
         for seq in self._running():
             if budget <= 0:
                 return
             if seq.prefilling and not seq.state.finished:
-                budget -= self._chunk(seq, budget, segments, owners)
+                budget -= chunk(seq)
         if self.policy == "static" and self.num_running:
             return
         while budget > 0 and self.waiting and None in self.slots:
@@ -366,7 +390,7 @@ class Scheduler:
             if admission is None:
                 return
             admits.append(admission)
-            budget -= self._chunk(seq, budget, segments, owners)
+            budget -= chunk(seq)
 
     def _admit(self, seq: _Seq, budget: int) -> Optional[Admission]:
         """Give the first waiting request a slot, its prefix-cache hit and the
@@ -388,6 +412,7 @@ class Scheduler:
         ids are its prompt, then the tokens it generated before. Its prefill
         goes on from `computed`. Returns the runner's `Admission`."""
         seq.ids, seq.slot, seq.computed, seq.inflight = ids, slot, computed, 0
+        seq.long_prompt = len(ids) - computed > self.runner.token_budget
         seq.order = next(self._admitted)
         self.slots[slot] = seq.state.request_id
         return Admission(slot, seq.state.request, ids[len(seq.state.request.prompt_ids):], computed)
@@ -430,22 +455,31 @@ class Scheduler:
             seq = self.seqs.get(rid)
             if seq is None or not samples or seq.slot is None or seq.order != admission:
                 continue            # aborted, or preempted: its outputs are recomputed
-            state = seq.state
             seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
-            if out.drafted is not None:
-                state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
-                                         int((out.drafted[:, row] > 0).sum()))
-            for step in range(out.token.shape[0]):
-                for i in range(out.token.shape[2]):
-                    token = int(out.token[step, row, i])
-                    if token == NO_TOKEN or state.finished:
-                        continue
-                    lp = None if out.logprob is None else (
-                        out.logprob[step, row, i], out.top_ids[step, row, i],
-                        out.top_logprobs[step, row, i])
-                    state.add(token, lp)
-            events += self._emit(seq)
+            try:
+                events += self._take_tokens(seq, out, row)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if not self.isolate_faults:
+                    raise
+                faults.fail_request(self, rid, f"processing its tokens: {faults.describe(e)}")
         return events
+
+    def _take_tokens(self, seq: _Seq, out, row: int) -> list[RequestOutput]:
+        """Feed row `row` of a fetched output to its request; its events."""
+        state = seq.state
+        if out.drafted is not None:
+            state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
+                                     int((out.drafted[:, row] > 0).sum()))
+        for step in range(out.token.shape[0]):
+            for i in range(out.token.shape[2]):
+                token = int(out.token[step, row, i])
+                if token == NO_TOKEN or state.finished:
+                    continue
+                lp = None if out.logprob is None else (
+                    out.logprob[step, row, i], out.top_ids[step, row, i],
+                    out.top_logprobs[step, row, i])
+                state.add(token, lp)
+        return self._emit(seq)
 
     def _emit(self, seq: _Seq) -> list[RequestOutput]:
         state = seq.state

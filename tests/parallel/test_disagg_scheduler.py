@@ -55,6 +55,12 @@ class FakeRunner:
         self.pages_per_seq = -(-max_seq_len // PAGE)
         self.rows = [None] * max_num_seqs
         self.written = []
+        self.resets = 0
+
+    def reset(self):
+        """Fresh device state after a failed shared step (`serving.faults.fail_step`)."""
+        self.rows = [None] * self.max_num_seqs
+        self.resets += 1
 
     def admit(self, admissions):
         for a in admissions:
@@ -283,6 +289,36 @@ def test_a_corrupt_payload_or_a_failed_write_fails_only_its_request(spoil, messa
     [failed] = events[b]
     assert isinstance(failed, FailedOutput) and failed.error == message and failed.token_ids == []
     assert tokens_of(events[a]) == chain(7, 8) and tokens_of(events[c]) == chain(2, 6)
+    assert sorted(client.released) == [a, b, c]
+    assert_clean(s, client)
+
+
+def test_a_decode_step_fault_fails_the_seated_rows_and_the_queue_goes_on():
+    """The decode side's shared step raising while a and b decode (it
+    cannot be pinned on one row): both fail with the error, the runner's
+    state is reset, and c, queued for a prefill worker meanwhile, is
+    prefilled, seated and decoded to its end; nothing stays held."""
+    client = FakeClient()
+    s = disagg(client, max_num_seqs=2)
+    a, b = s.add_request(req(7, max_new=8)), s.add_request(req(11, max_new=8))
+    c = s.add_request(req(2, max_new=5))
+    step, fired = s.runner.step, []
+
+    def faulty(segments, tables, num_logprobs=-1):
+        if not fired and sum(seg.decode for seg in segments) == 2:
+            fired.append(True)
+            raise RuntimeError("injected decode fault")
+        return step(segments, tables, num_logprobs)
+    s.runner.step = faulty
+    events = run(s)
+    assert fired == [True] and s.runner.resets == 1
+    for rid, first in ((a, 7), (b, 11)):
+        last = events[rid][-1]
+        assert isinstance(last, FailedOutput) and last.finish_reason == "error"
+        assert last.error == "the engine step failed: RuntimeError: injected decode fault"
+        got = tokens_of(events[rid])
+        assert 1 <= len(got) < 8 and got == chain(first, len(got))
+    assert tokens_of(events[c]) == chain(2, 5) and events[c][-1].finish_reason == "length"
     assert sorted(client.released) == [a, b, c]
     assert_clean(s, client)
 

@@ -441,6 +441,15 @@ def test_log_softmax_topn():
     assert ids0.shape == (2, 0) and top0.shape == (2, 0)
 
 
+def test_log_softmax_topn_past_the_vocabulary_pads():
+    """n larger than the vocabulary (a log-prob bucket of 20 on a 4-token
+    model): the real entries, then id -1 with log-prob -inf."""
+    logits = jnp.array([[1.0, 3.0, 2.0, 0.0]])
+    _, ids, top = S.log_softmax_topn(logits, jnp.array([0]), 6)
+    np.testing.assert_array_equal(ids, [[1, 2, 0, 3, -1, -1]])
+    assert np.isfinite(top[0, :4]).all() and (np.asarray(top[0, 4:]) == -np.inf).all()
+
+
 # ---------------------------------------------------------------------------
 # Host-side parameters.
 

@@ -59,6 +59,8 @@ def client(url):
 
 
 def _post(url, path, body=None, key=KEY, **kwargs):
+    if path.startswith("/v1/") and body is not None:
+        body = {"model": MODEL, **body}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + path, json=body, headers=headers, timeout=60, **kwargs)
 
@@ -231,7 +233,7 @@ def test_sixteen_concurrent_streams_equal_the_library_alone(url, llm):
 
 
 BAD_INPUTS = [
-    ("malformed JSON", "/v1/completions", b'{"prompt": "x",', 400, None),
+    ("malformed JSON", "/v1/completions", b'{"model": "toy", "prompt": "x",', 400, None),
     ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
     ("wrong type", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("wrong type: messages", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
@@ -241,8 +243,8 @@ BAD_INPUTS = [
     ("top_p = 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_p > 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("n < 1", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
-    ("temperature overflows to inf", "/v1/completions", b'{"prompt": "x", "temperature": 1e400}', 400,
-     "temperature"),
+    ("temperature overflows to inf", "/v1/completions",
+     b'{"model": "toy", "prompt": "x", "temperature": 1e400}', 400, "temperature"),
     ("prompt alone fills the context", "/v1/completions", {"prompt": "你好" * 16, "max_tokens": 4}, 400,
      "prompt"),
     ("context", "/v1/completions", {"prompt": "你好", "max_tokens": 31}, 400, "max_tokens"),
@@ -263,7 +265,7 @@ BAD_INPUTS = [
 def test_bad_input_gets_its_status_and_error_json(url, name, path, body, status, param):
     before = _metric(url, "jaxinfer_prompt_tokens_total")
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    raw = body if isinstance(body, bytes) else json.dumps({"model": MODEL, **body}).encode()
     r = httpx.post(url + path, content=raw, headers=headers, timeout=30)
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -309,7 +311,7 @@ def test_client_disconnect_aborts_and_frees_the_slot(server, url):
     generated = _metric(url, "jaxinfer_generation_tokens_total")
     restore = _slow_steps(server[0], 0.1)
     try:
-        body = {"prompt": "你好", "max_tokens": 28, "stream": True, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "你好", "max_tokens": 28, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30,
                           headers={"Authorization": f"Bearer {KEY}"}) as r:
             first = next(line for line in r.iter_lines() if line.startswith("data: "))
@@ -329,7 +331,7 @@ def test_full_waiting_queue_answers_503(llm):
     step = scheduler.step
     scheduler.step = lambda: (gate.wait(30), step())[1]
     with ServerThread(server.app) as url:
-        body = {"prompt": "你好", "max_tokens": 3}
+        body = {"model": MODEL, "prompt": "你好", "max_tokens": 3}
         with httpx.Client(timeout=60) as http:
             results = []
             first = threading.Thread(target=lambda: results.append(
@@ -360,7 +362,7 @@ def test_soak_leaves_nothing_behind(url):
             sem = asyncio.Semaphore(8)
 
             async def one(i):
-                body = {"prompt": ["你好", "世界", "大家"][i % 3], "max_tokens": 2 + i % 7,
+                body = {"model": MODEL, "prompt": ["你好", "世界", "大家"][i % 3], "max_tokens": 2 + i % 7,
                         "ignore_eos": i % 2 == 0, "stream": i % 3 == 0}
                 async with sem:
                     if i % 10 == 9:          # a client that leaves after the first chunk

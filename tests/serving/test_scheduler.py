@@ -241,6 +241,35 @@ def test_a_new_prompt_joins_the_next_step_beside_the_decoding_rows():
     assert tokens_of(events[short]) == chain(13, 12) and tokens_of(events[long]) == chain(20, 3)
 
 
+def test_a_prompt_longer_than_the_budget_takes_small_pieces_while_rows_decode():
+    """long_prefill_chunk_size caps a prompt with more than token_budget
+    tokens to prefill while rows decode; a prompt that fits the budget is
+    prefilled whole beside it; with nothing decoding the long prompt takes the
+    whole budget again."""
+    runner = FakeRunner(max_num_seqs=3, token_budget=16)
+    s = sched(runner, long_prefill_chunk_size=3, decode_chunk=1)
+    short = s.add_request(req(13, n_prompt=2, max_new=6))
+    early = s.step()                                   # 13's prompt, whole
+    long = s.add_request(req(20, n_prompt=30, max_new=2))
+    early += s.step()
+    mid = s.add_request(req(40, n_prompt=10, max_new=2))
+    events = run(s)
+    events[short] = [e for e in early if e.request_id == short] + events[short]
+    steps = steps_of(runner)
+    d0, d2 = (0, "decode", True), (2, "decode", True)
+    assert steps == [((0, 2, True),),
+                     (d0, (1, 3, False)),                      # 30 > 16 tokens: pieces of 3
+                     (d0, (1, 3, False), (2, 10, True)),       # 10 <= 16: whole, beside it
+                     (d0, d2, (1, 3, False)), (d0, d2, (1, 3, False)),
+                     (d0, (1, 3, False)), (d0, (1, 3, False)),
+                     ((1, 12, True),),                         # nothing decodes: the rest at once
+                     ((1, "decode", True),), ((1, "decode", True),)]
+    assert tokens_of(events[short]) == chain(13, 6) and tokens_of(events[long]) == chain(20, 2)
+    assert tokens_of(events[mid]) == chain(40, 2)
+    with pytest.raises(ValueError, match="long_prefill_chunk_size"):
+        sched(FakeRunner(), long_prefill_chunk_size=0)
+
+
 def test_with_nothing_decoding_prompts_fill_the_whole_budget():
     runner = FakeRunner(max_num_seqs=3, token_budget=16)
     s = sched(runner, prefill_chunk_size=4, decode_chunk=1)

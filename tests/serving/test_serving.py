@@ -93,6 +93,27 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
     assert served.programs.num_compiles == 5
 
 
+def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
+    """`warmup(background=True)` compiles admission and the smallest and
+    largest token buckets only; steps use those (a 6-token prompt pads to
+    32), and give the tokens of a run alone; `compile_behind` then compiles
+    the middle buckets and each becomes ready."""
+    v = llm.config.vocab_size
+    request = Request(_ids(6, v, 7), GREEDY, max_new_tokens=5)
+    [alone] = llm.generate([list(request.prompt_ids)], GREEDY, max_new_tokens=5)
+    served = LLM(llm.config, llm.params, max_seq_len=64, prefill_chunk_size=8, max_num_batched_tokens=32)
+    sched = served.scheduler(2)
+    assert sched.runner.warmup(background=True) == 3 == served.programs.num_compiles
+    assert sched.runner.ready_buckets == [4, 32]
+    assert sched.runner.step_shape(6) == (32, 2) and sched.runner.step_shape(3) == (4, 2)
+    assert _run(sched, {0: [request]}) == [alone.token_ids]
+    assert served.programs.num_compiles == 3
+    sched.runner.compile_behind()
+    assert sched.runner.wait_compiled(timeout_s=300)
+    assert sched.runner.ready_buckets == [4, 8, 16, 32] and served.programs.num_compiles == 5
+    assert sched.runner.step_shape(6) == (8, 2)
+
+
 def test_greedy_tokens_follow_the_reference(llm):
     """The continuous-batching run of a request inserted beside others gives
     the float64 reference's greedy tokens."""

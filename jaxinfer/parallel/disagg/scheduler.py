@@ -22,6 +22,9 @@ that fails or passes its deadline, a payload that does not fit (corrupt,
 another model), a write or an admission that raises: that request
 finishes with `finish_reason="error"` and a message (`FailedOutput`), its
 slot and pages are freed, its worker's copy released. Others go on.
+A fault in a decoding step shared by every row is the colocated
+scheduler's (`serving.faults.fail_step`): requests out at workers or
+received but not seated are untouched by it.
 """
 
 from __future__ import annotations
@@ -34,16 +37,9 @@ from typing import Optional, Protocol
 import numpy as np
 
 from jaxinfer.parallel.disagg.transfer import Receipt, Ticket, TransferError
+from jaxinfer.serving.faults import FailedOutput, fail_request
 from jaxinfer.serving.request import Request, RequestOutput
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
-
-
-@dataclasses.dataclass
-class FailedOutput(RequestOutput):
-    """The last event of a request that failed: finish_reason "error",
-    `error` says why (which worker, what happened)."""
-
-    error: str = ""
 
 
 @dataclasses.dataclass
@@ -310,23 +306,16 @@ class DisaggScheduler(Scheduler):
 
     def _fail(self, rid: int, message: str) -> None:
         """Finish one request with a `FailedOutput`, freeing what it holds."""
-        seq = self.seqs.get(rid)
         for held in (self._at_worker, self._to_prefill):
             if rid in held:
                 held.remove(rid)
         self._receiving.pop(rid, None)
         self._received.pop(rid, None)
-        self.streaming.discard(rid)
-        if seq is None or seq.state.finished:
-            return                                      # aborted: its abort event is on its way
-        del self.seqs[rid]
-        self._free(seq)
-        state = seq.state
-        state.finished, state.finish_reason = True, "error"
-        state.timings.finished = self.clock()
-        self._events.append(FailedOutput(rid, "", [], None, True, "error", state.num_prompt_tokens,
-                                         len(state.token_ids), state.timings, error=message))
+        fail_request(self, rid, message)
 
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+__all__ = ["DisaggScheduler", "FailedOutput", "PrefillClient", "PrefillResult"]

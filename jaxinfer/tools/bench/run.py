@@ -56,6 +56,7 @@ from typing import Optional, Sequence
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.config import GenerationConfig
 from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.progress import Progress
 from jaxinfer.serving.llm import LLM
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.tools.bench.machine import cpu_info, measure_machine, torch_matmul_probe
@@ -101,11 +102,15 @@ def _model_stem(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
 
+def progress_bar(total: int, desc: str, no_progress: bool = False):
+    """A tqdm bar of `total` tasks on stderr, only when stderr is a terminal
+    and not `no_progress` (a redirected log gets no bar lines); otherwise a
+    bar that shows nothing. Use as a context manager."""
+    return Progress(enabled=False if no_progress else None).bar(total, desc, unit="task")
+
+
 def run_bench(args) -> dict:
     """The whole benchmark; returns the results dict (written to disk by `cmd_bench`)."""
-    from tqdm import tqdm
-
-
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     sweep = _sweep_from_args(args)
     if args.persistent_cache:
@@ -124,8 +129,7 @@ def run_bench(args) -> dict:
                      if t <= max_len]
     tasks = 3 + len(prefill_cells) + len(sweep.decode_batches) + bool(peer_names) - bool(
         args.no_compile_probe)
-    with tqdm(total=tasks, desc="roofline", unit="task", disable=args.no_progress,
-              file=sys.stderr, dynamic_ncols=True) as bar:
+    with progress_bar(tasks, "roofline", args.no_progress) as bar:
         results["machine"] = measure_machine(sweep, llm.config)
         bar.update()
         results.update(model_facts(llm, cfg.max_seq_len))
@@ -241,7 +245,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile-probe", action="store_true",
                    help="skip the first/second-start compile measurement (two subprocesses)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
 
 
