@@ -54,7 +54,9 @@ def constraint_regex(spec: StructuredOutput) -> str:
     schema = _ANY_OBJECT if spec.json_object else spec.json_schema
     try:
         return build_regex_from_schema(schema)
-    except Exception as e:  # the library raises its own error types
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
         raise ValueError(f"json_schema: {e}") from None
 
 
@@ -214,7 +216,9 @@ class GrammarCompiler:
         regex = constraint_regex(spec)
         try:
             index = outlines_core.Index(regex, self.vocabulary())
-        except Exception as e:  # the library's own error types
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
             raise ValueError(f"structured output: {e}") from None
         grammar = grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
         if grammar.nbytes > self.max_table_bytes:

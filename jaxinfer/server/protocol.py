@@ -164,14 +164,18 @@ class _Sampling(_Strict):
         given = {}
         tool = self.forced_tool() if hasattr(self, "forced_tool") else None
         if tool is not None:
-            given["tool_choice"] = StructuredOutput(
-                json_schema=tool.get("parameters") or {"type": "object"})
+            schema = tool.get("parameters") or {"type": "object"}
+            if not isinstance(schema, dict):
+                raise APIError(400, "a tool's parameters must be a JSON schema object",
+                               param="tools")
+            given["tool_choice"] = StructuredOutput(json_schema=schema)
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
         if kind == "json_object":
             given["response_format"] = StructuredOutput(json_object=True)
         elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
+            inner = fmt.get("json_schema")
+            schema = inner.get("schema") if isinstance(inner, dict) else None
             if not isinstance(schema, dict):
                 raise APIError(400, "response_format.json_schema.schema must be a JSON schema "
                                "object", param="response_format")
@@ -259,8 +263,9 @@ class ChatCompletionRequest(_Sampling):
                 raise APIError(400, 'tool_choice "required" needs exactly one tool here; name one '
                                "instead", param="tool_choice")
             return next(iter(functions.values()))
-        name = ((choice or {}).get("function") or {}).get("name") if isinstance(choice, dict) else None
-        if name not in functions:
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in functions:
             raise APIError(400, f"tool_choice names no function in tools: {choice!r}",
                            param="tool_choice")
         return functions[name]

@@ -109,3 +109,18 @@ def test_tool_choice_auto_and_unknown_names_are_400(client):
     with pytest.raises(openai.BadRequestError, match="names no function"):
         client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL],
                                        tool_choice={"type": "function", "function": {"name": "x"}})
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_schema", "json_schema": 5}},
+    {"response_format": {"type": 5}},
+    {"tools": [TOOL], "tool_choice": {"function": 5}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+     "tool_choice": "required"},
+    {"tools": 5, "tool_choice": "required"},
+])
+def test_malformed_constraint_fields_are_api_errors(fields):
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+    with pytest.raises(APIError) as e:
+        body.structured_output()
+    assert e.value.status == 400
