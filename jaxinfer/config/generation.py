@@ -70,11 +70,12 @@ class GenerationConfig:
       prefill_chunk_size: prompt tokens per serving step while requests
         decode (the bound on a running stream's gap between two tokens);
         null: the whole token budget (see jaxinfer/serving/scheduler.py).
-      long_prefill_chunk_size: in `jaxinfer serve`, tokens per step of a
-        prompt longer than the token budget while requests decode (such a
-        prompt takes several steps anyway; small pieces keep the running
-        streams' gaps near one decode step's, at some cost to its own
-        TTFT); null: as any prompt (prefill_chunk_size).
+      long_prefill_chunk_size: in `jaxinfer serve`, while requests decode,
+        a prompt longer than the token budget fills a step only up to the
+        token bucket of the decode tokens plus this many, after the other
+        prompts (it takes several steps anyway; small pieces keep the
+        running streams' gaps near one decode step's, at some cost to its
+        own TTFT); null: as any prompt (prefill_chunk_size).
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget and largest compiled token bucket).
       sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed

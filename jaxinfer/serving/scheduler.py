@@ -15,8 +15,10 @@ Each request tracks how many of its tokens have K/V in its slot's pages
 One compiled ragged forward (`engine.step`) runs all of it. While rows
 decode, prompts take at most `prefill_chunk_size` tokens per step (it bounds
 a running stream's gap between tokens), and a prompt longer than the token
-budget at most `long_prefill_chunk_size` (it takes several steps anyway;
-Sarathi-Serve's stall-free batching); with nothing decoding, the whole budget.
+budget goes after the others, filling the step only up to the token bucket
+of the decode tokens plus `long_prefill_chunk_size` (it takes several steps
+anyway; Sarathi-Serve's stall-free batching); with nothing decoding, the
+whole budget.
 
 The step is dispatched before the previous step's tokens are read (decoding
 rows take their tokens from the device), so the host detokenizes and matches
@@ -56,7 +58,8 @@ from typing import Callable, Optional
 from jaxinfer.sampling.rows import NO_TOKEN
 from jaxinfer.serving import faults
 from jaxinfer.serving.pages import KVPageManager
-from jaxinfer.serving.request import QueueFullError, Request, RequestOutput, RequestState
+from jaxinfer.serving.request import (QueueFullError, Request, RequestOutput, RequestState,
+                                      check_fits)
 from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
 
 POLICIES = ("continuous", "static")
@@ -149,24 +152,9 @@ class Scheduler:
         return {rid: seq.state for rid, seq in self.seqs.items()}
 
     def check(self, request: Request) -> None:
-        """Raise ValueError when the request can never run here: an empty
-        prompt, prompt + max_new_tokens beyond max_seq_len, more pages than
-        the whole pool, or a structured output that does not compile."""
-        n, limit = len(request.prompt_ids), self.runner.max_seq_len
-        if request.sampling.structured is not None:
-            self.runner.check_structured(request)
-        if n == 0:
-            raise ValueError("empty prompt: a request needs at least one token")
-        total = n + request.max_new_tokens
-        if total > limit:
-            raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} = "
-                             f"{total} exceeds max_seq_len {limit}; shorten the prompt, lower "
-                             "max_new_tokens or raise max_seq_len")
-        need = self.pages.pages_for(total + self.runner.width)
-        if need > self.runner.num_pages:
-            raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} needs "
-                             f"{need} KV pages of {self.runner.page_size} tokens; the pool has "
-                             f"{self.runner.num_pages} (raise num_pages or kv_cache_memory)")
+        """Raise ValueError when the request can never run here
+        (`request.check_fits`)."""
+        check_fits(request, self.runner, self.pages.pages_for)
 
     def add_request(self, request: Request, stream: bool = False) -> int:
         """Queue a request; returns its id. `stream`: it wants each token as
@@ -274,7 +262,7 @@ class Scheduler:
             segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
             owners.append((seq.state.request_id, True, seq.order))
         self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits,
-                           bool(decoding))
+                           len(decoding))
         if not segments:
             return None
         self.runner.admit(admits)
@@ -367,29 +355,37 @@ class Scheduler:
         self.waiting.appendleft(seq.state.request_id)
         self.num_preempted += 1
 
-    def _fill_prompts(self, budget: int, segments, owners, admits, decoding: bool) -> None:
-        """Prompt chunks of running prefills, then of new admissions, within
-        `budget` tokens (a long prompt's within long_prefill_chunk_size while
-        rows are `decoding`)."""
-        def chunk(seq: _Seq) -> int:
-            cap = budget
-            if decoding and self.long_prefill_chunk_size and seq.long_prompt:
-                cap = min(cap, self.long_prefill_chunk_size)
-            return self._chunk(seq, cap, segments, owners)
+    def _fill_prompts(self, budget: int, segments, owners, admits, num_decoding: int) -> None:
+        """Prompt chunks within `budget` tokens: running prefills (oldest
+        first), then new admissions; while rows decode, long prompts go last
+        and fill the step only up to the token bucket of the decoding rows
+        plus long_prefill_chunk_size (the bucket is computed anyway)."""
+        long_cap, decode, start = bool(num_decoding and self.long_prefill_chunk_size), 0, budget
+        if long_cap:      # prompt tokens that bucket holds beside the decode tokens
+            decode = self.runner.width * num_decoding
+            top = self.runner.step_shape(min(decode + self.long_prefill_chunk_size,
+                                             self.runner.token_budget))[0] - decode
 
+        def chunk(seq: _Seq) -> int:
+            n = min(budget, top - (start - budget)) if long_cap and seq.long_prompt else budget
+            return self._chunk(seq, n, segments, owners) if n > 0 else 0
+
+        deferred = []
         for seq in self._running():
-            if budget <= 0:
-                return
-            if seq.prefilling and not seq.state.finished:
-                budget -= chunk(seq)
-        if self.policy == "static" and self.num_running:
-            return
-        while budget > 0 and self.waiting and None in self.slots:
+            if seq.prefilling and not seq.state.finished and budget > 0:
+                if long_cap and seq.long_prompt:
+                    deferred.append(seq)
+                else:
+                    budget -= chunk(seq)
+        admitting = not (self.policy == "static" and self.num_running)
+        while admitting and budget > 0 and self.waiting and None in self.slots:
             seq = self.seqs[self.waiting[0]]
             admission = self._admit(seq, budget)
             if admission is None:
-                return
+                break
             admits.append(admission)
+            budget -= chunk(seq)
+        for seq in deferred:
             budget -= chunk(seq)
 
     def _admit(self, seq: _Seq, budget: int) -> Optional[Admission]:

@@ -41,6 +41,14 @@ class FakeRunner:
         self.log = []
         self.decode_steps = 0
 
+    def step_shape(self, num_tokens):
+        """(T, R): power-of-two token buckets from 4, as ModelRunner's."""
+        t = 4
+        while t < num_tokens:
+            t *= 2
+        assert t <= self.token_budget
+        return t, min(t, self.max_num_seqs)
+
     def segment_width(self, segment):
         return 1 if segment.decode else len(segment.tokens)
 
@@ -242,10 +250,12 @@ def test_a_new_prompt_joins_the_next_step_beside_the_decoding_rows():
 
 
 def test_a_prompt_longer_than_the_budget_takes_small_pieces_while_rows_decode():
-    """long_prefill_chunk_size caps a prompt with more than token_budget
-    tokens to prefill while rows decode; a prompt that fits the budget is
-    prefilled whole beside it; with nothing decoding the long prompt takes the
-    whole budget again."""
+    """While rows decode, a prompt with more than token_budget tokens to
+    prefill goes after the other prompts and fills the step only up to the
+    token bucket of the decode tokens plus long_prefill_chunk_size (the
+    fake's buckets: 4, 8, 16); a prompt that fits the budget is prefilled
+    whole before it; with nothing decoding the long prompt takes the whole
+    budget again."""
     runner = FakeRunner(max_num_seqs=3, token_budget=16)
     s = sched(runner, long_prefill_chunk_size=3, decode_chunk=1)
     short = s.add_request(req(13, n_prompt=2, max_new=6))
@@ -258,11 +268,12 @@ def test_a_prompt_longer_than_the_budget_takes_small_pieces_while_rows_decode():
     steps = steps_of(runner)
     d0, d2 = (0, "decode", True), (2, "decode", True)
     assert steps == [((0, 2, True),),
-                     (d0, (1, 3, False)),                      # 30 > 16 tokens: pieces of 3
-                     (d0, (1, 3, False), (2, 10, True)),       # 10 <= 16: whole, beside it
-                     (d0, d2, (1, 3, False)), (d0, d2, (1, 3, False)),
+                     (d0, (1, 3, False)),             # 30 > 16 tokens: bucket(1 + 3) = 4 holds 3
+                     (d0, (2, 10, True)),             # 10 <= 16: whole and first; 11 > 4: none of 20
+                     (d0, d2, (1, 6, False)),         # bucket(2 + 3) = 8 holds 6
+                     (d0, d2, (1, 6, False)),
                      (d0, (1, 3, False)), (d0, (1, 3, False)),
-                     ((1, 12, True),),                         # nothing decodes: the rest at once
+                     ((1, 9, True),),                 # nothing decodes: the rest at once
                      ((1, "decode", True),), ((1, "decode", True),)]
     assert tokens_of(events[short]) == chain(13, 6) and tokens_of(events[long]) == chain(20, 2)
     assert tokens_of(events[mid]) == chain(40, 2)
