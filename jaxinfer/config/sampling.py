@@ -122,7 +122,12 @@ class SamplingParams:
 
     def __post_init__(self):
         if isinstance(self.structured, dict):     # a YAML mapping: the StructuredOutput fields
-            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+            try:
+                object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+            except TypeError as e:    # an unknown field
+                raise TypeError(f"structured: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"structured: {e}") from None
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise TypeError("SamplingParams.structured must be a StructuredOutput or None, got "
                             f"{self.structured!r}")
