@@ -41,8 +41,10 @@ def server(toy_folder):
 
 @pytest.fixture(scope="module")
 def http(server):
-    # a first use of a sampling variant compiles its programs: seconds on a busy machine
-    with httpx.Client(base_url=server[1], timeout=180) as client:
+    # a first use of a sampling variant compiles its programs, and a first json_object
+    # constraint its grammar (~25 s alone): minutes on a busy machine. One run beside
+    # another pytest process failed here; alone it took 126 s for all three tests.
+    with httpx.Client(base_url=server[1], timeout=600) as client:
         yield client
 
 
