@@ -16,12 +16,8 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from jaxinfer.serving.llm import LLM  # noqa: E402
-from jaxinfer.server import ServerThread, build_server  # noqa: E402
+from toy_server import CHAT, COMPLETIONS, MODEL, toy_server  # noqa: E402
 
-MODEL = "toy"
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"   # plain concatenation
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 FUZZ_CASES = 1000           # per route
 
 pytestmark = pytest.mark.slow
@@ -29,12 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(toy_folder):
-    llm = LLM.load(str(toy_folder), max_seq_len=32, max_num_seqs=4, prefill_chunk_size=8,
-                   min_kv_bucket=16, progress=False, load_cache=False)
-    llm.tokenizer.hf_tokenizer.chat_template = TEMPLATE
-    server = build_server(llm, model_name=MODEL, max_num_seqs=4, max_waiting_requests=512,
-                          max_request_bytes=1 << 16, warmup=True)
-    with ServerThread(server.app) as url:
+    with toy_server(toy_folder, max_waiting_requests=512) as (server, url):
         yield server, url
     assert server.engine.engine.error is None      # the engine thread never died
 
