@@ -117,17 +117,24 @@ def test_choice_distribution_is_the_renormalised_model_distribution(llm):
     assert chi2 < 16.27, (counts, expected)      # p = 0.001, 3 degrees of freedom
 
 
+def _check_speculation(llm, spec_llm, spec, max_new_tokens):
+    """Greedy and three seeded rows under `spec` with `spec_llm`'s speculation:
+    every output stops in the language, the greedy one equals `llm`'s plain
+    decoding, and drafts were made."""
+    params_ = [SamplingParams(structured=spec)] + [
+        SamplingParams(structured=spec, temperature=1.2, seed=s) for s in range(3)]
+    outs = spec_llm.generate(PROMPTS, params_, max_new_tokens=max_new_tokens)
+    assert all(o.finish_reason == "stop" and _valid(spec, o.text) for o in outs), outs
+    [plain] = llm.generate(PROMPTS[:1], params_[:1], max_new_tokens=max_new_tokens)
+    assert outs[0].token_ids == plain.token_ids
+    assert spec_llm.last_stats.drafted > 0
+
+
 def test_ngram_speculation_keeps_outputs_in_the_language_and_greedy_unchanged(llm):
     """Drafts are verified against the masked distribution: a draft outside
     the language has probability 0 there and is rejected at its position."""
     spec_llm = _llm(speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
-    params_ = [SamplingParams(structured=SPECS[0])] + [
-        SamplingParams(structured=SPECS[0], temperature=1.2, seed=s) for s in range(3)]
-    outs = spec_llm.generate(PROMPTS, params_, max_new_tokens=80)
-    assert all(o.finish_reason == "stop" and _valid(SPECS[0], o.text) for o in outs), outs
-    [plain] = llm.generate(PROMPTS[:1], params_[:1], max_new_tokens=80)
-    assert outs[0].token_ids == plain.token_ids
-    assert spec_llm.last_stats.drafted > 0
+    _check_speculation(llm, spec_llm, SPECS[0], max_new_tokens=80)
 
 
 def test_bad_constraint_fails_before_any_work(llm):
@@ -167,10 +174,4 @@ def test_draft_model_speculation_keeps_outputs_in_the_language(llm):
 
     draft = DraftModel(CONFIG, prepare_params(params(seed=1), CONFIG), "random")
     spec_llm = _llm(speculative=SpecConfig("draft", 3, draft=draft))
-    params_ = [SamplingParams(structured=SPECS[1])] + [
-        SamplingParams(structured=SPECS[1], temperature=1.2, seed=s) for s in range(3)]
-    outs = spec_llm.generate(PROMPTS, params_, max_new_tokens=40)
-    assert all(o.finish_reason == "stop" and _valid(SPECS[1], o.text) for o in outs), outs
-    [plain] = llm.generate(PROMPTS[:1], params_[:1], max_new_tokens=40)
-    assert outs[0].token_ids == plain.token_ids
-    assert spec_llm.last_stats.drafted > 0
+    _check_speculation(llm, spec_llm, SPECS[1], max_new_tokens=40)
