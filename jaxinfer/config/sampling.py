@@ -19,6 +19,7 @@ TEMPERATURE_FLOOR = 1e-6
 # low 32 bits of a larger seed, so larger seeds are rejected, not truncated.
 MAX_SEED = 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38      # float values must stay finite in float32
+FLOAT32_TINY = 1.1754943508222875e-38    # smallest normal float32: a smaller penalty would be 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,8 @@ class SamplingParams:
         0 is off. In [0, 1].
       repetition_penalty: a logit l of a token seen in the prompt or output
         becomes l / r if l > 0 else l * r (CTRL, Keskar et al. 2019,
-        arXiv:1909.05858; Hugging Face convention); 1.0 is off. > 0.
+        arXiv:1909.05858; Hugging Face convention); 1.0 is off. At least
+        FLOAT32_TINY (1.18e-38), so that it is not 0 in float32.
       presence_penalty: l -= presence_penalty once a token was generated
         (OpenAI convention; prompt tokens do not count); 0 is off.
       frequency_penalty: l -= frequency_penalty * (times the token was
@@ -144,7 +146,8 @@ class SamplingParams:
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0",
+        _check(self.repetition_penalty >= FLOAT32_TINY, "repetition_penalty",
+               f"must be > 0 and at least {FLOAT32_TINY:.7g} (the smallest normal float32)",
                self.repetition_penalty)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
             raise TypeError(f"SamplingParams.top_k must be an int, got {self.top_k!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.config.sampling import FLOAT32_MAX
 from jaxinfer.sampling.arrays import SamplingArrays
 
 
@@ -25,15 +26,18 @@ def apply_penalties(logits: jax.Array, seen: jax.Array, counts: jax.Array,
       arrays: per-row parameters.
 
     Returns:
-      f32[B, V].
+      f32[B, V]; a finite logit stays finite (clipped to the float32 range
+      when a penalty overflows it), a -inf (masked) logit stays -inf.
     """
     logits = logits.astype(jnp.float32)
+    masked = logits == -jnp.inf
     r = arrays.repetition_penalty[:, None]
     penalized = jnp.where(logits > 0, logits / r, logits * r)
     logits = jnp.where(seen, penalized, logits)
     presence = arrays.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
     frequency = arrays.frequency_penalty[:, None] * counts.astype(jnp.float32)
-    return logits - presence - frequency
+    out = jnp.clip(logits - presence - frequency, -FLOAT32_MAX, FLOAT32_MAX)
+    return jnp.where(masked, -jnp.inf, out)     # inf or nan would poison the softmax
 
 
 def init_history(tokens: jax.Array, valid: jax.Array, vocab_size: int):

@@ -147,6 +147,24 @@ def test_presence_and_frequency_hand_values():
     np.testing.assert_allclose(out, [[1.0, -0.25, -0.75, 0.5]], rtol=0, atol=1e-7)
 
 
+def test_penalties_that_overflow_float32_keep_logits_finite_and_masks_at_minus_inf():
+    # A repetition penalty at the smallest normal float32 divides a positive
+    # logit past float32's range, a large negative frequency penalty adds
+    # past it: both are clipped to +-FLOAT32_MAX (inf would make the
+    # softmax nan); a -inf (masked) logit stays -inf.
+    fmax = np.finfo(np.float32).max
+    logits = jnp.array([[10.0, -10.0, -jnp.inf, 1.0]])
+    seen = jnp.array([[True, True, True, False]])
+    counts = jnp.array([[0, 0, 2, 2]], jnp.int32)
+    arrays = arrays_for(1, repetition_penalty=1.1754943508222875e-38, frequency_penalty=-3e38)
+    out = np.asarray(S.apply_penalties(logits, seen, counts, arrays))
+    np.testing.assert_array_equal(out, [[fmax, -10.0 * 1.1754943508222875e-38, -np.inf, fmax]])
+    # Sampling such a row draws one of the two clipped tokens, for every seed.
+    hot = S.SamplingParams(temperature=1.0)
+    drawn = {int(draw(out, [seed], hot)[0]) for seed in range(16)}
+    assert drawn == {0, 3}
+
+
 def test_penalties_are_per_row_and_float32():
     logits = jnp.array([[2.0, -1.0], [2.0, -1.0]], jnp.bfloat16)
     seen = jnp.ones((2, 2), bool)
@@ -459,6 +477,7 @@ def test_log_softmax_topn_past_the_vocabulary_pads():
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
     ("min_p", -0.01), ("min_p", 1.01),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("repetition_penalty", 1e-300),        # > 0, but 0 in float32
     ("presence_penalty", float("inf")), ("frequency_penalty", float("nan")),
     ("seed", -1), ("seed", 2**32), ("top_k", -2), ("top_k", -3),
 ])

@@ -71,6 +71,12 @@ ERRORS = [
     ("temperature beyond float32", COMPLETIONS,
      {"model": MODEL, "prompt": "x", "temperature": 1e300}, 400, "temperature",
      "SamplingParams.temperature must be at most 3.402823e+38 in magnitude (float32), got 1e+300"),
+    # Found by the HTTP fuzz: > 0 but 0 in float32, the device divided by it and sampled nan.
+    ("repetition_penalty below float32", COMPLETIONS,
+     {"model": MODEL, "prompt": "00", "max_tokens": 2, "temperature": 1.0,
+      "repetition_penalty": 2.3115535959631603e-234}, 400, "repetition_penalty",
+     "SamplingParams.repetition_penalty must be > 0 and at least 1.175494e-38 (the smallest "
+     "normal float32), got 2.3115535959631603e-234"),
     ("temperature 1e400: completions", COMPLETIONS,
      b'{"model": "toy", "prompt": "x", "temperature": 1e400}', 400, "temperature",
      "temperature: Input should be a finite number"),
