@@ -11,7 +11,8 @@ and reads their events through thread-safe queues.
 
 `submit` accepts an `on_event` callback instead, called on the engine
 thread (an asyncio server passes one that hands the event to its loop with
-`call_soon_threadsafe`). `handle.abort()` finishes a request with "abort" at
+`call_soon_threadsafe`); an exception it raises is kept in `handle.error`
+and aborts that request, the engine serving on. `handle.abort()` finishes a request with "abort" at
 the next scheduler step and frees its slot.
 
 A request that fails (`serving.faults`: the scheduler could not add it, or
@@ -55,9 +56,15 @@ class RequestHandle:
         self.error: Optional[BaseException] = None
 
     def _deliver(self, event) -> None:
-        if isinstance(event, RequestOutput) and event.finished:
-            self.finished = True
-        self._on_event(event)
+        finished = isinstance(event, RequestOutput) and event.finished
+        was_finished, self.finished = self.finished, self.finished or finished
+        try:
+            self._on_event(event)
+        except Exception as e:  # noqa: BLE001 - the caller's callback: its request ends, not the engine
+            if self.error is None:
+                self.error = e
+                if not was_finished and not finished:
+                    self.engine.abort(self)
 
     def __iter__(self):
         """Yield RequestOutput events until the finished one (raises

@@ -190,3 +190,28 @@ def test_an_engine_thread_request_the_scheduler_cannot_add_fails_alone(params, c
     finally:
         engine.stop()
     assert_clean(sched)
+
+
+def test_an_on_event_callback_that_raises_aborts_its_request_and_the_engine_goes_on(
+        params, clean_run):
+    """A caller's on_event raising on B's first event: the exception is kept
+    in B's handle, B is aborted (no further event reaches the callback after
+    its abort event), and D, submitted after, gets its clean-run tokens."""
+    sched = scheduler(params)
+    engine = EngineThread(sched).start()
+    seen = []
+
+    def broken(event):
+        seen.append(event)
+        raise ValueError("the consumer broke")
+
+    try:
+        handle = engine.submit(request("B"), on_event=broken)
+        events = list(engine.submit(request("D")))
+        assert sum((e.token_ids for e in events), []) == clean_run["D"] and engine.running
+        assert isinstance(handle.error, ValueError) and str(handle.error) == "the consumer broke"
+        assert handle.finished and seen[-1].finished and seen[-1].finish_reason == "abort"
+        assert not any(e.finished for e in seen[:-1])
+    finally:
+        engine.stop()
+    assert_clean(sched)
