@@ -17,7 +17,10 @@ backend; nothing here implements BPE or SentencePiece.
   where the key hashes the file's resolved path, size and mtime and the
   transformers/tokenizers versions. Later runs load the saved folder with
   the tokenizer class itself (not `AutoTokenizer`, whose import pulls in
-  torch when it is installed) and never open the GGUF.
+  torch when it is installed) and never open the GGUF. A damaged entry is
+  reported as one line on the `jaxinfer.tokenizer.tokenizer` logger
+  (warning level; stderr when logging is not configured) and converted
+  again.
 * Hugging Face folder: `tokenizer.json` + `tokenizer_config.json` (chat
   template inside, or in `chat_template.jinja`), loaded with
   `AutoTokenizer.from_pretrained(folder)`.
@@ -30,17 +33,19 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import os
 import pathlib
 import shutil
 import tempfile
-import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from jaxinfer.config import cache_dir as default_cache_dir
 from jaxinfer.tokenizer import gguf as gguf_tokenizer
 from jaxinfer.checkpoint.gguf import open_reader
+
+log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 3   # 2: built without torch; 3: the tokenizer class is recorded
 _META_FILE = "jaxinfer_tokenizer.json"
@@ -121,7 +126,8 @@ class Tokenizer:
             try:
                 return cls._from_cache(slot, path)
             except Exception as e:  # a damaged cache entry: convert again
-                warnings.warn(f"ignoring unreadable tokenizer cache {slot}: {e}", RuntimeWarning)
+                log.warning("jaxinfer tokenizer cache: ignoring unreadable %s: %s; converting again",
+                            slot, e)
                 shutil.rmtree(slot, ignore_errors=True)
         reader = reader() if callable(reader) else reader
         if reader is None:
@@ -447,7 +453,7 @@ def _save_to_cache(hf, slot: pathlib.Path, meta: dict) -> None:
         tmp = None
     except OSError as e:
         if not (slot / _META_FILE).is_file():  # not just a concurrent writer that won
-            warnings.warn(f"could not cache the converted tokenizer in {slot}: {e}", RuntimeWarning)
+            log.warning("jaxinfer tokenizer cache: could not write %s: %s", slot, e)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pathlib
 import random
@@ -430,7 +431,7 @@ def test_hf_folder(tmp_path):
         Tokenizer.from_pretrained(tmp_path / "missing")
 
 
-def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
+def test_gguf_scalars_and_cache(tmp_path, monkeypatch, caplog):
     from transformers import AutoTokenizer
 
     gguf_path = tmp_path / "tiny.gguf"
@@ -483,8 +484,11 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch):
     slot = _cache_slot(gguf_path.resolve(), cache)
     assert (slot / "jaxinfer_tokenizer.json").is_file()
     (slot / "tokenizer.json").write_text("{broken")
-    with pytest.warns(RuntimeWarning, match="unreadable tokenizer cache"):
+    with caplog.at_level(logging.WARNING, "jaxinfer.tokenizer.tokenizer"):
         assert Tokenizer.from_gguf(gguf_path, cache_dir=cache).encode("Hi") == fresh.encode("Hi")
+    [record] = caplog.records
+    assert record.getMessage().startswith(f"jaxinfer tokenizer cache: ignoring unreadable {slot}: ")
+    assert record.getMessage().endswith("; converting again")
     assert Tokenizer.from_gguf(gguf_path, cache_dir=cache).encode("Hi") == fresh.encode("Hi")
     # cache=False converts again and writes nothing.
     Tokenizer.from_gguf(gguf_path, cache=False, cache_dir=tmp_path / "unused")
