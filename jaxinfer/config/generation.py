@@ -83,6 +83,11 @@ class GenerationConfig:
         memory stops growing with the context (see
         jaxinfer/cache/paged_ring.py); prefix caching is then off (true
         with it is an error), and disaggregated prefill refuses it.
+      deterministic: a request's tokens and log-probs are bitwise the same
+        whatever the batch, its neighbours, the chunking, a prefix-cache hit
+        or a preemption (jaxinfer/serving/deterministic.py); loading fails
+        with the reason where it cannot hold (int8/q4 weights, a bfloat16
+        or int8 KV cache, the CPU kernels off).
       speculative: null (off), "ngram" (prompt lookup) or "draft" (a draft
         model): speculative decoding (see jaxinfer/speculative/).
       num_speculative_tokens: k, tokens proposed per verification round.
@@ -130,6 +135,7 @@ class GenerationConfig:
     long_prefill_chunk_size: Optional[int] = 64
     max_num_batched_tokens: int = 512
     sliding_window_ring: bool = False
+    deterministic: bool = False
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1
@@ -184,7 +190,7 @@ class GenerationConfig:
                  "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
                  "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
                  "ngram_min": int, "ngram_max": int, "warmup": bool,
-                 "sliding_window_ring": bool,
+                 "sliding_window_ring": bool, "deterministic": bool,
                  "page_size": int, "max_num_batched_tokens": int}
         for name, kind in kinds.items():
             value = getattr(self, name)

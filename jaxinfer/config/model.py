@@ -57,6 +57,10 @@ class ModelConfig:
       sandwich_norm: norms after attention and around the MLP (Gemma 2/3).
       scale_embeddings: multiply embeddings by sqrt(hidden_size), the scale
         rounded to the activation dtype (Gemma).
+      deterministic: the families take every reduction of the forward in
+        an order fixed by the row alone (`nn.norm.ordered_sum`), so that a
+        row's logits do not depend on the rows beside it; set by
+        `LLM(deterministic=True)`, never read from a checkpoint.
     """
 
     arch: str
@@ -83,6 +87,7 @@ class ModelConfig:
     qk_norm: bool = False
     sandwich_norm: bool = False
     scale_embeddings: bool = False
+    deterministic: bool = False
 
     def __post_init__(self):
         if not isinstance(self.arch, str) or not self.arch:

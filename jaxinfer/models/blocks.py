@@ -75,8 +75,8 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
     k = qkv[..., nq:nq + nk].reshape(b, t, kv, hd)
     v = qkv[..., nq + nk:].reshape(b, t, kv, hd)
     if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps, config.deterministic)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps, config.deterministic)
     q = apply_rope(q, *rope)
     k = apply_rope(k, *rope)
     return (q * jnp.asarray(config.query_scale, q.dtype)), k, v

@@ -46,19 +46,20 @@ def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
     """One Gemma 3 decoder layer. x: [B, T, D]; returns (x, the layer's K/V
     buffers after `attend`)."""
     eps = config.rms_norm_eps
-    h = rms_norm(x, p["input_layernorm"], eps)
+    h = rms_norm(x, p["input_layernorm"], eps, config.deterministic)
     q, k, v = project_qkv(p, h, rope, config)
     attn, kv = attend(q, k, v, kv)
     h = output_projection(attn, p["o_proj"])
-    x = x + rms_norm(h, p["post_attention_layernorm"], eps)
-    h = rms_norm(x, p["pre_feedforward_layernorm"], eps)
+    x = x + rms_norm(h, p["post_attention_layernorm"], eps, config.deterministic)
+    h = rms_norm(x, p["pre_feedforward_layernorm"], eps, config.deterministic)
     h = gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
-    return x + rms_norm(h, p["post_feedforward_layernorm"], eps), kv
+    return x + rms_norm(h, p["post_feedforward_layernorm"], eps, config.deterministic), kv
 
 
 def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Final RMSNorm, tied LM head and optional final soft-cap -> float32 [..., V]."""
-    return lm_head(params, rms_norm(h, params["norm"], config.rms_norm_eps), config)
+    h = rms_norm(h, params["norm"], config.rms_norm_eps, config.deterministic)
+    return lm_head(params, h, config)
 
 
 # --- Hugging Face config.json ----------------------------------------------------------------

@@ -37,17 +37,18 @@ def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
 def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
     """One decoder layer: x + attn(norm(x)), then + mlp(norm(x)).
     x: [B, T, D]; returns (x, the layer's K/V buffers after `attend`)."""
-    h = rms_norm(x, p["input_layernorm"], config.rms_norm_eps)
+    h = rms_norm(x, p["input_layernorm"], config.rms_norm_eps, config.deterministic)
     q, k, v = project_qkv(p, h, rope, config)
     attn, kv = attend(q, k, v, kv)
     x = x + output_projection(attn, p["o_proj"])
-    h = rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps)
+    h = rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps, config.deterministic)
     return x + gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act), kv
 
 
 def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Final RMSNorm and LM head: [..., D] -> float32 logits [..., V]."""
-    return lm_head(params, rms_norm(h, params["norm"], config.rms_norm_eps), config)
+    h = rms_norm(h, params["norm"], config.rms_norm_eps, config.deterministic)
+    return lm_head(params, h, config)
 
 
 # --- Hugging Face config.json ----------------------------------------------------------------

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config.sampling import TEMPERATURE_FLOOR
+from jaxinfer.nn.norm import ordered_sum
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.filters import keep_mask, materialize
 
@@ -148,7 +149,8 @@ def log_softmax_topn(logits: jax.Array, tokens: jax.Array, n: int):
 
     Computed from the raw model logits: before penalties, temperature and
     filtering. So the reported log-prob of a token is the model's, not that of
-    the filtered distribution it was drawn from.
+    the filtered distribution it was drawn from. The normaliser is an
+    `nn.ordered_sum`, so a row's log-probs depend only on its logits.
 
     Args:
       logits: [B, V] raw logits, any float dtype.
@@ -160,7 +162,9 @@ def log_softmax_topn(logits: jax.Array, tokens: jax.Array, n: int):
       top entries in descending order, lower index first on ties. When the
       vocabulary V is smaller than n, entries past V are id -1, log-prob -inf.
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    logprobs = shifted - jnp.log(ordered_sum(jnp.exp(shifted)))[:, None]
     token_lp = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
     if n <= 0:
         b = logits.shape[0]

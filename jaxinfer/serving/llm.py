@@ -25,6 +25,7 @@ import numpy as np
 from jaxinfer.engine import phases as engine
 from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
+from jaxinfer.serving.deterministic import check_deterministic
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
 from jaxinfer.cache.paged_ring import pool_costs, ring_pages_for
 from jaxinfer.config.generation import check_ring
@@ -34,7 +35,7 @@ from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.sampling.grammar import GrammarCompiler
-from jaxinfer.serving.request import Request, RequestOutput
+from jaxinfer.serving.request import Request, RequestOutput, per_row
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative import SpecConfig
 from jaxinfer.serving.scheduler import Scheduler
@@ -104,11 +105,14 @@ class LLM:
       sliding_window_ring: sliding-window layers keep a fixed ring of pages
         per slot (`cache.paged_ring`): their K/V memory no longer grows with
         the context; prefix caching is off and page transfers are refused.
+      deterministic: a row's tokens and log-probs bitwise independent of its
+        batch, neighbours, chunking and cache hits (`serving.deterministic`).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
         size below 1, both num_pages and kv_cache_memory given, no model
         family registered as config.arch, or sliding_window_ring on a model
-        without sliding layers or with prefix_caching=True.
+        without sliding layers or with prefix_caching=True, or
+        deterministic=True where it cannot hold (`check_deterministic`).
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
@@ -118,7 +122,8 @@ class LLM:
                  speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
                  page_size: int = 16, num_pages: Optional[int] = None,
                  kv_cache_memory: Optional[int] = None, prefix_caching: Optional[bool] = None,
-                 max_num_batched_tokens: int = 512, sliding_window_ring: bool = False):
+                 max_num_batched_tokens: int = 512, sliding_window_ring: bool = False,
+                 deterministic: bool = False):
         if not 2 <= max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {max_seq_len}")
@@ -135,7 +140,7 @@ class LLM:
         step_tokens = max_num_batched_tokens + (speculative.num_speculative_tokens if speculative else 0)
         self.ring_pages = (ring_pages_for(config, page_size, step_tokens, max_seq_len)
                            if sliding_window_ring else 0)      # R per slot (`cache.paged_ring`)
-        self.config = config
+        self.config = config = config.replace(deterministic=bool(deterministic))
         self.params = models.family(config.arch).prepare(params, config)
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size) if tokenizer else None
@@ -156,6 +161,9 @@ class LLM:
         self.prefix_caching = not sliding_window_ring if prefix_caching is None else prefix_caching
         self.token_budget = int(max_num_batched_tokens)
         self.backend = choose_backend(self.cache_dtype)
+        if deterministic:
+            check_deterministic(config, self.params, self.backend,
+                                kv_cache_dtype or self.cache_dtype, self.token_budget)
         self.programs = ProgramCache()
         self.last_stats = RunStats()
         self._scheduler: Optional[Scheduler] = None
@@ -209,14 +217,10 @@ class LLM:
         spec = speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
                                         cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype,
                                         cfg.draft_weights)
-        llm = cls(config, params, tokenizer, max_seq_len=cfg.max_seq_len,
-                  decode_chunk=cfg.decode_chunk, max_num_seqs=cfg.max_num_seqs,
-                  prefill_chunk_size=cfg.prefill_chunk_size, speculative=spec,
-                  kv_cache_dtype=cfg.kv_cache_dtype, page_size=cfg.page_size,
-                  num_pages=cfg.num_pages, kv_cache_memory=cfg.kv_cache_memory,
-                  prefix_caching=cfg.prefix_caching,
-                  max_num_batched_tokens=cfg.max_num_batched_tokens,
-                  sliding_window_ring=cfg.sliding_window_ring)
+        names = ("max_seq_len", "decode_chunk", "max_num_seqs", "prefill_chunk_size",
+                 "kv_cache_dtype", "page_size", "num_pages", "kv_cache_memory", "prefix_caching",
+                 "max_num_batched_tokens", "sliding_window_ring", "deterministic")
+        llm = cls(config, params, tokenizer, speculative=spec, **{n: getattr(cfg, n) for n in names})
         llm.programs.progress, llm.programs.max_programs = progress, cfg.max_programs
         return llm
 
@@ -359,10 +363,10 @@ class LLM:
         if n == 0:
             raise ValueError("no prompts given")
         ids = [self.encode_prompt(p, chat) for p in prompts]
-        params = _per_row(sampling_params, n, "sampling_params") or [sampling.SamplingParams()] * n
-        budgets = _per_row(max_new_tokens, n, "max_new_tokens")
-        mins = _per_row(min_tokens, n, "min_tokens")
-        ignores = _per_row(ignore_eos, n, "ignore_eos")
+        params = per_row(sampling_params, n, "sampling_params") or [sampling.SamplingParams()] * n
+        budgets = per_row(max_new_tokens, n, "max_new_tokens")
+        mins = per_row(min_tokens, n, "min_tokens")
+        ignores = per_row(ignore_eos, n, "ignore_eos")
         out = []
         for row, (p, m) in enumerate(zip(ids, budgets)):
             if isinstance(m, (int, np.integer)) and m >= 1 and len(p) + m > self.max_seq_len:
@@ -488,13 +492,3 @@ def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):
         tokens[row, :len(p)] = p
         lengths[row] = len(p)
     return jnp.asarray(tokens), jnp.asarray(lengths)
-
-
-def _per_row(value, n: int, name: str) -> list:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return list(value)
-    return [value] * n

@@ -333,3 +333,14 @@ def check_fits(request: Request, runner, pages_for) -> None:
         raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} needs "
                          f"{need} KV pages of {runner.page_size} tokens; the pool has "
                          f"{runner.num_pages} (raise num_pages or kv_cache_memory)")
+
+
+def per_row(value, n: int, name: str) -> list:
+    """`value` as a list of n (a list or tuple must have n entries; None: [])."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
