@@ -4,6 +4,7 @@ a streamed constrained response, and 400s for bad constraints. The model is
 the tiny random Llama with a character tokenizer (tests/structured_cases.py)."""
 
 import json
+import pathlib
 import re
 
 import pytest
@@ -176,3 +177,23 @@ def test_malformed_constraint_fields_are_api_errors(fields):
     with pytest.raises(APIError) as e:
         body.structured_output()
     assert e.value.status == 400
+
+
+def _readme_block(containing: str) -> str:
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if containing in b]
+    return block
+
+
+def test_the_readme_example_runs_as_written(client, capsys):
+    """README's structured-output example, run against this server (only the
+    model name differs): its request fields are ones the server takes."""
+    code = _readme_block("tool_choice")
+    assert code.count('model="smollm2-135m-instruct"') == 2
+    namespace = {"client": client}
+    exec(code.replace('model="smollm2-135m-instruct"', 'model="tiny"'), namespace)
+    content, call = capsys.readouterr().out.splitlines()
+    jsonschema.validate(json.loads(content), namespace["schema"])
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and namespace["reply"].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(arguments), namespace["weather"]["function"]["parameters"])
