@@ -186,9 +186,17 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
 class GrammarCompiler:
     """Compiles `StructuredOutput`s for one tokenizer, caching each by spec.
 
+    `compile(spec)` is an LRU cache keyed by the spec (equal schemas are
+    equal specs: `StructuredOutput` keeps canonical JSON); the compiler is
+    bound to one tokenizer and V, so the key is in effect (constraint,
+    tokenizer). A repeated spec returns the same `Grammar` object; a spec
+    that fails is not cached. `compile.cache_info()` counts hits and misses.
+
     Args:
       tokenizer: a `jaxinfer.tokenizer.Tokenizer` (compiling needs an EOS id).
       vocab_size: the model's V (its logits' width; >= the tokenizer's).
+      cache_size: compiled grammars kept (least recently used dropped
+        first); 64 by default.
       max_table_bytes: the most device memory one grammar's tables may take.
     Raises (compile):
       ValueError: an invalid regex or schema, or one the library rejects,

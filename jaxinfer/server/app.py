@@ -52,6 +52,7 @@ from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, Completio
                                       DetokenizeRequest, TokenizeRequest, check_messages,
                                       error_body)
 from jaxinfer.server.responses import Choice, Formatter, TokenText
+from jaxinfer.server.tools import auto_tool_calls, forced_tool_calls, renders_hermes
 from jaxinfer.serving.thread import EngineError
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
@@ -83,21 +84,6 @@ def _constraint_param(body) -> str:
     """The request field that carries its output constraint."""
     return next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
                             "tool_choice") if getattr(body, n, None) is not None)
-
-
-def _tool_calls(response: dict, body) -> dict:
-    """A chat response whose text is a forced tool's arguments, as OpenAI's
-    `tool_calls` (finish_reason "tool_calls" once the arguments are complete)."""
-    tool = body.forced_tool() if isinstance(body, ChatCompletionRequest) else None
-    if tool is None:
-        return response
-    for i, c in enumerate(response["choices"]):
-        call = {"id": f"call_{response['id'][-12:]}{i}", "type": "function",
-                "function": {"name": tool["name"], "arguments": c["message"]["content"]}}
-        c["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-        if c["finish_reason"] == "stop":
-            c["finish_reason"] = "tool_calls"
-    return response
 
 
 def _json_error(status: int, message: str, type: str = "invalid_request_error",
@@ -295,14 +281,19 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest):
         self._check_common(body)
         check_messages(body.messages)
-        if body.stream and body.forced_tool() is not None:
+        tools = body.auto_tools()
+        if body.stream and (body.forced_tool() is not None or tools):
             raise APIError(400, "streamed tool calls are not supported", param="stream")
+        if tools and not self.llm.tokenizer.renders_tools:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs a chat template '
+                           "that renders tools, and this model's does not: name a function in "
+                           'tool_choice, or give "required" with one tool', param="tool_choice")
         await self._compile_structured(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [m.as_template_input() for m in body.messages]
         try:
-            ids = self.llm.encode_prompt(messages, chat=True)
+            ids = self.llm.encode_prompt(self.llm.tokenizer.encode_prompt(messages, True, tools))
         except Exception as e:  # noqa: BLE001 - a template that rejects the messages
             raise APIError(400, f"messages: {e}", param="messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -426,7 +417,13 @@ class OpenAIServer:
             self._close(group, choices)
         if any(c.finish_reason == "abort" for c in choices):
             return Response(status_code=499)      # the client went away: nobody reads this
-        return _tool_calls(fmt.response(choices, lengths), body)
+        response = fmt.response(choices, lengths)
+        tool = body.forced_tool() if chat else None
+        if tool is not None:
+            return forced_tool_calls(response, tool)
+        if chat and body.auto_tools() and renders_hermes(self.llm.tokenizer.chat_template):
+            return auto_tool_calls(response)
+        return response
 
     def _record(self, choice: Choice, event) -> None:
         choice.add(event, time.perf_counter())

@@ -17,7 +17,9 @@ Structured output (docs/structured.md): `response_format` ({"type":
 "strict": ...}}) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
 become a `StructuredOutput` (`structured_output`); so does a chat request's
 forced tool call (`tools` + `tool_choice` naming a function, or "required"
-with one tool: its `parameters` schema). At most one may be given.
+with one tool: its `parameters` schema). At most one may be given. Tools
+with tool_choice "auto" (or none given) are not a constraint: they go to
+the chat template (`auto_tools`; jaxinfer.server.tools).
 """
 
 from __future__ import annotations
@@ -236,28 +238,46 @@ class ChatCompletionRequest(_Sampling):
                 return name
         return None
 
-    def forced_tool(self) -> Optional[dict]:
-        """The function the reply must call, or None: the `tools` entry that
-        tool_choice names, or the only tool under "required" (its
-        `parameters` schema constrains the arguments).
+    def _functions(self) -> dict:
+        """tools as {name: function dict} ({} without tools or with tool_choice "none").
 
         Raises:
-          APIError: 400 for "auto" (this server does not parse free text for
-            tool calls), "required" with several tools, an unknown name, or
-            a malformed tools list.
+          APIError: 400 for a malformed tools list.
         """
-        tools, choice = self.tools or [], self.tool_choice
-        if not tools or choice == "none":
-            return None
+        tools = self.tools or []
+        if not tools or self.tool_choice == "none":
+            return {}
         if not isinstance(tools, list) or not all(
                 isinstance(t, dict) and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str) for t in tools):
             raise APIError(400, "tools must be a list of {type: function, function: {name, "
                            "parameters}}", param="tools")
-        functions = {t["function"]["name"]: t["function"] for t in tools}
-        if choice is None or choice == "auto":
-            raise APIError(400, 'tool_choice "auto" is not supported: give "required" or name a '
-                           "function", param="tool_choice")
+        return {t["function"]["name"]: t["function"] for t in tools}
+
+    def auto_tools(self) -> Optional[list[dict]]:
+        """The tools for the chat template when the model chooses whether to
+        call them (tool_choice "auto", or tools without tool_choice), else None.
+
+        Raises:
+          APIError: 400 for a malformed tools list.
+        """
+        if self._functions() and self.tool_choice in (None, "auto"):
+            return list(self.tools)
+        return None
+
+    def forced_tool(self) -> Optional[dict]:
+        """The function the reply must call, or None: the `tools` entry that
+        tool_choice names, or the only tool under "required" (its
+        `parameters` schema constrains the arguments). None too for "auto"
+        (`auto_tools`).
+
+        Raises:
+          APIError: 400 for "required" with several tools, an unknown name, a
+            tool_choice that is none of these, or a malformed tools list.
+        """
+        functions, choice = self._functions(), self.tool_choice
+        if not functions or choice is None or choice == "auto":
+            return None
         if choice == "required":
             if len(functions) != 1:
                 raise APIError(400, 'tool_choice "required" needs exactly one tool here; name one '

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 from typing import Any, Iterable, Mapping, Sequence
@@ -246,6 +247,25 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
+    @property
+    def renders_tools(self) -> bool:
+        """True when the chat template reads a `tools` variable (so tools
+        passed to `apply_chat_template(..., tools=)` reach the prompt). Decided
+        from the parsed template's undeclared variables; a template jinja2
+        cannot parse on its own (a transformers-only tag) is searched for the
+        word `tools` instead."""
+        template = self.chat_template
+        if template is None:
+            return False
+        import jinja2
+        import jinja2.meta
+
+        try:
+            env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+        except jinja2.TemplateSyntaxError:
+            return re.search(r"\btools\b", template) is not None
+
     def __len__(self) -> int:
         return self._vocab_size
 
@@ -308,21 +328,28 @@ class Tokenizer:
 
     # ----- chat ---------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool = False,
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Prompt ids: text encoded as is (BOS added when the model uses one),
         or, with `chat` or for a message list, rendered with the chat template
-        (a text `prompt` becomes one user turn) and tokenized.
+        (a text `prompt` becomes one user turn) and tokenized. `tools` (OpenAI
+        tool dicts), when given, are passed to the template as `tools`.
 
         Raises:
-          ValueError: chat without a chat template, or empty messages.
+          ValueError: chat without a chat template, empty messages, or tools
+            for a template that does not render them (`renders_tools`).
           TypeError: text that is not a str.
         """
-        if isinstance(prompt, str) and not chat:
+        if isinstance(prompt, str) and not chat and not tools:
             return self.encode(prompt)
         if not self.has_chat_template:
             raise ValueError("this model has no chat template: use a raw prompt (chat: false)")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.apply_chat_template(messages)
+        if not tools:
+            return self.apply_chat_template(messages)
+        if not self.renders_tools:
+            raise ValueError("this model's chat template does not render tools")
+        return self.apply_chat_template(messages, tools=[dict(t) for t in tools])
 
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

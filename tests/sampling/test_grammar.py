@@ -68,6 +68,21 @@ def test_json_schema_tables_equal_the_index_on_an_ascii_vocabulary():
     _check_against_index(index, grammar, CONFIG.vocab_size, (VOCAB["<|endoftext|>"],))
 
 
+def test_compiled_grammars_are_an_lru_cache_keyed_by_spec():
+    compiler = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size, cache_size=2)
+    a, b, c = (StructuredOutput(choice=(w,)) for w in ("a", "b", "c"))
+    first = compiler.compile(a)
+    assert compiler.compile(StructuredOutput(choice=("a",))) is first      # an equal spec: a hit
+    compiler.compile(b)
+    compiler.compile(c)                                                     # drops a (least recent)
+    info = compiler.compile.cache_info()
+    assert (info.hits, info.misses, info.maxsize, info.currsize) == (1, 3, 2, 2)
+    assert compiler.compile(a) is not first                                 # compiled again
+    assert compiler.compile.cache_info().misses == 4
+    other = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size)        # per tokenizer
+    assert other.compile(a) is not compiler.compile(a)
+
+
 def test_token_bytes_of_the_character_tokenizer():
     pieces = G.token_bytes(ascii_tokenizer())
     assert pieces[VOCAB["a"]] == b"a" and pieces[VOCAB['{"']] == b'{"'

@@ -75,7 +75,8 @@ def _code_blocks(lang: str) -> list[str]:
 def test_readme_examples_work_as_written(real_model_path, tmp_path):
     real_model_path(MODEL)
     start, curl = _code_blocks("bash")
-    [python] = _code_blocks("python")
+    python, structured = _code_blocks("python")
+    connect = python[:python.index("\n", python.index("client = OpenAI("))]
     command = start.split("&&", 1)[1].strip()          # the install step is done already
     assert command.startswith("jaxinfer serve ")
     proc, url = start_serve(command.split()[2:], 1800, cwd=ROOT)
@@ -89,6 +90,18 @@ def test_readme_examples_work_as_written(real_model_path, tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert ran.returncode == 0, ran.stderr[-2000:]
         assert "Paris" in ran.stdout and len(ran.stdout) > 40
+        # the structured-output example, on the first block's client
+        script.write_text(connect.replace("http://127.0.0.1:8000", url) + "\n" + structured,
+                          encoding="utf-8")
+        ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        content, call = ran.stdout.splitlines()
+        record = json.loads(content)
+        assert sorted(record) == ["city", "country"], content
+        assert all(isinstance(v, str) and len(v) <= 20 for v in record.values()), content
+        name, arguments = call.split(" ", 1)
+        assert name == "get_weather" and list(json.loads(arguments)) == ["city"], call
         proc.terminate()
         assert proc.wait(timeout=120) == 0
     finally:

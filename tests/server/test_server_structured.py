@@ -4,6 +4,7 @@ a streamed constrained response, and 400s for bad constraints. The model is
 the tiny random Llama with a character tokenizer (tests/structured_cases.py)."""
 
 import json
+import pathlib
 import re
 
 import pytest
@@ -25,10 +26,15 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def client():
+def llm():
     llm = LLM(CONFIG, params(), ascii_tokenizer(), max_seq_len=128, decode_chunk=4, max_num_seqs=4,
               min_kv_bucket=16)
     llm.tokenizer.hf_tokenizer.chat_template = TEMPLATE
+    return llm
+
+
+@pytest.fixture(scope="module")
+def client(llm):
     server = build_server(llm, model_name="tiny", max_num_seqs=4, max_waiting_requests=16)
     with ServerThread(server.app) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
@@ -102,13 +108,60 @@ def test_forced_tool_call_is_returned_as_tool_calls(client, tool_choice):
     jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
 
 
-def test_tool_choice_auto_and_unknown_names_are_400(client):
+AUTO_400 = ('tool_choice "auto" (the default with tools) needs a chat template that renders '
+            "tools, and this model's does not: name a function in tool_choice, or give "
+            '"required" with one tool')
+
+
+def test_tool_choice_auto_without_a_tools_template_and_unknown_names_are_400(client):
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.BadRequestError, match="auto"):
-        client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL])
+    for extra in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], **extra)
+        assert e.value.body["message"] == AUTO_400 and e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="names no function"):
         client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL],
                                        tool_choice={"type": "function", "function": {"name": "x"}})
+
+
+# Renders each tool's name before the messages; the comment asks for Hermes-style calls.
+TOOLS_TEMPLATE = ("{# reply with <tool_call>{...}</tool_call> #}{% for t in tools or [] %}"
+                  "[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m['content'] }}"
+                  "{% endfor %}")
+HERMES_REGEX = (r'Sure<tool_call>\{"name": "set_colour", "arguments": \{"colour": "(red|blue)"\}\}'
+                "</tool_call>")
+
+
+def test_auto_tools_reach_the_template_and_hermes_calls_are_parsed(client, llm, monkeypatch):
+    """The model's text (here held to a Hermes-style call by guided_regex)
+    becomes content before the call plus `tool_calls`."""
+    monkeypatch.setattr(llm.tokenizer.hf_tokenizer, "chat_template", TOOLS_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    assert plain.usage.prompt_tokens == 2                      # "hi"
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=100, tools=[TOOL],
+                                       temperature=1.0, seed=3,
+                                       extra_body={"guided_regex": HERMES_REGEX})
+    assert r.usage.prompt_tokens == len("[set_colour]hi")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "set_colour"
+    assert call.function.arguments in ('{"colour": "red"}', '{"colour": "blue"}')
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400 .*streamed tool calls"):
+        client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], stream=True)
+
+
+def test_auto_tools_without_a_call_format_return_the_text(client, llm, monkeypatch):
+    """A template that renders tools but names no call format: the text is the content."""
+    template = TOOLS_TEMPLATE.replace("{# reply with <tool_call>{...}</tool_call> #}", "")
+    monkeypatch.setattr(llm.tokenizer.hf_tokenizer, "chat_template", template)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100, tools=[TOOL],
+        tool_choice="auto", extra_body={"guided_regex": HERMES_REGEX})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('Sure<tool_call>{"name": "set_colour"')
 
 
 @pytest.mark.parametrize("fields", [
@@ -124,3 +177,23 @@ def test_malformed_constraint_fields_are_api_errors(fields):
     with pytest.raises(APIError) as e:
         body.structured_output()
     assert e.value.status == 400
+
+
+def _readme_block(containing: str) -> str:
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if containing in b]
+    return block
+
+
+def test_the_readme_example_runs_as_written(client, capsys):
+    """README's structured-output example, run against this server (only the
+    model name differs): its request fields are ones the server takes."""
+    code = _readme_block("tool_choice")
+    assert code.count('model="smollm2-135m-instruct"') == 2
+    namespace = {"client": client}
+    exec(code.replace('model="smollm2-135m-instruct"', 'model="tiny"'), namespace)
+    content, call = capsys.readouterr().out.splitlines()
+    jsonschema.validate(json.loads(content), namespace["schema"])
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and namespace["reply"].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(arguments), namespace["weather"]["function"]["parameters"])

@@ -42,8 +42,8 @@ def _valid(spec: StructuredOutput, text: str) -> bool:
 
 
 def _llm(**kw):
-    return LLM(CONFIG, params(), ascii_tokenizer(), max_seq_len=128, decode_chunk=4,
-               max_num_seqs=8, min_kv_bucket=16, **kw)
+    return LLM(CONFIG, params(), ascii_tokenizer(), **{
+        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, "min_kv_bucket": 16, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +175,22 @@ def test_draft_model_speculation_keeps_outputs_in_the_language(llm):
     draft = DraftModel(CONFIG, prepare_params(params(seed=1), CONFIG), "random")
     spec_llm = _llm(speculative=SpecConfig("draft", 3, draft=draft))
     _check_speculation(llm, spec_llm, SPECS[1], max_new_tokens=40)
+
+
+@pytest.mark.slow      # 1-3 minutes each on a CPU
+@pytest.mark.parametrize("speculative", [None, SpecConfig(method="ngram", num_speculative_tokens=3)],
+                         ids=["plain", "ngram"])
+def test_a_thousand_seeded_samples_validate_against_the_schema(speculative):
+    """1,000 sampled rows (seeds 0..999, temperature 1) under SCHEMA: every
+    output ends with EOS and validates with `jsonschema`, with and without
+    n-gram speculation."""
+    spec_llm = _llm(max_num_seqs=64, speculative=speculative)
+    n = 1000
+    outs = spec_llm.generate([PROMPTS[i % 4] for i in range(n)],
+                             [SamplingParams(structured=SPECS[0], temperature=1.0, seed=s)
+                              for s in range(n)], max_new_tokens=100)
+    bad = [o.text for o in outs if o.finish_reason != "stop" or not _valid(SPECS[0], o.text)]
+    assert len(outs) == n and bad == []
+    assert len({o.text for o in outs}) > n // 2          # sampled, not one answer repeated
+    if speculative is not None:
+        assert spec_llm.last_stats.drafted > 0

@@ -1,6 +1,7 @@
 """Structured output on SmolLM2-135M-Instruct (slow: the real model and its
-49,152-token vocabulary): schema-constrained chat answers parse and follow
-the schema, greedy and sampled, with unconstrained neighbours unchanged."""
+49,152-token vocabulary): schema-constrained chat answers to 32 prompts parse
+and follow the schema, greedy and sampled, with unconstrained neighbours
+unchanged."""
 
 import json
 
@@ -17,7 +18,11 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
                                            "country": {"type": "string", "maxLength": 24},
                                            "population": {"type": "integer", "maxDigits": 9}},
           "required": ["city", "country", "population"]}
-CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Rome", "Quito"]
+CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Rome", "Quito", "Berlin", "Madrid",
+          "Nairobi", "Sydney", "Toronto", "Seoul", "Lagos", "Dublin", "Vienna", "Hanoi", "Bogota",
+          "Athens", "Lisbon", "Prague", "Manila", "Santiago", "Helsinki", "Dakar", "Havana",
+          "Jakarta", "Warsaw", "Tunis", "Beijing", "Ottawa"]
+assert len(set(CITIES)) == 32
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +30,16 @@ def llm(real_model_path):
     from jaxinfer.serving.llm import LLM
 
     real_model_path(MODEL)
-    return LLM.load(MODEL, max_seq_len=256, max_num_seqs=8, decode_chunk=8, progress=False)
+    return LLM.load(MODEL, max_seq_len=256, max_num_seqs=32, decode_chunk=8, progress=False)
 
 
 def test_schema_constrained_answers_follow_the_schema(llm):
     prompts = [f"Describe {c} as JSON with city, country and population." for c in CITIES]
     spec = StructuredOutput(json_schema=SCHEMA)
-    params = [SamplingParams(structured=spec, temperature=0.0 if i < 4 else 0.8, seed=i)
+    params = [SamplingParams(structured=spec, temperature=0.0 if i < 16 else 0.8, seed=i)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params, chat=True, max_new_tokens=96)
+    assert len(outs) == 32
     for o in outs:
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), SCHEMA)

@@ -36,7 +36,9 @@ and `.png` (roofline, latency vs batch, latency vs prompt length).
 This module is the command (arguments, the run's order, the worker entry
 points); the jobs live beside it: `sweep` (jaxinfer's measurements),
 `machine` (roofline probes), `peers` (HF, llama.cpp, their subprocesses),
-`targets` (the goals, as data), `report` (Markdown and JSON) and `plots`.
+`targets` (the goals, as data), `report` (Markdown and JSON) and `plots`;
+the modes behind a flag (`--speculative`, `--serving`, `--paged`,
+`--structured`, `--serve-load`) each in their own module.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from jaxinfer.tools.bench.report import format_report, write_results
 from jaxinfer.tools.bench.serve_compare import QUICK_LOAD, LoadSweep, cmd_serve_load
 from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving, hf_serving_worker
 from jaxinfer.tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
+from jaxinfer.tools.bench.structured import QUICK_STRUCT, StructSweep, cmd_structured
 from jaxinfer.tools.bench.sweep import (FULL, QUICK, Sweep, compile_probe, enable_persistent_cache,
                                         measure_compile_starts, measure_jaxinfer, model_facts)
 from jaxinfer.tools.bench.targets import compute_targets, print_targets
@@ -174,6 +177,9 @@ def cmd_bench(args) -> int:
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_speculative(args, cfg, QUICK_SPEC if args.quick else SpecSweep())
+    if args.structured:
+        cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+        return cmd_structured(args, cfg, QUICK_STRUCT if args.quick else StructSweep())
     if args.paged:
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
@@ -205,6 +211,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the serving benchmark instead: request traces through the scheduler "
                         "(continuous vs static batching, chunked prefill on/off, transformers' "
                         "continuous batching); see jaxinfer/tools/bench/serving.py")
+    p.add_argument("--structured", action="store_true",
+                   help="the structured-output row instead: decode tokens/s at batch 1 and 16 "
+                        "under a 10-field JSON schema against unconstrained, and the schema's "
+                        "compile time cold and cached; see jaxinfer/tools/bench/structured.py")
     p.add_argument("--paged", action="store_true",
                    help="the paged KV cache sweep instead (the serving step's decode against the "
                         "dense phases at batch 32 / context 512, its fraction of the FLOP/s peak, "

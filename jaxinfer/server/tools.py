@@ -1,0 +1,88 @@
+"""Tool calls in chat responses (docs/structured.md, "Tools").
+
+Two ways a reply carries calls:
+
+* forced (`tool_choice` "required" or naming a function): the reply is
+  constrained to the function's `parameters` schema, and its whole text is
+  that call's `arguments` (`forced_tool_calls`);
+* "auto" (or `tools` without `tool_choice`): the tools go to the chat
+  template, which must render them (`Tokenizer.renders_tools`), and the
+  model writes free text. When the template is one that asks for Hermes-style
+  calls (its text contains `<tool_call>`, as Qwen2.5, Qwen3 and Hermes do),
+  the calls are parsed out of the text as vLLM's `hermes` parser does
+  (`parse_hermes`); otherwise the text is returned as content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional
+
+HERMES_START = "<tool_call>"
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def _call(id_: str, name: str, arguments: str) -> dict:
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_hermes(text: str) -> Optional[tuple[Optional[str], list[tuple[str, str]]]]:
+    """Hermes-style tool calls in `text`: each `<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>` (the last one may be unclosed).
+
+    Returns:
+      None when `text` has no `<tool_call>`, or when any call is not a JSON
+      object with a string "name" and an object "arguments" (the text is then
+      plain content); else (content, calls): the text before the first
+      `<tool_call>` (None when empty) and [(name, arguments as JSON text)].
+    """
+    if HERMES_START not in text:
+        return None
+    calls = []
+    for closed, unclosed in _HERMES.findall(text):
+        try:
+            call = json.loads(closed or unclosed)
+        except ValueError:
+            return None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                and isinstance(call.get("arguments"), dict)):
+            return None
+        calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+    content = text[:text.find(HERMES_START)]
+    return (content or None), calls
+
+
+def forced_tool_calls(response: dict, tool: dict) -> dict:
+    """`response` (a chat completion) with each choice's text as the
+    arguments of a call to `tool` (a `tools[i]["function"]` dict);
+    finish_reason "stop" becomes "tool_calls"."""
+    for i, c in enumerate(response["choices"]):
+        call = _call(f"call_{response['id'][-12:]}{i}", tool["name"], c["message"]["content"])
+        c["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        if c["finish_reason"] == "stop":
+            c["finish_reason"] = "tool_calls"
+    return response
+
+
+def auto_tool_calls(response: dict) -> dict:
+    """`response` with Hermes-style calls parsed out of each choice's text
+    (`parse_hermes`): a choice with calls gets `tool_calls`, the text before
+    them as content, and finish_reason "tool_calls" in place of "stop"; a
+    choice without stays as it is."""
+    for i, c in enumerate(response["choices"]):
+        parsed = parse_hermes(c["message"]["content"])
+        if parsed is None:
+            continue
+        content, calls = parsed
+        c["message"] = {"role": "assistant", "content": content, "tool_calls": [
+            _call(f"call_{response['id'][-10:]}{i}_{j}", name, args)
+            for j, (name, args) in enumerate(calls)]}
+        if c["finish_reason"] == "stop":
+            c["finish_reason"] = "tool_calls"
+    return response
+
+
+def renders_hermes(template: Optional[str]) -> bool:
+    """True when a chat template asks for Hermes-style calls (mentions `<tool_call>`)."""
+    return template is not None and HERMES_START in template

@@ -1,0 +1,186 @@
+"""`jaxinfer bench --structured`: constrained decoding against unconstrained,
+and the time to compile a JSON schema.
+
+    jaxinfer bench --config configs/smollm2-135m-instruct.yaml --structured [--quick]
+
+Decode: the same chat prompts (asking for a JSON record of a city), greedy,
+at each batch size (1 and 16), once with no constraint and once under
+SCHEMA, a 10-field JSON schema (docs/structured.md). Decode tokens/s is
+`RunStats.decode_tokens_per_s` summed over the timed batches (tokens after
+each request's first, over the time from the first first token to the last
+request's end), after one warm-up batch per configuration that compiles.
+Each run ends where its requests end (EOS, or the schema's closing brace),
+so the two runs decode different token counts; tokens/s compares them. The
+two configurations are separate `LLM`s over the same weights, so the
+unconstrained one never traces the grammar tables.
+
+Compile: a fresh `GrammarCompiler` over the model's tokenizer: the
+vocabulary's bytes (once per tokenizer), SCHEMA's first compile (cold) and
+its repeats (cached: the compiler's LRU, median of `cache_repeats`).
+
+Targets (issue 30): constrained >= 0.9x unconstrained decode tokens/s at
+batch 16; cold compile of the 10-field schema < 100 ms. The issue's
+comparison with llama-server's `json_schema` is not measured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Optional
+
+from jaxinfer.config import StructuredOutput
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.grammar import GrammarCompiler
+from jaxinfer.serving.llm import LLM
+from jaxinfer.tools.bench.common import loadavg, loadavg1
+from jaxinfer.tools.bench.report import publish
+
+_TEXT = {"type": "string", "maxLength": 24}
+# Ten fields, every one bounded, as a record an evaluation loop might ask for.
+SCHEMA = {"type": "object", "properties": {
+    "city": _TEXT, "country": _TEXT, "continent": {"enum": ["Africa", "Asia", "Europe",
+                                                            "North America", "Oceania",
+                                                            "South America"]},
+    "population": {"type": "integer", "maxDigits": 9}, "area_km2": {"type": "number"},
+    "capital": {"type": "boolean"}, "language": _TEXT, "currency": _TEXT,
+    "founded": {"type": "integer", "maxDigits": 4}, "river": _TEXT},
+    "required": ["city", "country", "continent", "population", "area_km2", "capital",
+                 "language", "currency", "founded", "river"]}
+CITIES = ("Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Rome", "Quito", "Berlin", "Madrid",
+          "Nairobi", "Sydney", "Toronto", "Seoul", "Lagos", "Dublin")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructSweep:
+    batches: tuple[int, ...] = (1, 16)
+    prompts: int = 16
+    new_tokens: int = 192
+    max_seq_len: int = 512
+    cache_repeats: int = 1000
+
+
+QUICK_STRUCT = StructSweep(batches=(1, 4), prompts=4, new_tokens=48, cache_repeats=100)
+
+
+def prompts(n: int) -> list[str]:
+    """`n` chat prompts asking for a city's JSON record (cities repeat past 16)."""
+    return [f"Describe {CITIES[i % len(CITIES)]} as a JSON record: city, country, continent, "
+            "population, area_km2, capital, language, currency, founded, river." for i in range(n)]
+
+
+def measure_compile(tokenizer, vocab_size: int, repeats: int) -> dict:
+    """Seconds to build the vocabulary, compile SCHEMA cold, and fetch it
+    from the cache (median of `repeats`), with the automaton's size."""
+    compiler = GrammarCompiler(tokenizer, vocab_size)
+    spec = StructuredOutput(json_schema=SCHEMA)
+    t0 = time.perf_counter()
+    compiler.vocabulary()
+    t1 = time.perf_counter()
+    grammar = compiler.compile(spec)
+    t2 = time.perf_counter()
+    cached = []
+    for _ in range(repeats):
+        s = time.perf_counter()
+        again = compiler.compile(StructuredOutput(json_schema=SCHEMA))
+        cached.append(time.perf_counter() - s)
+    if again is not grammar:
+        raise RuntimeError("the grammar compile cache missed a repeated schema")
+    return {"vocabulary_s": t1 - t0, "cold_s": t2 - t1, "cached_s": statistics.median(cached),
+            "states": grammar.num_states, "edges": int(grammar.tokens.size),
+            "table_bytes": grammar.nbytes}
+
+
+def run_decode(llm, texts: list[str], batch: int, new_tokens: int,
+               spec: Optional[StructuredOutput]) -> dict:
+    """Greedy generation of `texts`, `batch` at a time, under `spec` (or
+    none), one warm-up batch first; decode tokens/s over the timed batches
+    and how many constrained outputs parsed as JSON."""
+    params = SamplingParams(temperature=0.0, structured=spec)
+    llm.generate(texts[:batch], params, max_new_tokens=new_tokens, chat=True)   # compiles
+    decoded = seconds = parsed = stopped = 0
+    for i in range(0, len(texts), batch):
+        outs = llm.generate(texts[i:i + batch], params, max_new_tokens=new_tokens, chat=True)
+        decoded += llm.last_stats.decoded_tokens
+        seconds += llm.last_stats.decode_s
+        stopped += sum(o.finish_reason == "stop" for o in outs)
+        for o in outs:
+            try:
+                parsed += isinstance(json.loads(o.text), dict)
+            except ValueError:
+                pass
+    return {"batch": batch, "constrained": spec is not None, "decoded_tokens": decoded,
+            "decode_s": seconds, "decode_tokens_per_s": decoded / seconds if seconds else None,
+            "outputs": len(texts), "stopped": stopped, "parsed_json": parsed,
+            "loadavg_1m": loadavg1()}
+
+
+def measure_structured(base, sweep: StructSweep, log=print) -> dict:
+    """The module docstring's measurements over the loaded `base` LLM
+    (its config, weights and tokenizer); returns the results dict."""
+    results = {"sweep": dataclasses.asdict(sweep), "schema": SCHEMA, "loadavg_start": loadavg()}
+    log("schema compile: cold and cached")
+    results["compile"] = measure_compile(base.tokenizer, base.config.vocab_size, sweep.cache_repeats)
+    texts = prompts(sweep.prompts)
+    results["runs"] = []
+    for spec in (None, StructuredOutput(json_schema=SCHEMA)):
+        llm = LLM(base.config, base.params, base.tokenizer, max_seq_len=sweep.max_seq_len,
+                  decode_chunk=base.decode_chunk, max_num_seqs=max(sweep.batches))
+        llm.programs.progress = base.programs.progress
+        for batch in sweep.batches:
+            log(f"decode batch={batch} {'constrained' if spec else 'unconstrained'}")
+            results["runs"].append(run_decode(llm, texts, batch, sweep.new_tokens, spec))
+    results["loadavg_end"] = loadavg()
+    results["targets"] = structured_targets(results)
+    return results
+
+
+def _speed(runs: list, batch: int, constrained: bool) -> Optional[float]:
+    return next((r["decode_tokens_per_s"] for r in runs
+                 if (r["batch"], r["constrained"]) == (batch, constrained)), None)
+
+
+def structured_targets(results: dict) -> list[dict]:
+    """Issue 30's targets: constrained / unconstrained decode tokens/s at
+    the largest batch (>= 0.9), and the schema's cold compile (< 0.1 s)."""
+    runs, batch = results["runs"], max(results["sweep"]["batches"])
+    free, held = _speed(runs, batch, False), _speed(runs, batch, True)
+    out = [{"name": f"B={batch}: constrained / unconstrained decode tokens/s", "op": ">=",
+            "goal": 0.9, "value": held / free if held and free else None},
+           {"name": "10-field JSON schema compile, cold (s)", "op": "<", "goal": 0.1,
+            "value": results["compile"]["cold_s"]}]
+    for t in out:
+        v = t["value"]
+        ok = v is not None and (v >= t["goal"] if t["op"] == ">=" else v < t["goal"])
+        t["result"] = "n/a" if v is None else ("PASS" if ok else "FAIL")
+    return out
+
+
+def format_structured(results: dict) -> str:
+    fmt = lambda x, spec=".3g": "-" if x is None else format(x, spec)
+    c = results["compile"]
+    lines = ["| B | constraint | decode tok/s | tokens | stopped | parsed JSON |",
+             "|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        lines.append(f"| {r['batch']} | {'SCHEMA' if r['constrained'] else 'none'} | "
+                     f"{fmt(r['decode_tokens_per_s'], '.1f')} | {r['decoded_tokens']} | "
+                     f"{r['stopped']}/{r['outputs']} | {r['parsed_json']}/{r['outputs']} |")
+    lines += ["", f"schema compile: vocabulary {fmt(c['vocabulary_s'])} s (once per tokenizer), "
+                  f"cold {fmt(c['cold_s'])} s, cached {fmt(c['cached_s'] * 1e6)} us; "
+                  f"{c['states']} states, {c['edges']} edges, {c['table_bytes'] / 2**20:.2f} MiB",
+              "", "| target | measured | goal | result |", "|---|---|---|---|"]
+    for t in results["targets"]:
+        lines.append(f"| {t['name']} | {fmt(t['value'])} | {t['op']} {t['goal']:g} | {t['result']} |")
+    return "\n".join(lines)
+
+
+def cmd_structured(args, cfg, sweep: StructSweep) -> int:
+    log = (lambda msg: None) if args.no_progress else (
+        lambda msg: print(f"[structured] {msg}", file=sys.stderr, flush=True))
+    base = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=sweep.max_seq_len,
+                    decode_chunk=cfg.decode_chunk)
+    return publish(measure_structured(base, sweep, log), cfg, args.out, "structured",
+                   format_structured)

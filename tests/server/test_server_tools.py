@@ -1,0 +1,80 @@
+"""Tool calls without a server: Hermes-style parsing of free text, the
+response rewrites, and whether a chat template renders tools."""
+
+import pytest
+
+from jaxinfer.server.tools import auto_tool_calls, forced_tool_calls, parse_hermes, renders_hermes
+from structured_cases import ascii_tokenizer
+
+
+def test_parse_hermes_splits_content_and_calls():
+    text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert parse_hermes(text) == ("Let me check.", [("get_weather", '{"city": "Paris"}'),
+                                                    ("get_time", "{}")])
+    # the last call may be unclosed (EOS right after it); no text before is content None
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": {"x": "é"}}') == (
+        None, [("f", '{"x": "é"}')])
+
+
+@pytest.mark.parametrize("text", [
+    "no call here",
+    '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>',        # not JSON
+    '<tool_call>{"arguments": {}}</tool_call>',                          # no name
+    '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>',           # arguments not an object
+    '<tool_call>["f"]</tool_call>',
+])
+def test_parse_hermes_leaves_text_without_well_formed_calls(text):
+    assert parse_hermes(text) is None
+
+
+def _response(*texts, finish="stop"):
+    return {"id": "chatcmpl-0123456789abcdef", "choices": [
+        {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": finish}
+        for i, t in enumerate(texts)]}
+
+
+def test_auto_tool_calls_rewrites_only_choices_with_calls():
+    out = auto_tool_calls(_response('Hi<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+                                    "plain"))
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hi", "tool_calls": [
+        {"id": "call_6789abcdef0_0", "type": "function",
+         "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    assert out["choices"][1] == _response("x", "plain")["choices"][1]
+    cut = auto_tool_calls(_response('<tool_call>{"name": "f", "arguments": {}}', finish="length"))
+    assert cut["choices"][0]["finish_reason"] == "length"
+
+
+def test_forced_tool_calls_wraps_the_text_as_arguments():
+    out = forced_tool_calls(_response('{"a": 1}'), {"name": "f", "parameters": {}})
+    assert out["choices"][0] == {"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_456789abcdef0", "type": "function",
+             "function": {"name": "f", "arguments": '{"a": 1}'}}]}}
+
+
+@pytest.mark.parametrize("template, renders", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    ("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0]['content'] }}", True),
+    ("{% for t in tools %}{{ t.function.name }}{% endfor %}", True),
+    ("{% set tools = [] %}{{ tools }}{{ messages }}", False),           # its own variable
+    ("{% generation %}{{ tools }}{% endgeneration %}", True),          # transformers-only tag
+    ("{% generation %}{{ messages }}{% endgeneration %}", False),
+])
+def test_renders_tools_reads_the_template(template, renders):
+    tok = ascii_tokenizer()
+    tok.hf_tokenizer.chat_template = template
+    assert tok.renders_tools is renders
+
+
+def test_tools_for_a_template_that_does_not_render_them_are_refused():
+    tok = ascii_tokenizer()
+    tok.hf_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="^this model's chat template does not render tools$"):
+        tok.encode_prompt([{"role": "user", "content": "hi"}], True, [{"function": {"name": "f"}}])
+    tok.hf_tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    assert tok.decode(tok.encode_prompt([{"role": "user", "content": "x"}], True,
+                                        [{"function": {"name": "f"}}])) == "f;"
+    assert renders_hermes("<tool_call>") and not renders_hermes(None)
+    assert not renders_hermes(tok.chat_template)
