@@ -42,7 +42,7 @@ class GenerationConfig:
         "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
         head, a quarter of float32's bytes; see jaxinfer/cache/int8.py).
       weights: how matmul weights are kept: "float32", "bfloat16", "int8"
-        (per output channel) or "q4" (4-bit blocks; a GGUF file's own blocks
+        (8-bit blocks of 16 rows with float16 scales) or "q4" (4-bit blocks; a GGUF file's own blocks
         where it has them); see jaxinfer/weights/quant.py and docs/quantization.md.
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       max_new_tokens: generated tokens per prompt, at most.

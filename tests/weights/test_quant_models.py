@@ -7,6 +7,8 @@ tests/reference.py's forward on the same (dequantized) weights within atol
 weights, never the computation.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,30 @@ def test_engine_on_quantized_weights_matches_reference(name, weights, kernels, m
     np.testing.assert_allclose(np.asarray(logits)[0],
                                reference.forward(expected_params, np.append(tokens, 5), config)[-1],
                                atol=ATOL, rtol=0)
+
+
+def test_int8_layers_are_16_row_blocks_and_the_head_32_row_blocks():
+    """weights=int8: every layer weight as 8-bit blocks of 16 rows with float16
+    scales (prepare.INT8_BLOCK), the LM head as blocks of 32; a K that 16 does
+    not divide (down_proj, F = 40) falls back to one float32 scale per column."""
+    config = dataclasses.replace(TINY_LLAMA, intermediate_size=40)
+    raw = random_params(config, seed=2)
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, raw), config, weights="int8")
+    for p in params["layers"]:
+        for name, k in (("qkv_proj", 32), ("o_proj", 32), ("gate_up_proj", 32)):
+            w = p[name]
+            assert (w.format, w.shape[0], w.scale.dtype, w.scale.shape[1], w.min) == (
+                "int8", k, jnp.float16, k // 16, None)
+        down = p["down_proj"]
+        assert (down.shape[0], down.scale.dtype, down.scale.shape[1]) == (40, jnp.float32, 1)
+    head = params["lm_head"]
+    assert (head.shape, head.scale.dtype, head.scale.shape[1]) == ((32, 97), jnp.float16, 1)
+    # the stored values are the quantizers' own
+    layer = {name: np.asarray(w[0], np.float32) for name, w in raw["layers"].items()}
+    np.testing.assert_array_equal(_values(params["layers"][0]["down_proj"]),
+                                  quant.quantize_int8(layer["down_proj"]).dequantize())
+    np.testing.assert_array_equal(_values(params["layers"][0]["o_proj"]),
+                                  quant.quantize_q8(layer["o_proj"].reshape(32, 32), 16).dequantize())
 
 
 def test_unknown_weight_format_is_an_error():
