@@ -132,11 +132,11 @@ def test_smollm2_quantized_answers_the_readme_prompt(smollm2, weights):
 
 @pytest.mark.slow
 def test_smollm2_accuracy_bounds(smollm2):
-    """Measured on Pride and Prejudice ch. 1-2 (jaxinfer eval): q4 keeps the
-    file's Q4_1/Q8_0 blocks, so it differs from float32 only by float32
-    summation order; int8 per channel moves perplexity by +0.3% (bound 1%)
-    and has a mean KL of 3.8e-3 nats (above issue 19's 1e-3 target; the
-    bound asserted here is what it reaches, 5e-3)."""
+    """On Pride and Prejudice ch. 1-2 (jaxinfer eval's text and chunks): q4
+    keeps the file's Q4_1/Q8_0 blocks, so it differs from float32 only by
+    float32 summation order; int8 (8-bit blocks of 16) stays within issue
+    19's bounds: perplexity within 1%, mean KL within 1e-3 nats (measured
+    9.4e-4, docs/quantization.md)."""
     from jaxinfer.tools.eval import accuracy
     from jaxinfer.tools.eval.run import TEXT
 
@@ -148,4 +148,4 @@ def test_smollm2_accuracy_bounds(smollm2):
     result = accuracy.compare_on_text(config, prepared["float32"], variants, chunks)
     assert abs(result["q4"]["ppl_rel_change"]) < 1e-5 and result["q4"]["kl_mean"] < 1e-6
     assert abs(result["int8"]["ppl_rel_change"]) < 0.01
-    assert result["int8"]["kl_mean"] < 5e-3
+    assert result["int8"]["kl_mean"] < 1e-3
