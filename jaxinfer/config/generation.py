@@ -37,7 +37,8 @@ class GenerationConfig:
         `jaxinfer serve` needs a tokenizer.
       dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
         Where the C++ CPU kernels run, anything but float32 runs attention
-        on XLA instead, with a `RuntimeWarning` (`engine.ragged.choose_backend`).
+        on XLA instead, and says so in one logged warning line
+        (`engine.ragged.choose_backend`).
       kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
         "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
         head, a quarter of float32's bytes; see jaxinfer/cache/int8.py).

@@ -22,7 +22,7 @@ argument: nothing reads a global switch while tracing.
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from jaxinfer.nn import masked_softmax
 
 # Query tokens per block of the XLA path (each block gathers its tokens' pages).
 XLA_QUERY_BLOCK = 8
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +71,13 @@ def choose_backend(dtype=jnp.float32) -> AttentionBackend:
     `JAXINFER_CPU_KERNELS` not 0, the library builds) and the activations
     are float32; XLA otherwise. Called once per loaded model.
 
-    Warns (`RuntimeWarning`, `slow_dtype_notice(dtype)`) when the kernels are
-    enabled but `dtype` is not float32: such a model runs, only slowly."""
+    Logs `slow_dtype_notice(dtype)` (one WARNING line on this module's
+    logger) when the kernels are enabled but `dtype` is not float32: such a
+    model runs, only slowly."""
     if not cpu_kernels.enabled():
         return XLA
     if jnp.dtype(dtype) != jnp.float32:
-        warnings.warn(slow_dtype_notice(dtype), RuntimeWarning, stacklevel=2)
+        log.warning(slow_dtype_notice(dtype))
         return XLA
     return CPU_KERNELS
 
