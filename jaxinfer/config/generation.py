@@ -36,11 +36,14 @@ class GenerationConfig:
         (`jaxinfer.models.register`); see jaxinfer/serving/loading.py.
         `jaxinfer serve` needs a tokenizer.
       dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
+        Where the C++ CPU kernels run, anything but float32 runs attention
+        on XLA instead, and says so in one logged warning line
+        (`engine.ragged.choose_backend`).
       kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
         "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
         head, a quarter of float32's bytes; see jaxinfer/cache/int8.py).
       weights: how matmul weights are kept: "float32", "bfloat16", "int8"
-        (per output channel) or "q4" (4-bit blocks; a GGUF file's own blocks
+        (8-bit blocks of 16 rows with float16 scales) or "q4" (4-bit blocks; a GGUF file's own blocks
         where it has them); see jaxinfer/weights/quant.py and docs/quantization.md.
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       max_new_tokens: generated tokens per prompt, at most.

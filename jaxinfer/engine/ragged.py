@@ -22,6 +22,7 @@ argument: nothing reads a global switch while tracing.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jaxinfer.nn import masked_softmax
 
 # Query tokens per block of the XLA path (each block gathers its tokens' pages).
 XLA_QUERY_BLOCK = 8
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +57,29 @@ XLA = AttentionBackend("xla")
 CPU_KERNELS = AttentionBackend("cpu_kernels")
 
 
+def slow_dtype_notice(dtype) -> str:
+    """The one-line notice `choose_backend` gives for activations of `dtype`
+    (not float32) where the C++ CPU kernels would otherwise run."""
+    name = jnp.dtype(dtype).name
+    return (f"jaxinfer: dtype={name} on CPU runs attention on XLA in {name} (the C++ CPU "
+            f"attention kernels need float32), about 10x slower per decode step than "
+            f"dtype=float32; use dtype=float32 (with weights=bfloat16 for half the weight memory)")
+
+
 def choose_backend(dtype=jnp.float32) -> AttentionBackend:
     """CPU_KERNELS when the C++ kernels are enabled here (CPU, one device,
     `JAXINFER_CPU_KERNELS` not 0, the library builds) and the activations
-    are float32; XLA otherwise. Called once per loaded model."""
-    return CPU_KERNELS if jnp.dtype(dtype) == jnp.float32 and cpu_kernels.enabled() else XLA
+    are float32; XLA otherwise. Called once per loaded model.
+
+    Logs `slow_dtype_notice(dtype)` (one WARNING line on this module's
+    logger) when the kernels are enabled but `dtype` is not float32: such a
+    model runs, only slowly."""
+    if not cpu_kernels.enabled():
+        return XLA
+    if jnp.dtype(dtype) != jnp.float32:
+        log.warning(slow_dtype_notice(dtype))
+        return XLA
+    return CPU_KERNELS
 
 
 @dataclasses.dataclass(frozen=True)

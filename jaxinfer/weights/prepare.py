@@ -19,6 +19,7 @@ from jaxinfer.weights import quant
 from jaxinfer.config import ModelConfig
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "q4")
+INT8_BLOCK = 16  # rows per 8-bit block of a "int8" layer weight (see prepare_params)
 
 
 def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
@@ -51,12 +52,14 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
       "float32": as above (a `quant.BlockCodes` weight, from
         `load_gguf(keep_quantized=True)`, is dequantized);
       "bfloat16": bfloat16 codes (round to nearest even);
-      "int8": int8 per output channel, float32 scales (`quant.quantize_int8`),
-        from the float32 values of any source; the LM head as 8-bit blocks
-        of 32 rows with float16 scales (a GGUF Q8_0 head kept as it is, else
-        `quant.quantize_q8`): per channel it doubled the mean KL divergence
-        from float32 (SmolLM2 and Gemma 3 270M on `jaxinfer eval`'s text) for
-        6% fewer bytes;
+      "int8": layer weights as symmetric 8-bit blocks of INT8_BLOCK (16)
+        rows with float16 scales (`quant.quantize_q8(w, INT8_BLOCK)`, 1.125
+        bytes per weight), from the float32 values of any source; int8 per
+        output channel with float32 scales (`quant.quantize_int8`) where 16
+        does not divide K. The LM head as 8-bit blocks of 32 rows with
+        float16 scales (a GGUF Q8_0 head kept as it is, else
+        `quant.quantize_q8`). Why blocks rather than one scale per output
+        channel: docs/quantization.md;
       "q4": `quant.BlockCodes` from a GGUF file are kept as they are (Q4_0,
         Q4_1, Q8_0 blocks, and the exact forms of Q4_K, Q5_0, Q5_1, Q5_K,
         Q6_K); float layer weights become 4-bit blocks of 32
@@ -158,7 +161,9 @@ def _quantize_weight(w, weights: str, lm_head: bool):
     if weights == "bfloat16":
         return quant.pack_bf16(values)
     if weights == "int8" and not lm_head:
-        return quant.pack(quant.quantize_int8(values))
+        if values.shape[0] % INT8_BLOCK:
+            return quant.pack(quant.quantize_int8(values))
+        return quant.pack(quant.quantize_q8(values, INT8_BLOCK))
     bs = math.gcd(values.shape[0], 32)  # 32 rows, or the largest divisor of K that divides 32
     if lm_head or bs % 2:  # 4-bit codes pair rows
         return quant.pack(quant.quantize_q8(values, bs))

@@ -10,6 +10,7 @@ formats, a min:
 |---|---|---|---|---|
 | int8 per channel | int8 | K | f32 | any float weight (`quantize_int8`) |
 | 8-bit blocks | int8 | 32 | f16 | GGUF Q8_0 (kept), Q5_0 (exact), float (`quantize_q8`, LM heads) |
+| 8-bit blocks | int8 | 16 | f16 | float (`quantize_q8(w, 16)`: `weights=int8` layers) |
 | 8-bit blocks | int8 | 16 | f32 | GGUF Q6_K (exact: scale = d * sc) |
 | 8-bit + min | int8 (>= 0) | 32 | f16, f16 | GGUF Q5_1 (exact) |
 | 8-bit + min | int8 (>= 0) | 32 | f32, f32 | GGUF Q5_K (exact: scale = d * sc, min = -dmin * m) |

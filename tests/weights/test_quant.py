@@ -9,6 +9,7 @@ and the scale/min terms).
 """
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,7 @@ def test_q4_blocks_exact_on_representable_values():
 
 
 @pytest.mark.parametrize("quantize, bits", [(quant.quantize_int8, 8), (quant.quantize_q8, 8),
+                                            (functools.partial(quant.quantize_q8, bs=16), 8),
                                             (quant.quantize_q4, 4)])
 def test_error_on_random_data_within_half_a_step(quantize, bits):
     rng = np.random.default_rng(3)
@@ -212,10 +214,11 @@ def test_gguf_block_codes_refuse_other_types():
 
 # --- kernels against float64 -------------------------------------------------------------
 
-FORMATS = {
-    "int8": quant.quantize_int8,
-    "q8": quant.quantize_q8,
-    "q4": quant.quantize_q4,
+FORMATS = {  # name: (quantizer, rows per block or None for per channel)
+    "int8": (quant.quantize_int8, None),
+    "q8": (quant.quantize_q8, 32),
+    "q8_16": (quant.quantize_q8, 16),  # weights=int8's layer format (prepare.INT8_BLOCK)
+    "q4": (quant.quantize_q4, 32),
 }
 
 
@@ -227,7 +230,9 @@ def test_quant_matmul_matches_float64(fmt, m, k, n):
     rng = np.random.default_rng(m * n + k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-    q = FORMATS[fmt](w) if fmt == "int8" else FORMATS[fmt](w, bs=min(32, k))
+    quantize, block = FORMATS[fmt]
+    q = quantize(w) if block is None else quantize(w, bs=min(block, k))
+    assert q.block == min(block or k, k)
     got = np.asarray(jax.jit(quant_kernels.quant_matmul)(jnp.asarray(x), quant.pack(q)))
     assert got.shape == (m, n) and got.dtype == np.float32
     want = x.astype(np.float64) @ q.dequantize().astype(np.float64)
