@@ -27,11 +27,14 @@ class StopTokens:
     """The token rules every row shares: ids that end a row, int32 [E] (-1
     padding), is_eos bool [E] (ids a row with ignore_eos keeps generating
     through), and grammar: the structured-output automata rows' states
-    index (`structured.GrammarTables`), None when no request has one."""
+    index (`structured.GrammarTables`), None when no request has one;
+    num_ids (static): ids from num_ids on have no token in the tokenizer (a
+    model vocabulary padded past it) and are never drawn; 0: all are tokens."""
 
     ids: jax.Array
     is_eos: jax.Array
     grammar: Optional[GrammarTables] = None
+    num_ids: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass
@@ -98,9 +101,12 @@ def stops_row(token: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
 def processed_logits(logits: jax.Array, rows: RowState, stop: StopTokens) -> jax.Array:
     """The logits [B, V] every draw and every acceptance test starts from:
     the tokens a constrained row's grammar state does not allow at -inf
-    (`structured.mask_logits`), stop ids at -inf in rows that have not
-    reached min_tokens, then the repetition / presence / frequency penalties."""
+    (`structured.mask_logits`), ids past `stop.num_ids` and stop ids in rows
+    that have not reached min_tokens at -inf, then the repetition / presence
+    / frequency penalties."""
     logits = mask_logits(logits, rows.grammar, stop.grammar)
+    if 0 < stop.num_ids < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < stop.num_ids, logits, -jnp.inf)
     early = rows.num_generated < rows.min_tokens
     rows_idx = jnp.arange(logits.shape[0])[:, None]
     ids = jnp.where(stop.ids >= 0, stop.ids, logits.shape[-1])[None, :]

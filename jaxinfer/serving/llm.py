@@ -263,7 +263,8 @@ class LLM:
                            cache_dtype=self.cache_dtype, kv_cache_dtype=self.kv_cache_dtype,
                            speculative=self.speculative, programs=self.programs, backend=self.backend,
                            token_budget=self.token_budget, grammars=self.grammars,
-                           sliding_window_ring=self.sliding_window_ring)
+                           sliding_window_ring=self.sliding_window_ring,
+                           tokenizer_vocab_size=self.tokenizer.vocab_size if self.tokenizer else 0)
 
     def pool_pages(self, max_num_seqs: int) -> int:
         """Pages in the KV page pool of a runner of `max_num_seqs` slots:

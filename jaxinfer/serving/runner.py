@@ -94,12 +94,14 @@ def row_inputs(requests: Sequence[Request], vocab_size: int, history: int,
         grammar=jnp.array(grammar if grammar is not None else [-1] * len(requests), jnp.int32))
 
 
-def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> StopTokens:
+def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
+                num_ids: int = 0) -> StopTokens:
     """The device's stop rule: every id in either set ends a row, EOS ones
-    unless the row has ignore_eos (-1 pads an empty set)."""
+    unless the row has ignore_eos (-1 pads an empty set); ids from num_ids
+    on (0: none) are never drawn."""
     ids = sorted(set(stop_token_ids) | set(eos_token_ids)) or [-1]
     return StopTokens(jnp.asarray(np.array(ids, np.int32)),
-                      jnp.asarray(np.isin(ids, list(eos_token_ids))))
+                      jnp.asarray(np.isin(ids, list(eos_token_ids))), num_ids=int(num_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +170,8 @@ class ModelRunner(WarmUp):
         prefix caching and page transfers are refused.
       grammars: the `GrammarCompiler` of requests with structured output
         (None: such requests are refused).
+      tokenizer_vocab_size: ids from here up to the model's vocab_size (a
+        padded embedding) have no token and are never drawn; 0: no limit.
     Raises:
       ValueError: a size below 1; sliding_window_ring on a model without
         sliding-window layers.
@@ -179,7 +183,8 @@ class ModelRunner(WarmUp):
                  kv_cache_dtype: Optional[str] = None, speculative: Optional[SpecConfig] = None,
                  programs: Optional[ProgramCache] = None,
                  backend: Optional[AttentionBackend] = None, token_budget: int = 512,
-                 sliding_window_ring: bool = False, grammars: Optional[GrammarCompiler] = None):
+                 sliding_window_ring: bool = False, grammars: Optional[GrammarCompiler] = None,
+                 tokenizer_vocab_size: int = 0):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_seq_len", max_seq_len),
                             ("page_size", page_size), ("num_pages", num_pages),
                             ("token_budget", token_budget)):
@@ -191,7 +196,7 @@ class ModelRunner(WarmUp):
         self.pages_per_seq = -(-self.max_seq_len // self.page_size)
         self.programs = programs or ProgramCache()
         self.backend = backend or choose_backend(cache_dtype)
-        self.stop = stop_tokens(stop_token_ids, eos_token_ids)
+        self.stop = stop_tokens(stop_token_ids, eos_token_ids, tokenizer_vocab_size)
         self.grammars, self.grammar_pool = grammars, GrammarPool()
         self.speculative = speculative
         self.spec = self._spec(speculative)

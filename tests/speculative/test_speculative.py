@@ -235,3 +235,22 @@ def _sampled_rows(prompt, n, vocab, params):
         min_tokens=inputs.min_tokens, ignore_eos=inputs.ignore_eos, seen=inputs.seen,
         counts=jnp.zeros((n, vocab), jnp.int32), history=inputs.history,
         history_len=inputs.history_len, keys=inputs.keys, sampling=inputs.sampling)
+
+
+def test_ids_past_the_tokenizer_are_never_drawn():
+    """A model vocabulary padded past the tokenizer's (num_ids = 10 of V = 12):
+    id 10 holds the largest logit, yet the greedy row takes the best real id
+    (3) and 63 seeded sampled rows never draw 10 or 11; without the limit the
+    greedy row takes 10 (the control)."""
+    from jaxinfer.engine.step import new_rows
+    from jaxinfer.sampling.rows import sample_step
+
+    reqs = [Request((1, 2), GREEDY, 8)] + [Request((1, 2), SamplingParams(temperature=1.0, seed=s), 8)
+                                          for s in range(63)]
+    rows = new_rows(row_inputs(reqs, V, 64))
+    logits = jnp.zeros((64, V)).at[:, 10].set(5.0).at[:, 3].set(1.0)
+    _, out = sample_step(logits, rows, stop_tokens([EOS], [EOS], num_ids=10), -1)
+    tokens = np.asarray(out.token)
+    assert tokens[0] == 3 and (tokens < 10).all() and len(set(tokens[1:].tolist())) > 3
+    _, out = sample_step(logits, rows, stop_tokens([EOS], [EOS]), -1)
+    assert int(out.token[0]) == 10
