@@ -239,7 +239,8 @@ class GrammarCompiler:
 class GrammarPool:
     """The grammars a runner's rows use, concatenated into one set of device
     tables (state ids are global: a grammar's local state + its offset).
-    Grammars are kept once added (the same object again reuses its offset);
+    Grammars are kept once added (the same object, or one compiled from the
+    same source again after the compiler's LRU dropped it, reuses its offset);
     `tables()` pads S and E to powers of two, so the compiled step changes
     shape only when the pool outgrows a size."""
 
@@ -254,7 +255,7 @@ class GrammarPool:
 
     def add(self, grammar: Grammar) -> int:
         """The global id of `grammar`'s state 0 (adding it when new)."""
-        key = id(grammar)
+        key = grammar.source or id(grammar)
         if key not in self._offsets:
             self._offsets[key] = self.num_states
             self.grammars.append(grammar)
@@ -270,7 +271,7 @@ class GrammarPool:
                 edges += len(g.tokens)
             starts = np.concatenate([g.starts[:-1] + o for g, o in zip(self.grammars, offsets)]
                                     + [[edges]])
-            nxt = np.concatenate([g.next + self._offsets[id(g)] for g in self.grammars])
+            nxt = np.concatenate([g.next + self._offsets[g.source or id(g)] for g in self.grammars])
             self._tables = pad_tables(np.concatenate([g.mask for g in self.grammars]),
                                       starts, np.concatenate([g.tokens for g in self.grammars]), nxt)
         return self._tables

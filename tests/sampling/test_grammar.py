@@ -3,6 +3,7 @@ Index, state by state, and the device side (`sampling.structured`) against
 the host tables: masks, the binary-search transitions, EOS only in final
 states, unconstrained rows untouched."""
 
+import dataclasses
 import json
 import re
 
@@ -126,6 +127,17 @@ def test_device_lookup_and_mask_equal_the_host_tables_across_a_pool():
     flat = [off + s for g, off in zip(grammars, offsets) for s in range(g.num_states)]
     mask = np.asarray(D.allowed(tables, jnp.array(flat), V))
     assert [set(np.flatnonzero(m)) for m in mask] == want_mask
+
+
+def test_a_grammar_compiled_again_from_the_same_source_reuses_its_pool_entry():
+    vocab = G.build_vocabulary(HAND, EOS)
+    first, again = (dataclasses.replace(G.grammar_from_index(outlines_core.Index(r, vocab), V, [EOS]),
+                                        source=r) for r in (REGEXES[0], REGEXES[0]))
+    other = dataclasses.replace(G.grammar_from_index(outlines_core.Index(REGEXES[1], vocab), V, [EOS]),
+                                source=REGEXES[1])
+    pool = G.GrammarPool()
+    assert first is not again and pool.add(first) == pool.add(again) == 0
+    assert pool.add(other) == first.num_states and pool.grammars == [first, other]
 
 
 def test_mask_logits_leaves_unconstrained_rows_and_advance_skips_them():
