@@ -25,14 +25,13 @@ Checked in every case:
   shrinks only where the transform says so (truncate: positions below the
   new lengths; reset: none), and the raw buffers are compared too where a
   transform must not touch them.
-The transfer's finer properties (pages not written stay, repeats by hand)
-are tests/cache/test_page_transfer.py's. The tensor-parallel placement on
-several devices (heads split over "tp") is tests/parallel/test_sharding.py's.
+The placement on a tp mesh of several devices (KV heads split over "tp",
+each stored twice at tp = 4) runs in a subprocess (slow set). The
+transfer's finer properties (pages not written stay, repeats by hand) are
+tests/cache/test_page_transfer.py's.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -41,17 +40,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxinfer.cache import kv as dense, paged
-from jaxinfer.cache.paged_ring import init_ring_cache
 from jaxinfer.engine import step as engine_step
 from jaxinfer.parallel import sharding
 from jaxinfer.serving.request import Request
 from jaxinfer.serving.runner import row_inputs
-from cache_cases import DTYPES, random_layer, visible_pages
-from tiny import TINY_GEMMA3
+from multidevice import run_case
+from cache_cases import (CONFIG, DRAFT, DTYPES, bits, dense_cache, fields, paged_cache, random_layer,
+                         visible_pages)
 
-# sliding, full, sliding, full; window 4; two KV heads of 4
-CONFIG = dataclasses.replace(TINY_GEMMA3, num_kv_heads=2, head_dim=4)
-DRAFT = dataclasses.replace(CONFIG, num_layers=2, layer_types=CONFIG.layer_types[:2])
 # examples per (layout, dtype, transform) cell: the default set, and the slow sweep
 FAST, SWEEP = 4, 60
 
@@ -64,30 +60,18 @@ def _settings(n: int):
 # --- what is compared -----------------------------------------------------------------------
 
 
-def _fields(tree) -> list:
-    """(path, dtype or None) of every leaf, None leaves included."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
-    return [(jax.tree_util.keystr(path), None if x is None else jnp.dtype(x.dtype))
-            for path, x in leaves]
-
-
-def _bits(x) -> tuple:
-    x = np.asarray(x)
-    return x.dtype.str, x.shape, x.tobytes()
-
-
 def _assert_carried(before, after, resized_axis_ok: bool = False) -> None:
     """Every leaf of `before` is in `after` (same path and dtype, arrays
     where there were arrays); shapes equal unless a resize may change them."""
-    assert _fields(after) == _fields(before)
+    assert fields(after) == fields(before)
     if not resized_axis_ok:
         for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
             assert a.shape == b.shape
 
 
-def _assert_same_bits(before, after) -> None:
+def _assert_samebits(before, after) -> None:
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), strict=True):
-        assert _bits(a) == _bits(b)
+        assert bits(a) == bits(b)
 
 
 def dense_visible(cache: dense.KVCache, below=None) -> list:
@@ -100,8 +84,8 @@ def dense_visible(cache: dense.KVCache, below=None) -> list:
             limit = np.inf if below is None else below[row]
             index = np.nonzero((positions[row] >= 0) & (positions[row] < limit))[0]
             index = index[np.argsort(positions[row, index])]
-            out.append((layer, row, positions[row, index].tolist(), _bits(keys[row, index]),
-                        _bits(values[row, index])))
+            out.append((layer, row, positions[row, index].tolist(), bits(keys[row, index]),
+                        bits(values[row, index])))
     return out
 
 
@@ -113,42 +97,8 @@ def paged_visible(cache: paged.PagedKVCache, tables: np.ndarray) -> list:
         layer_tables = np.asarray(cache.layer_tables(kind, jnp.asarray(tables)))
         for slot, n in enumerate(lengths):
             k, v = visible_pages(kv, layer_tables[slot].tolist(), 1)
-            out.append((layer, slot, _bits(k[..., :n]), _bits(v[..., :n, :])))
+            out.append((layer, slot, bits(k[..., :n]), bits(v[..., :n, :])))
     return out
-
-
-# --- random caches --------------------------------------------------------------------------
-
-
-def dense_cache(rng, dtype: str, rows: int, max_seq_len: int, ring_extra: int,
-                history: list, lengths: list) -> dense.KVCache:
-    """A dense cache whose buffers hold random values (stale ones too) and
-    whose rings hold what writing `history[b]` positions leaves, row b then
-    rolled back to `lengths[b]` (`truncate`: later positions stay, unseen)."""
-    empty = dense.init_cache(CONFIG, rows, max_seq_len, ring_extra=ring_extra,
-                             kv_cache_dtype=dtype)
-    r = empty.ring_size
-    layers = tuple(random_layer(rng, rows, CONFIG.num_kv_heads, 1, CONFIG.head_dim,
-                                kv.keys.shape[3], dtype) for kv in empty.layers)
-    ring_pos = np.full((rows, r), -1, np.int32)
-    for row, h in enumerate(history):
-        for p in range(h):
-            ring_pos[row, p % r] = p
-    return empty.replace(layers=layers, ring_pos=jnp.asarray(ring_pos),
-                         lengths=jnp.asarray(lengths, jnp.int32))
-
-
-def paged_cache(rng, dtype: str, ring: bool, slots: int, pages: int, page_size: int,
-                lengths: list, config=CONFIG) -> paged.PagedKVCache:
-    """A paged (or ring-paged) cache of random pools and slot `lengths`."""
-    if ring:
-        empty = init_ring_cache(config, slots, pages, page_size, kv_cache_dtype=dtype,
-                                step_tokens=page_size)
-    else:
-        empty = paged.init_paged_cache(config, slots, pages, page_size, kv_cache_dtype=dtype)
-    layers = tuple(random_layer(rng, kv.keys.shape[0], config.num_kv_heads, 1, config.head_dim,
-                                page_size, dtype) for kv in empty.layers)
-    return empty.replace(layers=layers, lengths=jnp.asarray(lengths, jnp.int32))
 
 
 def _mesh():
@@ -189,7 +139,7 @@ def check_dense(t: dict) -> None:
         out, below = dense.reset(cache), [0] * t["rows"]
     else:
         out = sharding.place(cache, *_mesh())
-        _assert_same_bits(before, out)
+        _assert_samebits(before, out)
     _assert_carried(cache, out, resized_axis_ok=kind in ("grow", "shrink", "grow_cache"))
     if t["dtype"] == "int8":
         assert all(kv.key_scale is not None and kv.value_scale is not None for kv in out.layers)
@@ -246,7 +196,7 @@ def _transfer(rng, cache, t):
                                                   PAGE_SIZE, t["dtype"]) for _ in cache.layers))
     padded = jnp.asarray(ids + [PAGES] * (PAGES - len(ids)), jnp.int32)       # P: no page
     data = paged.export_pages(src, padded, from_repeat=t["from_repeat"])
-    assert _fields(data) == _fields(src.layers)
+    assert fields(data) == fields(src.layers)
     target = rng.permutation(PAGES)[:len(ids)].tolist()
     dst_before = jax.tree_util.tree_map(np.asarray, dst)          # dst is donated
     out = paged.import_pages(dst, jnp.asarray(target + [PAGES] * (PAGES - len(ids)), jnp.int32),
@@ -255,7 +205,7 @@ def _transfer(rng, cache, t):
     for kv_src, kv_out in zip(src.layers, out.layers):
         for a, b in zip(visible_pages(kv_src, ids, t["from_repeat"]),
                         visible_pages(kv_out, target, t["to_repeat"])):
-            assert _bits(a) == _bits(b)
+            assert bits(a) == bits(b)
 
 
 def check_paged(t: dict) -> None:
@@ -276,7 +226,7 @@ def check_paged(t: dict) -> None:
         lengths = np.asarray(t["lengths"])
         lengths[t["admitted"]] = t["cached"]
         np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
-        _assert_same_bits(before.layers, out.layers)           # pools untouched
+        _assert_samebits(before.layers, out.layers)           # pools untouched
         _assert_carried(before, out)
         assert paged_visible(out, tables) == paged_visible(before.replace(lengths=out.lengths), tables)
         return
@@ -287,12 +237,12 @@ def check_paged(t: dict) -> None:
             np.asarray, draft))
     out = sharding.place(cache, *_mesh())
     _assert_carried(cache, out)
-    _assert_same_bits(before, out)
+    _assert_samebits(before, out)
     assert paged_visible(out, tables) == paged_visible(cache, tables)
     if out.draft is not None:
         assert paged_visible(out.draft, tables) == paged_visible(cache.draft, tables)
         detached = out.replace(draft=None)
-        assert _fields(detached) == _fields(cache.replace(draft=None))
+        assert fields(detached) == fields(cache.replace(draft=None))
     if t["dtype"] == "int8":
         assert all(kv.key_scale is not None for c in (out, out.draft) if c is not None
                    for kv in c.layers)
@@ -321,3 +271,18 @@ test_dense_transforms_keep_every_field_and_what_a_query_sees = _dense_test(FAST)
 test_paged_transforms_keep_every_field_and_what_a_query_sees = _paged_test(FAST)
 test_dense_transforms_sweep = pytest.mark.slow(_dense_test(SWEEP))
 test_paged_transforms_sweep = pytest.mark.slow(_paged_test(SWEEP))
+
+
+@pytest.mark.slow
+def test_placement_on_a_tp_mesh_keeps_every_field_bitwise():
+    """On 4 devices: tp = 2 splits CONFIG's two KV heads, tp = 4 stores each
+    twice and splits the four copies; every layout and dtype keeps every
+    leaf, bitwise, and its pools (int8 scales too) are split on axis 1."""
+    for tp in (2, 4):
+        result = run_case(4, "cache_cases", "placed_on_mesh", tp=tp)
+        assert len(result) == 9
+        for case, r in result.items():
+            assert r["carried"] and r["same"], (tp, case)
+            n = 4 if case.endswith("int8") else 2
+            assert r["specs"] == ["P(None, 'tp', None, None)"] * 2 + \
+                ["P(None, 'tp', None)"] * (n - 2), (tp, case, r["specs"])
