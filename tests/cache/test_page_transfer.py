@@ -16,37 +16,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxinfer.cache import paged
-from jaxinfer.cache.kv import LayerKV
 from jaxinfer.cache.paged import PagedKVCache
-
-DTYPES = ("float32", "bfloat16", "int8")
-
-
-def _layer(rng, pages: int, heads: int, repeat: int, head_dim: int, page_size: int, dtype: str):
-    """A pool of `heads` KV heads, each stored `repeat` times (axis 1), as
-    tensor parallelism stores them; int8 pools carry float32 scales."""
-    rep = lambda x: jnp.asarray(np.repeat(x, repeat, axis=1))
-    if dtype == "int8":
-        codes = lambda shape: rng.integers(-127, 128, shape).astype(np.int8)
-        scales = lambda: rng.uniform(1e-3, 2.0, (pages, heads, page_size)).astype(np.float32)
-        return LayerKV(rep(codes((pages, heads, head_dim, page_size))),
-                       rep(codes((pages, heads, page_size, head_dim))), rep(scales()), rep(scales()))
-    values = lambda shape: rng.normal(size=shape).astype(np.float32)
-    return LayerKV(rep(values((pages, heads, head_dim, page_size))).astype(dtype),
-                   rep(values((pages, heads, page_size, head_dim))).astype(dtype))
+from cache_cases import DTYPES, random_layer, visible_pages
 
 
 def _cache(rng, layers, pages, heads, repeat, head_dim, page_size, dtype) -> PagedKVCache:
-    return PagedKVCache(tuple(_layer(rng, pages, heads, repeat, head_dim, page_size, dtype)
+    return PagedKVCache(tuple(random_layer(rng, pages, heads, repeat, head_dim, page_size, dtype)
                               for _ in range(layers)), jnp.zeros((2,), jnp.int32),
                         page_size=page_size, layer_types=("full_attention",) * layers, window=0)
-
-
-def _visible(kv: LayerKV, pages, repeat: int):
-    """What a query reading `pages` in order sees, one copy of each KV head:
-    dense keys [1, K, H, n * ps] and values [1, K, n * ps, H] (dequantized)."""
-    k, v = paged.gather_rows(kv, jnp.asarray([pages], jnp.int32))
-    return np.asarray(k[:, ::repeat].astype(jnp.float32)), np.asarray(v[:, ::repeat].astype(jnp.float32))
 
 
 @st.composite
@@ -87,8 +64,8 @@ def test_read_repeat_write_keeps_every_field_and_what_a_query_sees(t):
             want = np.repeat(np.asarray(a)[t["src_ids"]][:, ::t["src_repeat"]], t["dst_repeat"], axis=1)
             np.testing.assert_array_equal(np.asarray(b)[t["dst_ids"]], want)
             np.testing.assert_array_equal(np.asarray(b)[others], old[others])   # nothing else written
-        for x, y in zip(_visible(kv_src, t["src_ids"], t["src_repeat"]),
-                        _visible(kv_out, t["dst_ids"], t["dst_repeat"])):
+        for x, y in zip(visible_pages(kv_src, t["src_ids"], t["src_repeat"]),
+                        visible_pages(kv_out, t["dst_ids"], t["dst_repeat"])):
             np.testing.assert_array_equal(x, y)
 
 

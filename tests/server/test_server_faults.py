@@ -7,7 +7,6 @@ next ones; every slot and page is free afterwards."""
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ httpx = pytest.importorskip("httpx")
 from jaxinfer.serving import request as request_module  # noqa: E402
 from jaxinfer.serving.llm import LLM  # noqa: E402
 from jaxinfer.server import ServerThread, build_server  # noqa: E402
+from toy_server import assert_idle_and_clean  # noqa: E402
 
 SLOTS = 4
 FAULTY_MAX_TOKENS = 7          # the request the fault is injected into is the one asking for 7
@@ -46,20 +46,6 @@ async def _post_all(url, bodies):
 
 def _texts(responses):
     return [r.json()["choices"][0]["text"] for r in responses]
-
-
-def _assert_idle_and_clean(server, timeout_s=30.0):
-    scheduler = server.engine.engine.scheduler
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = server.engine.stats
-        if stats.running == 0 and stats.pages_used == 0 and not scheduler.has_unfinished():
-            break
-        time.sleep(0.05)
-    stats = server.engine.stats
-    assert stats.running == 0 and stats.pages_used == 0
-    assert stats.pages_free + stats.pages_cached == stats.num_pages
-    assert server.engine.running
 
 
 def test_one_request_s_fault_is_its_500_and_the_others_are_unchanged(served, monkeypatch):
@@ -93,7 +79,7 @@ def test_one_request_s_fault_is_its_500_and_the_others_are_unchanged(served, mon
     monkeypatch.setattr(request_module.RequestState, "add", add)
     again = asyncio.run(_post_all(url, [_body(p, n) for p, n in CASES]))
     assert _texts(again) == want
-    _assert_idle_and_clean(server)
+    assert_idle_and_clean(server)
 
 
 def test_a_shared_step_fault_fails_its_rows_and_the_server_answers_the_next(served, monkeypatch):
@@ -115,4 +101,4 @@ def test_a_shared_step_fault_fails_its_rows_and_the_server_answers_the_next(serv
         "type": "server_error", "param": None, "code": "request_failed"}
     again = asyncio.run(_post_all(url, [_body(p, n) for p, n in CASES]))
     assert [r.status_code for r in again] == [200] * 3 and _texts(again) == want
-    _assert_idle_and_clean(server)
+    assert_idle_and_clean(server)
