@@ -2,14 +2,17 @@
 <json>`), started and supervised by the decode process
 (`process.ProcessPrefillClient`): it joins the job, loads its model, then
 serves requests through the coordination service's key-value store (the
-keys are listed in `process`) until told to stop.
+keys are listed in `process`) until told to stop. It exits by itself when
+its parent, the decode process, is gone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -22,6 +25,8 @@ from jaxinfer.parallel.disagg.worker import PrefillWorker
 def worker_main(argv: Sequence[str]) -> None:
     """Join the job, load the model, serve until told to stop."""
     cfg = json.loads(argv[0])
+    if cfg.get("parent_pid"):
+        _exit_with_parent(cfg["parent_pid"])
     spec = WorkerSpec(**{**cfg["spec"], "llm_kwargs": tuple(map(tuple, cfg["spec"]["llm_kwargs"])),
                          "cpus": tuple(cfg["spec"]["cpus"]) if cfg["spec"]["cpus"] else None})
     configure_host(spec.tp)
@@ -44,6 +49,22 @@ def worker_main(argv: Sequence[str]) -> None:
     _serve(client, ns, worker, transport, cfg["hold_timeout_s"])
 
 
+def _exit_with_parent(parent_pid: int, every_s: float = 0.5) -> None:
+    """Exit this process (code 1) within `every_s` of its parent, the decode
+    process, being gone, in every phase (joining, loading, serving). JAX
+    ends a serving worker itself when the coordinator goes, but one still
+    joining waits out its start-up timeout (minutes)."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        print(f"prefill worker: the decode process (pid {parent_pid}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _stall_hook(worker: PrefillWorker, spec: WorkerSpec) -> None:
     """Fault injection (tests): sleep `spec.stall_s` in a step that prefills
     a prompt of `spec.stall_on_prompt_len` tokens."""
@@ -61,7 +82,7 @@ def _stall_hook(worker: PrefillWorker, spec: WorkerSpec) -> None:
 def _serve(client, ns: str, worker: PrefillWorker, transport, hold_timeout_s: float) -> None:
     """The worker's loop: free acknowledged KV, take new requests (waiting
     up to 50 ms only when idle), drop cancelled ones, mark the requests the
-    next step prefills as started, run the step."""
+    next step prefills as started, run the step. Returns when told to stop."""
     seq, seqs, held_reported = 0, {}, -1
 
     def answer(rid, result):
