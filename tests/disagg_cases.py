@@ -208,3 +208,49 @@ def processes(prefill_tp: int, decode_tp: int, kill: bool, log_dir: str, model: 
     finally:
         engine.stop()
     return result
+
+
+def processes_stalled(stall_s: float, heartbeat_s=None, timeout_s: float = 600.0) -> dict:
+    """One prefill worker process (tiny Llama) and this process decoding:
+    two requests finish, then the worker is stopped (SIGSTOP: starved of
+    all CPU) for `stall_s` seconds and continued, then two more requests
+    run once the worker is up (restarted, when it was aborted).
+    `heartbeat_s` None = `process.DEFAULT_HEARTBEAT_S`. Returns every
+    request's outcome, the colocated tokens, the stopped worker's pid and
+    the worker's health. (An aborted decode process fails the case.)"""
+    import os
+    import signal
+
+    from jaxinfer.parallel.disagg.engine import start_process_engine
+    from jaxinfer.parallel.disagg.process import DEFAULT_HEARTBEAT_S, WorkerSpec
+
+    deadline = time.monotonic() + timeout_s
+    common = dict(factory="disagg_cases:tiny_llama", llm_kwargs=tuple(LLM_KWARGS.items()))
+    engine = start_process_engine([WorkerSpec(**common)], WorkerSpec(**common), max_num_seqs=4,
+                                  transfer_timeout_s=60.0, startup_timeout_s=300.0,
+                                  heartbeat_s=heartbeat_s or DEFAULT_HEARTBEAT_S)
+    try:
+        requests = [Request(p, s, m, ignore_eos=True) for p, s, m in REQUESTS]
+        out, on_event = _collect(engine, requests, [2, 3], deadline)
+        _wait_all(out, 2, deadline)
+        pid = engine.client.workers[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stall_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(2.0)                  # an aborted worker is seen exiting, then restarted
+        while engine.health()["prefill"][0]["state"] != "up":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the prefill worker did not come back up")
+            time.sleep(0.05)
+        for i in (2, 3):
+            engine.submit(requests[i], on_event(i))
+        _wait_all(out, len(requests), deadline)
+        config, params = CONFIGS["llama"], random_params(CONFIGS["llama"], seed=11)
+        result = {"outcomes": {str(i): v for i, v in sorted(out.items())},
+                  "colocated": _colocated(config, params), "stalled_pid": pid,
+                  "worker": engine.health()["prefill"][0]}
+    finally:
+        engine.stop()
+    return result

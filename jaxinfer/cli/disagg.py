@@ -2,7 +2,7 @@
 
     jaxinfer disagg --config configs/smollm2-135m-instruct.yaml --prefill-workers 1 \\
         [--prefill-tp 1] [--decode-tp 1] [--prefill-cpus 0] [--decode-cpus 1] \\
-        [--prompts-file FILE] [key=value ...]
+        [--heartbeat-s 60] [--prompts-file FILE] [key=value ...]
 
 This process becomes the decode worker (jax.distributed process 0), starts
 and supervises `--prefill-workers` prefill processes, then reads prompts
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from jaxinfer.parallel.disagg.engine import start_process_engine
-from jaxinfer.parallel.disagg.process import WorkerSpec
+from jaxinfer.parallel.disagg.process import DEFAULT_HEARTBEAT_S, WorkerSpec
 from jaxinfer.config import GenerationConfig
 from jaxinfer.cli.generate import read_prompts
 
@@ -48,6 +48,9 @@ def add_worker_args(p, default_workers: int) -> None:
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode worker")
     p.add_argument("--prefill-cpus", default="", help="cores for the prefill workers, e.g. 0 or 0-1")
     p.add_argument("--decode-cpus", default="", help="cores for the decode worker, e.g. 1")
+    p.add_argument("--heartbeat-s", type=int, default=DEFAULT_HEARTBEAT_S,
+                   help="a process of the job stalled this long is aborted "
+                        f"(jax.distributed heartbeat timeout; default {DEFAULT_HEARTBEAT_S})")
 
 
 def start_engine(cfg, args, *, start: bool = True):
@@ -55,11 +58,12 @@ def start_engine(cfg, args, *, start: bool = True):
     worker flags of `add_worker_args` (`disagg.engine.start_process_engine`).
 
     Raises:
-      ValueError: --prefill-workers < 1 or a bad CPU list.
+      ValueError: --prefill-workers < 1, --heartbeat-s < 1 or a bad CPU list.
     """
 
     if args.prefill_workers < 1:
         raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
+    check_heartbeat(args.heartbeat_s)
     prefill_cpus, decode_cpus = parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)
     llm_kwargs = (("max_seq_len", cfg.max_seq_len), ("decode_chunk", cfg.decode_chunk),
                   ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs),
@@ -71,7 +75,14 @@ def start_engine(cfg, args, *, start: bool = True):
                for _ in range(args.prefill_workers)]
     decode = WorkerSpec(tp=args.decode_tp, cpus=decode_cpus, **spec)
     return start_process_engine(prefill, decode, max_num_seqs=cfg.max_num_seqs,
-                                max_waiting_requests=cfg.max_waiting_requests, start=start)
+                                max_waiting_requests=cfg.max_waiting_requests, start=start,
+                                heartbeat_s=args.heartbeat_s)
+
+
+def check_heartbeat(seconds: int) -> None:
+    """Raises ValueError unless `--heartbeat-s` is at least 1 second."""
+    if seconds < 1:
+        raise ValueError(f"--heartbeat-s must be >= 1 (seconds), got {seconds}")
 
 
 def parse_cpus(text: str):
@@ -99,6 +110,7 @@ def cmd_disagg(args) -> int:
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)     # usage errors first
+    check_heartbeat(args.heartbeat_s)
     lines = _prompt_lines(args.prompts_file)
     engine = start_engine(cfg, args)
     try:

@@ -211,3 +211,25 @@ def test_disagg_cpu_lists_are_checked_before_any_process_starts(capsys):
     rc = main(["disagg", "--prefill-cpus", "4096", "--prompts-file", os.devnull, "max_seq_len=32"])
     err = capsys.readouterr().err
     assert rc == 2 and "jaxinfer disagg: error: bad CPU list '4096'" in err, err
+
+
+def test_disagg_heartbeat_flag_reaches_the_engine_and_is_checked_first(capsys, monkeypatch):
+    """`--heartbeat-s` (default `process.DEFAULT_HEARTBEAT_S`, 60) is passed
+    to `start_process_engine`; below 1 it is a one-line error (exit 2)
+    before any process starts."""
+    import argparse
+    import os
+
+    from jaxinfer.cli import disagg
+    from jaxinfer.config import GenerationConfig
+
+    parser = argparse.ArgumentParser()
+    disagg.add_worker_args(parser, default_workers=1)
+    assert parser.parse_args([]).heartbeat_s == 60
+    seen = {}
+    monkeypatch.setattr(disagg, "start_process_engine", lambda *a, **kw: seen.update(kw))
+    disagg.start_engine(GenerationConfig.load(None, ()), parser.parse_args(["--heartbeat-s", "90"]))
+    assert seen["heartbeat_s"] == 90
+    rc = main(["disagg", "--heartbeat-s", "0", "--prompts-file", os.devnull, "max_seq_len=32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "jaxinfer disagg: error: --heartbeat-s must be >= 1 (seconds), got 0" in err, err

@@ -90,6 +90,28 @@ def test_killed_prefill_process_fails_only_its_request(tmp_path):
     assert not any(r["slots"])
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heartbeat_s,stall_s", [(None, 15.0), (2, 6.0)])
+def test_a_stalled_prefill_process_outlives_the_heartbeat_only_when_it_is_long(heartbeat_s, stall_s):
+    """A prefill process stopped (SIGSTOP) for 15 s, past the old 10 s
+    heartbeat timeout, survives the default one: not restarted, every
+    request as colocated. The control, a 2 s timeout and a 6 s stall, is
+    the abort of issue 29: the coordination service declares the worker
+    dead, JAX aborts it (SIGABRT) when it runs again, the supervisor
+    restarts it, and the later requests still finish."""
+    r = run_case(1, "disagg_cases", "processes_stalled", timeout_s=900, stall_s=stall_s,
+                 heartbeat_s=heartbeat_s)
+    got = r["outcomes"]
+    assert [got[str(i)][0] for i in range(4)] == r["colocated"]
+    assert all(v[1] == "length" for v in got.values())
+    worker = r["worker"]
+    if heartbeat_s is None:
+        assert (worker["restarts"], worker["last_exit"], worker["pid"]) == (0, None, r["stalled_pid"])
+    else:
+        assert (worker["restarts"], worker["last_exit"]) == (1, -6) and worker["pid"] != r["stalled_pid"]
+    assert worker["state"] == "up"
+
 def test_prefill_worker_runs_every_request_s_chunk_in_one_step():
     """A short prompt added while a long one is being prefilled runs its
     chunk in the long one's next step and is offered after it, not after

@@ -11,8 +11,18 @@ prefilling, queues the ones it had not started for its restarted
 successor, and restarts it (`max_restarts` times, then reports it down).
 Workers join with `jax_enable_recoverability`, so one dying does not take
 the job down, and a restarted worker reconnects with the same process id.
-A worker whose coordinator is gone is terminated by JAX itself, so none
+A worker whose coordinator is gone exits: JAX terminates a serving one
+(its error poll fails), and every worker watches its parent, so none
 outlives the decode process. The worker process's side is `process_worker`.
+
+Heartbeats: every process's coordination agent sends them from a thread
+of its own; a process not heard from for `heartbeat_s` seconds (stopped,
+swapped out, its host paused) is declared dead by the service, and the agent of the stalled process, once it runs again, aborts
+it ("Terminating process because the JAX distributed service detected
+fatal errors ... heartbeat timeout"). A stalled worker is then restarted;
+a stalled decode process aborts the whole engine. Worker death is seen by
+`Popen.poll`, not by heartbeats, so a long timeout costs no detection
+speed: `DEFAULT_HEARTBEAT_S` (docs/disaggregation.md, "Heartbeats").
 
 Control messages go through the coordination service's key-value store
 (small pickled values under `jaxinfer/p{worker}/{incarnation}/`; every
@@ -49,6 +59,11 @@ from jaxinfer.parallel import sharding
 from jaxinfer.parallel.disagg.transfer import PullTransport
 
 NAMESPACE = "jaxinfer"
+# Seconds a process may go unheard before the coordination service declares it
+# dead and aborts it. 10 s aborted engines whose processes were stalled that
+# long (a stopped or swapped-out process); a worker's death is seen by process
+# polling instead, so a minute costs no detection speed. JAX's own default is 100 s.
+DEFAULT_HEARTBEAT_S = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +196,10 @@ class ProcessPrefillClient:
       startup_timeout_s: a worker not ready this long after its start is
         killed and counted as failed.
       hold_timeout_s: a worker drops offered KV nobody pulled after this long.
+      heartbeat_s: `jax.distributed` heartbeat timeout of every process of
+        the job (module docstring): a process stalled longer than this is
+        aborted (a worker is then restarted; the decode process takes the
+        engine down).
       log_dir: where each worker's output goes (prefill-{i}-{incarnation}.log);
         default a new temporary folder, deleted by `close` when every log
         in it is empty.
@@ -188,7 +207,9 @@ class ProcessPrefillClient:
 
     def __init__(self, specs: Sequence[WorkerSpec], *, max_restarts: int = 3,
                  startup_timeout_s: float = 600.0, hold_timeout_s: float = 300.0,
-                 heartbeat_s: int = 10, log_dir: Optional[str] = None):
+                 heartbeat_s: int = DEFAULT_HEARTBEAT_S, log_dir: Optional[str] = None):
+        if int(heartbeat_s) < 1:
+            raise ValueError(f"heartbeat_s must be >= 1 (seconds), got {heartbeat_s}")
         self.workers = [_Worker(i, spec) for i, spec in enumerate(specs)]
         self.max_restarts, self.startup_timeout_s = max_restarts, startup_timeout_s
         self.hold_timeout_s, self.heartbeat_s = hold_timeout_s, heartbeat_s
@@ -207,7 +228,8 @@ class ProcessPrefillClient:
         cfg = {"spec": dataclasses.asdict(w.spec), "coordinator": self.coordinator,
                "num_processes": len(self.workers) + 1, "process_id": w.index + 1,
                "worker": w.index, "namespace": w.ns, "init_timeout_s": int(self.startup_timeout_s),
-               "heartbeat_s": self.heartbeat_s, "hold_timeout_s": self.hold_timeout_s}
+               "heartbeat_s": int(self.heartbeat_s), "hold_timeout_s": self.hold_timeout_s,
+               "parent_pid": os.getpid()}
         w.log_path = os.path.join(self.log_dir, f"prefill-{w.index}-{w.incarnation}.log")
         cpus = w.spec.cpus
         with open(w.log_path, "wb") as log:
@@ -228,7 +250,7 @@ class ProcessPrefillClient:
         jax.config.update("jax_enable_recoverability", True)
         jax.distributed.initialize(self.coordinator, num_processes=len(self.workers) + 1,
                                    process_id=0, initialization_timeout=int(self.startup_timeout_s),
-                                   heartbeat_timeout_seconds=self.heartbeat_s)
+                                   heartbeat_timeout_seconds=int(self.heartbeat_s))
         self._transport = PullTransport(self.workers[0].spec.host if self.workers else "127.0.0.1")
 
     def transport(self):
