@@ -379,8 +379,9 @@ class ModelRunner(WarmUp):
     def check_page_ids(self, what: str) -> None:
         """Raise ValueError when `what` (prefix caching, a page transfer)
         cannot address this runner's K/V by page id (sliding_window_ring:
-        `PagedKVCache.check_page_ids`)."""
-        self.cache.check_page_ids(what)
+        `PagedKVCache.check_page_ids`). It reads the layout only, so it does
+        not wait for the pool's allocation."""
+        self._cache_shape.check_page_ids(what)
 
     def read_pages(self, pages: Sequence[int], from_repeat: int = 1):
         """The contents of `pages` (page id num_pages: zeros) in every layer,

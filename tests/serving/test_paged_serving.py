@@ -16,6 +16,7 @@ import pytest
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.scheduler import Scheduler
 from serving_runs import ids, one_by_one, run
 from tiny import TINY_LLAMA, random_params
 
@@ -197,3 +198,21 @@ def test_warmup_covers_paged_serving(prefix_llms):
     one_by_one(sched, requests)
     assert on.programs.num_compiles == before
     assert sched.kv_pages.hit_tokens > 0
+
+
+
+def test_scheduler_does_not_wait_for_the_pool(prefix_llms):
+    """Building a prefix-caching scheduler checks the cache layout, not the
+    pool: the pool is zero-filled on a thread while the server's warm-up
+    compiles, and a scheduler that read the pool waited for the fill first."""
+    on, _ = prefix_llms
+    runner = on.runner(2)
+
+    class Unfilled:
+        def result(self):
+            raise AssertionError("the scheduler waited for the pool's allocation")
+
+    filled, runner._cache_future = runner._cache_future.result(), Unfilled()
+    Scheduler(runner, prefix_caching=True)
+    runner.cache = filled
+    assert Scheduler(runner, prefix_caching=True).runner.cache is filled
