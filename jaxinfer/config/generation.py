@@ -135,7 +135,7 @@ class GenerationConfig:
     kv_cache_memory: Optional[int] = None
     prefix_caching: Optional[bool] = None
     prefill_chunk_size: Optional[int] = 512
-    long_prefill_chunk_size: Optional[int] = 64
+    long_prefill_chunk_size: Optional[int] = 32
     max_num_batched_tokens: int = 512
     sliding_window_ring: bool = False
     deterministic: bool = False
