@@ -41,6 +41,7 @@ def transfers(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(transfers())
 def test_read_repeat_write_keeps_every_field_and_what_a_query_sees(t):

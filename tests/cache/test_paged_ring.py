@@ -81,6 +81,7 @@ def backend(request):
     return BACKENDS[request.param]
 
 
+@pytest.mark.slow
 def test_ring_equals_full_pages_and_the_float64_reference(full_pages, backend):
     llm = _llm(True, backend)
     outs = llm.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -100,6 +101,7 @@ def test_ring_equals_full_pages_and_the_float64_reference(full_pages, backend):
             seq.append(token)
 
 
+@pytest.mark.slow
 def test_a_ring_too_small_would_change_the_output(full_pages, monkeypatch):
     """The control: with R forced below what the window and budget need
     (the host check bypassed), the ring overwrites visible K/V and the
@@ -112,6 +114,7 @@ def test_a_ring_too_small_would_change_the_output(full_pages, monkeypatch):
     assert max(np.abs(_logprobs(o) - _logprobs(w)).max() for o, w in zip(outs, full_pages)) > 0.1
 
 
+@pytest.mark.slow
 def test_int8_ring_equals_int8_full_pages():
     kw = dict(kv_cache_dtype="int8")
     want = _llm(False, **kw).generate(PROMPTS, max_new_tokens=6, ignore_eos=True, logprobs=0)
@@ -181,6 +184,7 @@ def test_page_transfers_refuse_the_ring():
         DisaggScheduler(runner, None, None, prefix_caching=False)
 
 
+@pytest.mark.slow
 def test_preemption_under_the_ring_completes_unchanged():
     prompts = [list(range(i, i + 21)) for i in (1, 20, 40, 60)]
     sampling = [SamplingParams(temperature=0.8, seed=s) for s in range(4)]
@@ -192,6 +196,7 @@ def test_preemption_under_the_ring_completes_unchanged():
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
+@pytest.mark.slow
 def test_speculative_rollback_under_the_ring_emits_the_greedy_tokens(full_pages):
     """n-gram drafts write up to k positions past a row's length; rejected
     ones are rewritten in place. R covers the budget plus k."""
@@ -203,6 +208,7 @@ def test_speculative_rollback_under_the_ring_emits_the_greedy_tokens(full_pages)
     assert llm.last_stats.drafted > llm.last_stats.accepted
 
 
+@pytest.mark.slow
 def test_draft_model_speculation_under_the_ring_emits_the_greedy_tokens(full_pages):
     """The draft model's cache keeps rings too (its sliding layers), written
     by its catch-up and one-token forwards; greedy output is unchanged."""

@@ -41,6 +41,7 @@ def reference_greedy(config, params, prompt, n):
     return tokens, logprobs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_greedy_tokens_and_logprobs_equal_the_float64_reference(name):
     config = CONFIGS[name]
@@ -53,6 +54,7 @@ def test_greedy_tokens_and_logprobs_equal_the_float64_reference(name):
         np.testing.assert_allclose([lp for _, lp, _ in out.logprobs], logprobs, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_request_in_a_ragged_batch_equals_it_alone(name):
     """Chunked (8-token budget while rows decode), packed with four others,
@@ -86,6 +88,7 @@ def test_a_prefix_cache_hit_gives_the_same_tokens(name):
                                [lp for _, lp, _ in first.logprobs], atol=LOGPROB_ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_ngram_speculation_emits_the_greedy_tokens(name):
     config = CONFIGS[name]
@@ -97,6 +100,7 @@ def test_ngram_speculation_emits_the_greedy_tokens(name):
     assert spec.last_stats.drafted >= spec.last_stats.accepted > 0
 
 
+@pytest.mark.slow
 def test_int8_kv_cache_through_the_step_matches_the_dense_int8_phases():
     from jaxinfer.engine import phases
     from jaxinfer.cache.kv import init_cache
@@ -116,6 +120,7 @@ def test_int8_kv_cache_through_the_step_matches_the_dense_int8_phases():
         assert out.token_ids == tokens
 
 
+@pytest.mark.slow
 def test_preempted_requests_continue_exactly():
     config = TINY_LLAMA
     params = random_params(config)
@@ -129,6 +134,7 @@ def test_preempted_requests_continue_exactly():
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_draft_model_speculation_emits_the_greedy_tokens(name):
     """A draft model (here another random model with the same vocabulary)

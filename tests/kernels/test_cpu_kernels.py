@@ -330,6 +330,7 @@ def test_compiler_that_writes_nothing_is_a_build_error(tmp_path, monkeypatch):
     assert list(tmp_path.glob("*.so")) == []
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_cached_build_is_reused_without_a_compiler(tmp_path, monkeypatch):
     path = cpu_kernels.build(tmp_path)
@@ -395,6 +396,7 @@ def test_skipped_build_warns_in_one_line_and_disables_kernels(monkeypatch):
 SIGILL_PROBE = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 
 
+@pytest.mark.slow
 def test_library_that_fails_its_self_test_is_never_cached(tmp_path, monkeypatch):
     """A build whose instructions the CPU does not run (simulated: the probe process dies
     with SIGILL) is caught before it is cached, and remembered by a marker."""

@@ -15,6 +15,7 @@ import pytest
 from multidevice import run_case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("gemma3", 1, 2), ("gemma3", 2, 1),
                                                         ("llama", 1, 1), ("smollm2_heads", 3, 1)])
 def test_device_sets_match_colocated(model, prefill_tp, decode_tp):
@@ -29,6 +30,7 @@ def test_device_sets_match_colocated(model, prefill_tp, decode_tp):
     assert len(r["transfers"]) == len(r["colocated"]) and all(t["bytes"] > 0 for t in r["transfers"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,prefill_tp,decode_tp,devices", [("gemma3", 2, 1, 4), ("llama", 2, 4, 6)])
 def test_int8_pages_keep_their_scales_across_tp(model, prefill_tp, decode_tp, devices):
     """An int8 KV cache, prefill and decode at different tp: the tiny Gemma
@@ -46,6 +48,7 @@ def test_int8_pages_keep_their_scales_across_tp(model, prefill_tp, decode_tp, de
     assert r["held"] == 0 and not any(r["slots"]) and r["pages_used"] == 0
 
 
+@pytest.mark.slow
 def test_two_prefill_workers_share_the_requests():
     r = run_case(4, "disagg_cases", "device_sets", model="gemma3", prefill_tp=1, decode_tp=2,
                  prefill_workers=2)
@@ -112,6 +115,7 @@ def test_a_stalled_prefill_process_outlives_the_heartbeat_only_when_it_is_long(h
         assert (worker["restarts"], worker["last_exit"]) == (1, -6) and worker["pid"] != r["stalled_pid"]
     assert worker["state"] == "up"
 
+@pytest.mark.slow
 def test_prefill_worker_runs_every_request_s_chunk_in_one_step():
     """A short prompt added while a long one is being prefilled runs its
     chunk in the long one's next step and is offered after it, not after

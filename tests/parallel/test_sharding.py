@@ -122,6 +122,7 @@ def equivalence(request):
     return request.param, run_case(4, "tp_cases", "equivalence", model=request.param, tps=[1, 2, 3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 3])
 def test_logits_match_one_device(equivalence, tp):
     """All-position prefill logits, and the log-probs LLM.generate reports
@@ -134,6 +135,7 @@ def test_logits_match_one_device(equivalence, tp):
     assert r["max_logprob_diff"] <= bound, (model, r["plan"], r["max_logprob_diff"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 3])
 def test_tokens_match_one_device(equivalence, tp):
     model, result = equivalence
@@ -142,6 +144,7 @@ def test_tokens_match_one_device(equivalence, tp):
     assert r["seeded"] == result["reference"]["seeded"], (model, r["plan"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3])
 def test_only_the_collectives_the_math_needs(equivalence, tp):
     """Every compiled serving step (prompt chunks and decoding rows, each
@@ -154,6 +157,7 @@ def test_only_the_collectives_the_math_needs(equivalence, tp):
     assert all(c == r["expected_collectives"] for c in r["collectives"]), (model, r["plan"], r["collectives"])
 
 
+@pytest.mark.slow
 def test_xla_attention_and_no_kernels_on_a_multi_device_mesh(equivalence):
     """A multi-device LLM runs the XLA attention backend and no C++ kernel
     in its steps; one device keeps the backend `choose_backend` picks."""
@@ -163,6 +167,7 @@ def test_xla_attention_and_no_kernels_on_a_multi_device_mesh(equivalence):
         assert result[tp]["backend"] == "xla" and result[tp]["kernel_in_step"] is False
 
 
+@pytest.mark.slow
 def test_paged_state_is_sharded_by_kv_heads(equivalence):
     """An int8 paged cache's pools, scales included, split by KV heads (axis
     1) where attention is split, replicated otherwise; lengths and the row
@@ -179,6 +184,7 @@ def test_paged_state_is_sharded_by_kv_heads(equivalence):
         assert replicated(specs["lengths"]) and all("tp" not in x for x in specs["rows"]), (model, tp, specs)
 
 
+@pytest.mark.slow
 def test_plans_cover_heads_repeat_and_replication(equivalence):
     model, result = equivalence
     expected = {"llama": {"2": (True, 1, False), "3": (False, 1, False)},
@@ -189,6 +195,7 @@ def test_plans_cover_heads_repeat_and_replication(equivalence):
         assert (r["split_heads"], r["kv_repeat"], r["split_vocab"]) == (heads, repeat, vocab), r["plan"]
 
 
+@pytest.mark.slow
 def test_dp_replicas_match_one_device():
     result = run_case(4, "tp_cases", "equivalence", model="gemma3", tps=[2], dp=2)
     r = result["2"]

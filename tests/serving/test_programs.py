@@ -92,6 +92,7 @@ def test_compiling_past_the_cap_keeps_the_memory_maps_bounded():
     jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_serving_under_a_cap_of_two_programs_gives_the_same_tokens():
     """A runner with 4 token buckets plus admission (5 programs) under a
     cap of 2 evicts and recompiles as prompts of different lengths come,

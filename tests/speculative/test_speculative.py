@@ -173,6 +173,7 @@ def _chi_square_p(counts, probs):
     return stats.chisquare(counts[keep], expected).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
     SamplingParams(temperature=1.0, top_k=5)], ids=["t1", "t0.7-p0.9", "k5"])

@@ -288,6 +288,7 @@ def test_slot_tables_split_the_pool_in_shuffled_pages():
     assert tables.tolist() == [[4, 6, 2], [7, 3, 5]]
 
 
+@pytest.mark.slow
 def test_filled_slots_decode_the_prompts_greedy_continuation():
     """`fill_slots` prefills one prompt and copies its pages into every slot:
     each slot then decodes what the dense phases decode after that prompt."""
@@ -374,6 +375,7 @@ def test_paged_targets_from_hand_made_figures():
         assert line in report.splitlines(), line
 
 
+@pytest.mark.slow
 def test_paged_measurements_on_a_tiny_model():
     """The --paged sweep's three measurements end to end on a tiny random
     model (no machine probe): shapes of the figures and the prefix-cache hits."""

@@ -22,6 +22,7 @@ CONFIG = dataclasses.replace(CONFIG, vocab_size=len(VOCAB))
 pytest.importorskip("outlines_core")
 
 
+@pytest.mark.slow
 def test_the_row_runs_every_configuration_on_a_tiny_model():
     base = LLM(CONFIG, random_params(CONFIG, 0), ascii_tokenizer(), max_seq_len=256, decode_chunk=4,
                min_kv_bucket=16)
