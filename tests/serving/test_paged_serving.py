@@ -200,7 +200,6 @@ def test_warmup_covers_paged_serving(prefix_llms):
     assert sched.kv_pages.hit_tokens > 0
 
 
-
 def test_scheduler_does_not_wait_for_the_pool(prefix_llms):
     """Building a prefix-caching scheduler checks the cache layout, not the
     pool: the pool is zero-filled on a thread while the server's warm-up
