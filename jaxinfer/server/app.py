@@ -249,7 +249,8 @@ class OpenAIServer:
     async def metrics_text(self):
         programs = self.llm.programs
         body = self.metrics.render(self.engine.stats, self.engine.num_waiting(),
-                                   programs.num_compiles, programs.compile_s)
+                                   programs.num_compiles, programs.compile_s,
+                                   programs.num_programs)
         return Response(body, media_type=CONTENT_TYPE)
 
     async def tokenize(self, body: TokenizeRequest):

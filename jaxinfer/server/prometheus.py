@@ -82,6 +82,8 @@ class ServerMetrics:
                                "page pool ran dry; they are recomputed)", m, registry=r)
         self.steps = Gauge("jaxinfer_engine_steps", "Scheduler steps so far", m, registry=r)
         self.compiles = Gauge("jaxinfer_programs_compiled", "Compiled programs so far", m, registry=r)
+        self.live = Gauge("jaxinfer_programs_live", "Compiled programs held now (at most the "
+                          "max_programs cap; each keeps its machine code mapped)", m, registry=r)
         self.compile_s = Gauge("jaxinfer_compile_seconds", "Seconds spent compiling so far", m,
                                registry=r)
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token", m,
@@ -114,8 +116,10 @@ class ServerMetrics:
         for gap in timings.inter_token_latencies():
             itl.observe(gap)
 
-    def render(self, stats: EngineStats, waiting: int, num_compiles: int, compile_s: float) -> bytes:
-        """The exposition text, with the gauges set from an engine snapshot."""
+    def render(self, stats: EngineStats, waiting: int, num_compiles: int, compile_s: float,
+               num_live: int) -> bytes:
+        """The exposition text, with the gauges set from an engine snapshot
+        (num_live: compiled programs held now)."""
         m = self._model
         self.running.labels(m).set(stats.running)
         self.slots_used.labels(m).set(stats.running)
@@ -135,4 +139,5 @@ class ServerMetrics:
         self.steps.labels(m).set(stats.steps)
         self.compiles.labels(m).set(num_compiles)
         self.compile_s.labels(m).set(compile_s)
+        self.live.labels(m).set(num_live)
         return generate_latest(self.registry)

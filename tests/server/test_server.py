@@ -386,7 +386,7 @@ def test_soak_leaves_nothing_behind(url):
     assert growth < 64 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"
 
 
-def test_metrics_exposition(url):
+def test_metrics_exposition(url, llm):
     text = httpx.get(url + "/metrics").text
     for name in ("jaxinfer_http_requests_total", "jaxinfer_num_requests_running",
                  "jaxinfer_num_requests_waiting", "jaxinfer_slots_used", "jaxinfer_slots_total",
@@ -397,6 +397,8 @@ def test_metrics_exposition(url):
         assert re.search(rf"^{name}\{{", text, re.M), name
     assert _metric(url, "jaxinfer_slots_total") == SLOTS
     assert _metric(url, "jaxinfer_time_to_first_token_seconds_count") > 0
+    live = _metric(url, "jaxinfer_programs_live")
+    assert live == llm.programs.num_programs and 0 < live <= llm.programs.max_programs
 
 
 # --- the command --------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_run_stats_and_server_metrics_report_pages_and_hits(prefix_llms):
     assert (engine.num_pages, engine.pages_used, engine.pages_cached, engine.pages_free) == \
         (pool.num_pages, 0, 4, pool.num_pages - 4)
     assert (engine.prefix_query_tokens, engine.prefix_hit_tokens, engine.num_preempted) == (32, 12, 0)
-    text = ServerMetrics("m").render(engine, 0, 0, 0.0).decode()
+    text = ServerMetrics("m").render(engine, 0, 0, 0.0, 0).decode()
     for line in ('jaxinfer_kv_cache_pages{model_name="m",state="used"} 0.0',
                  'jaxinfer_kv_cache_pages{model_name="m",state="cached"} 4.0',
                  f'jaxinfer_kv_cache_pages{{model_name="m",state="free"}} {pool.num_pages - 4}.0',

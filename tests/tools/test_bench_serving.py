@@ -250,13 +250,41 @@ def test_serve_load_harness_against_a_fake_server(tmp_path):
     long = out["long_prompts"]
     assert (long["long_completed"], long["long_failed"], long["chat_failed"]) == (2, 0, 0)
     assert long["chat_completed"] >= 2 and long["gap_ratio"] >= 1.0
+    held = out["after_workloads"]
+    assert held["pids"] == 1 and held["maps"] > 0 and held["fds"] >= 3 and held["rss_mib"] > 0
     results = {"servers": {"jaxinfer": out, "vllm": out, "llamacpp": {"status": "skipped: why"}},
                "sweep": dataclasses.asdict(sweep), "targets": serve_targets({"jaxinfer": out, "vllm": out},
                                                                             sweep)}
     assert [r["value"] for r in results["targets"][2:4]] == [1.0, 1.0]
     report = format_load(results)
     assert "| jaxinfer | 50 | " in report and "| llamacpp | skipped: why |" in report
+    assert f"| vllm | 1 | {held['maps']} | {held['rss_mib']:.0f} | {held['fds']} | - |" in report
     assert plot_load(results, str(tmp_path / "p.png")) == str(tmp_path / "p.png")
+
+
+def test_process_footprint_sums_the_process_tree():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from jaxinfer.tools.bench.serve_workloads import process_footprint
+
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    alone = process_footprint(os.getpid())
+    assert alone["pids"] == 1 and alone["fds"] >= 3 and abs(alone["maps"] - maps) <= 8
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while process_footprint(os.getpid())["pids"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        both = process_footprint(os.getpid())
+        assert both["pids"] == 2 and both["maps"] > alone["maps"] and both["rss_mib"] > alone["rss_mib"]
+    finally:
+        child.kill()
+        child.wait()
+    assert process_footprint(child.pid) == {}
 
 
 # --- the serving step driven by the benches (tools.bench.steps) ----------------------------

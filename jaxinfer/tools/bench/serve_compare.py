@@ -27,6 +27,9 @@ not start is reported as skipped, with the reason). Per server, in order:
 4. short requests: `short_requests` chat requests of `short_tokens` new
    tokens from `short_concurrency` closed-loop clients.
 5. long prompts arriving (`serve_workloads.run_long_prompts`).
+6. what the server's process tree holds after them (memory maps, resident
+   memory, descriptors: `serve_workloads.process_footprint`), and for
+   jaxinfer the programs compiled and held (`jaxinfer_programs_live`).
 
 The load average is recorded before and after every workload, and the
 CPU model with the results. Outputs (`report.publish`):
@@ -46,14 +49,14 @@ import shutil
 import socket
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from jaxinfer.serving.loading import XLA_CACHE_ENV
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.tools.bench.serve_load import make_trace, run_load, summarize_load
 from jaxinfer.tools.bench.serve_peers import MODEL_NAME, PEERS, PeerUnavailable, server_command
-from jaxinfer.tools.bench.serve_workloads import (ServerProcess, first_request, run_long_prompts,
-                                                  summarize_long_prompts)
+from jaxinfer.tools.bench.serve_workloads import (ServerProcess, first_request, process_footprint,
+                                                  run_long_prompts, summarize_long_prompts)
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.tokenizer.tokenizer import Tokenizer
 from jaxinfer.tools.bench.report import publish
@@ -226,6 +229,10 @@ def start_server(name: str, cmd: list[str], env: dict, sweep: LoadSweep, count_t
             if runner is not None:
                 runner.log(f"{name}: healthy after {server.healthy_s:.1f} s; running the workloads")
                 runner.run_all(server.url, out)
+                out["after_workloads"] = process_footprint(server.proc.pid)
+                if name == "jaxinfer":
+                    out["after_workloads"].update(zip(("programs_compiled", "programs_live"),
+                                                      _programs(server.url)))
         out["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - a server that fails is reported, and the next one runs
         what = "skipped" if "start" not in out else f"failed: {type(e).__name__}"
@@ -234,16 +241,26 @@ def start_server(name: str, cmd: list[str], env: dict, sweep: LoadSweep, count_t
     return out
 
 
-def _compiled(url: str) -> tuple[float, float]:
-    """(programs compiled, seconds compiling) so far, from jaxinfer's /metrics."""
+def _gauges(url: str, names: Sequence[str]) -> tuple[float, ...]:
+    """The values of jaxinfer's /metrics gauges `names` (0 where absent)."""
     import httpx
 
     values = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        for name in ("jaxinfer_programs_compiled", "jaxinfer_compile_seconds"):
+        for name in names:
             if line.startswith(name + "{"):
                 values[name] = float(line.rsplit(" ", 1)[1])
-    return values.get("jaxinfer_programs_compiled", 0.0), values.get("jaxinfer_compile_seconds", 0.0)
+    return tuple(values.get(name, 0.0) for name in names)
+
+
+def _compiled(url: str) -> tuple[float, float]:
+    """(programs compiled, seconds compiling) so far, from jaxinfer's /metrics."""
+    return _gauges(url, ("jaxinfer_programs_compiled", "jaxinfer_compile_seconds"))
+
+
+def _programs(url: str) -> tuple[float, float]:
+    """(programs compiled so far, programs held now), from jaxinfer's /metrics."""
+    return _gauges(url, ("jaxinfer_programs_compiled", "jaxinfer_programs_live"))
 
 
 def peer_names(choice: str) -> list[str]:

@@ -167,6 +167,21 @@ def _summary_table(results: dict, sweep: dict) -> list[str]:
     return lines
 
 
+def _footprint_table(results: dict) -> list[str]:
+    """Per server, what its process tree held after the workloads."""
+    lines = ["", "| server (after the workloads) | processes | memory maps | RSS MiB | open fds "
+             "| programs held / compiled |", "|" + "---|" * 6]
+    for name, s in results["servers"].items():
+        f = s.get("after_workloads")
+        if not f:
+            continue
+        programs = (f"{f['programs_live']:.0f} / {f['programs_compiled']:.0f}"
+                    if "programs_live" in f else "-")
+        lines.append(f"| {name} | {f['pids']} | {f['maps']} | {f['rss_mib']:.0f} | {f['fds']} "
+                     f"| {programs} |")
+    return lines if len(lines) > 3 else []
+
+
 def format_load(results: dict) -> str:
     """The Markdown report: CPU and workload, the per-rate table, the
     per-server summary and the targets."""
@@ -182,7 +197,7 @@ def format_load(results: dict) -> str:
             f"{sw['long_prompt_tokens']} tokens every {sw['long_every_s']:g} s under "
             f"{sw['long_streams']} chat streams of {sw['long_chat_tokens']} tokens.", ""]
     return "\n".join(head + _rates_table(results) + _summary_table(results, sw)
-                     + targets_table(results["targets"]))
+                     + _footprint_table(results) + targets_table(results["targets"]))
 
 
 def plot_load(results: dict, path: str) -> str:

@@ -12,6 +12,11 @@ rates (`serve_load.run_load`), and the server subprocess they run against.
   prompts arrive every `every_s` seconds; the figure is the p99 and the
   median of the chat requests' chunk gaps (`serve_load` module docstring)
   and their ratio (how much a long prefill stalls running streams).
+
+After the workloads, `process_footprint` reads what the server's process
+tree holds from /proc (memory maps, resident memory, open descriptors):
+XLA:CPU maps each live compiled program's code, so the maps count shows
+whether programs pile up.
 """
 
 from __future__ import annotations
@@ -95,6 +100,41 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc; children of every thread)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in pathlib.Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def process_footprint(pid: int) -> dict:
+    """What the process `pid` and its descendants hold now, summed: {"pids",
+    "maps" (lines of /proc/PID/maps), "rss_mib" (VmRSS), "fds" (entries of
+    /proc/PID/fd)}; {} where /proc cannot be read (not Linux, or the
+    process is gone)."""
+    total = {"pids": 0, "maps": 0, "rss_mib": 0.0, "fds": 0}
+    try:
+        for p in _process_tree(pid):
+            proc = pathlib.Path(f"/proc/{p}")
+            with open(proc / "maps", encoding="ascii", errors="replace") as f:
+                total["maps"] += sum(1 for _ in f)
+            rss = [line for line in (proc / "status").read_text().splitlines()
+                   if line.startswith("VmRSS:")]
+            total["rss_mib"] += int(rss[0].split()[1]) / 1024 if rss else 0.0
+            total["fds"] += len(os.listdir(proc / "fd"))
+            total["pids"] += 1
+    except OSError:
+        return {}
+    return total
 
 
 async def _one(url: str, model: str, prompt: str, max_tokens: int, count_tokens, timeout_s: float,
