@@ -36,9 +36,10 @@ class GenerationConfig:
         (`jaxinfer.models.register`); see jaxinfer/serving/loading.py.
         `jaxinfer serve` needs a tokenizer.
       dtype: parameter and KV-cache dtype: "float32", "bfloat16" or "float16".
-        Where the C++ CPU kernels run, anything but float32 runs attention
-        on XLA instead, and says so in one logged warning line
-        (`engine.ragged.choose_backend`).
+        Where the C++ CPU kernels run, "bfloat16" serves float32 activations
+        and KV cache over bfloat16 weights (weights float32 becomes bfloat16;
+        `engine.ragged.serving_dtypes`), and "float16" runs attention on XLA;
+        each says so in one logged warning line.
       kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
         "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
         head, a quarter of float32's bytes; see jaxinfer/cache/int8.py).

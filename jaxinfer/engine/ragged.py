@@ -66,6 +66,35 @@ def slow_dtype_notice(dtype) -> str:
             f"dtype=float32; use dtype=float32 (with weights=bfloat16 for half the weight memory)")
 
 
+def bfloat16_on_cpu_notice(weights: str) -> str:
+    """The one-line notice `serving_dtypes` gives when it serves
+    dtype=bfloat16 with float32 activations over `weights` weights."""
+    return (f"jaxinfer: dtype=bfloat16 on CPU runs float32 activations and KV cache over "
+            f"{weights} weights through the C++ CPU kernels (bfloat16 activations would run on "
+            f"XLA, about 10x slower); JAXINFER_CPU_KERNELS=0 keeps bfloat16 activations")
+
+
+def serving_dtypes(dtype: str, weights: str, notice: bool = True) -> tuple[str, str]:
+    """(activation dtype, weight format) that a model asked for as `dtype`
+    and `weights` (`GenerationConfig` names) is loaded with for serving.
+
+    Where the C++ CPU kernels are enabled (`kernels.cpu.enabled`),
+    dtype "bfloat16" becomes ("float32", "bfloat16") for weights "float32"
+    or "bfloat16", and ("float32", weights) for the quantized formats: the
+    packed bfloat16 panels keep half of float32's weight bytes (AVX512-BF16
+    dot products where the CPU has them), and the attention kernels need
+    float32 activations and KV pages. This logs `bfloat16_on_cpu_notice`
+    (one WARNING line) unless `notice` is False. Everything else is returned unchanged; "float16"
+    still runs on XLA, with `choose_backend`'s notice.
+    """
+    if dtype != "bfloat16" or not cpu_kernels.enabled():
+        return dtype, weights
+    weights = "bfloat16" if weights == "float32" else weights
+    if notice:
+        log.warning(bfloat16_on_cpu_notice(weights))
+    return "float32", weights
+
+
 def choose_backend(dtype=jnp.float32) -> AttentionBackend:
     """CPU_KERNELS when the C++ kernels are enabled here (CPU, one device,
     `JAXINFER_CPU_KERNELS` not 0, the library builds) and the activations

@@ -29,7 +29,7 @@ from jaxinfer.serving.deterministic import check_deterministic
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
 from jaxinfer.cache.paged_ring import pool_costs, ring_pages_for
 from jaxinfer.config.generation import check_ring
-from jaxinfer.engine.ragged import choose_backend
+from jaxinfer.engine.ragged import choose_backend, serving_dtypes
 from jaxinfer.config import ModelConfig
 from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.serving.programs import ProgramCache
@@ -176,7 +176,9 @@ class LLM:
         Args:
           source: e.g. "smollm2-135m-instruct", "/path/model.gguf", "/path/hf_folder",
             or a Python factory "python:path/to/file.py:function" (`serving.loading`).
-          dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16").
+          dtype: parameter and KV-cache dtype name ("float32", "bfloat16", "float16");
+            where the C++ CPU kernels run, "bfloat16" serves float32 activations
+            over bfloat16 weights (`engine.ragged.serving_dtypes`, one logged line).
           weights: matmul weight format, one of `weights.prepare.WEIGHT_FORMATS`.
           progress: a `jaxinfer.progress.Progress`, or True / False; None shows
             download/load bars and compile lines when stderr is a terminal.
@@ -188,6 +190,7 @@ class LLM:
           CheckpointError: a tensor is missing or has the wrong shape.
         """
         progress = Progress.resolve(progress)
+        dtype, weights = serving_dtypes(jnp.dtype(dtype).name, weights)
         config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
                                                cache=load_cache, progress=progress, weights=weights)
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
@@ -211,12 +214,14 @@ class LLM:
           as `LLM.load`, and ValueError from `loading.speculative_config`.
         """
         progress = Progress.resolve(progress)
-        config, params, tokenizer = load_model(cfg.model, jnp.dtype(cfg.dtype), prepared=True,
-                                               progress=progress, weights=cfg.weights,
+        dtype, weights = serving_dtypes(cfg.dtype, cfg.weights)
+        config, params, tokenizer = load_model(cfg.model, jnp.dtype(dtype), prepared=True,
+                                               progress=progress, weights=weights,
                                                before_weights=before_weights)
+        draft_weights = serving_dtypes(cfg.dtype, cfg.draft_weights, notice=False)[1]
         spec = speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
-                                        cfg.ngram_max, cfg.draft_model, config, tokenizer, cfg.dtype,
-                                        cfg.draft_weights)
+                                        cfg.ngram_max, cfg.draft_model, config, tokenizer, dtype,
+                                        draft_weights)
         names = ("max_seq_len", "decode_chunk", "max_num_seqs", "prefill_chunk_size",
                  "kv_cache_dtype", "page_size", "num_pages", "kv_cache_memory", "prefix_caching",
                  "max_num_batched_tokens", "sliding_window_ring", "deterministic")
