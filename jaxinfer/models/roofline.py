@@ -161,6 +161,17 @@ def weight_bytes(config: ModelConfig, dtype_bytes: int = 4) -> int:
     return (p["layers"] + p["final_norm"] + config.vocab_size * config.hidden_size) * dtype_bytes
 
 
+def stored_weight_bytes(params: dict) -> int:
+    """Bytes of prepared params (`weights.prepare`) a decode step reads, as
+    stored (packed, quantized or float): every leaf but an untied model's
+    embedding table (of which a step reads B rows). `weight_bytes` counts
+    the same weights at one dtype."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves({k: v for k, v in params.items() if k != "embed_tokens"})
+    return sum(int(x.size) * x.dtype.itemsize for x in leaves)
+
+
 def prefill_cost(config: ModelConfig, batch: int, prompt_len: int, dtype_bytes: int = 4) -> Cost:
     """One prefill of `batch` prompts of `prompt_len` tokens each.
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.models import roofline as metrics
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.tools.eval import accuracy
 from jaxinfer.tools.eval.run import TEXT, format_report
@@ -95,11 +96,27 @@ def test_decode_step_bytes_by_hand():
     from jaxinfer.tools.eval import speed
 
     params = random_params(TINY_LLAMA, seed=0)
-    weights = speed.weight_bytes_read(params)
+    weights = metrics.stored_weight_bytes(params)
     assert weights == 23_264 * 4
     assert speed.decode_step_bytes(TINY_LLAMA, params, 2, 3) == weights + 256 + 3072
     assert speed.decode_step_bytes(TINY_LLAMA, params, 2, 3, 1 + 4 / 8) == weights + 256 + 1152
     assert speed.decode_step_bytes(TINY_LLAMA, params, 1, 3) == weights + 128 + 1536
+
+
+def test_bench_roofline_counts_the_weights_as_stored():
+    """`jaxinfer bench` (tools.bench.sweep.Cells) counts bfloat16 weights
+    under float32 activations at their stored bytes, as the speed table does."""
+    from jaxinfer.tools.bench.sweep import Cells
+    from jaxinfer.tools.eval import speed
+
+    raw = random_params(TINY_LLAMA, seed=0)
+    f32 = Cells(TINY_LLAMA, prepare_params(raw, TINY_LLAMA), max_seq_len=32)
+    bf16 = Cells(TINY_LLAMA, prepare_params(raw, TINY_LLAMA, weights="bfloat16"), max_seq_len=32)
+    assert f32.dtype_bytes == bf16.dtype_bytes == 4     # float32 activations and KV cache in both
+    for cells in (f32, bf16):
+        cost = cells.cost(metrics.decode_cost(TINY_LLAMA, 2, 3, 4))
+        assert cost.bytes == speed.decode_step_bytes(TINY_LLAMA, cells.params, 2, 3)
+    assert metrics.stored_weight_bytes(bf16.params) < 0.6 * metrics.stored_weight_bytes(f32.params)
 
 
 def test_speed_rows_run_the_serving_step():
@@ -112,7 +129,7 @@ def test_speed_rows_run_the_serving_step():
     params = prepare_params(random_params(config, seed=0), config)
     [row] = speed.speed_rows(config, {"float32+kv8": params}, [2], 8, bandwidth_bps=1e9,
                              prompt_len=8, steps=4, chunk=2)
-    assert row["config"] == "float32+kv8" and row["weight_bytes"] == speed.weight_bytes_read(params)
+    assert row["config"] == "float32+kv8" and row["weight_bytes"] == metrics.stored_weight_bytes(params)
     [d] = row["decode"]
     assert d["batch"] == 2 and d["tpot_s"] > 0 and d["tokens_per_s"] == 2 / d["tpot_s"]
     assert d["context"] == 8 + 2 + (2 * 2 - 1) / 2          # after the warm-up loop, mean of 4 steps

@@ -89,6 +89,14 @@ class Cells:
         self.dtype = self.llm.cache_dtype
         self.dtype_bytes = np.dtype(self.dtype).itemsize
         self.max_seq_len = max_seq_len
+        # the weights as stored (dtype=bfloat16 on CPU keeps bfloat16 weights
+        # beside float32 activations), not at the activation dtype
+        self.stored_weights_delta = (metrics.stored_weight_bytes(self.params)
+                                     - metrics.weight_bytes(config, self.dtype_bytes))
+
+    def cost(self, cost: "metrics.Cost") -> "metrics.Cost":
+        """A roofline cost with its weight bytes as stored."""
+        return dataclasses.replace(cost, bytes=cost.bytes + self.stored_weights_delta)
 
     def runner(self, batch: int, pool_tokens: int, max_seq_len: Optional[int] = None):
         """A runner of `batch` slots with pages for `pool_tokens` positions each,
@@ -126,7 +134,7 @@ def measure_prefill(cells: Cells, batch: int, length: int, sweep: Sweep, machine
         reps = min(sweep.repeats, max(1, int(sweep.cell_budget_s // max(first_s, 1e-9))))
         times = [cells.prompts(runner, tables, prompts)[0] for _ in range(reps)]
     ttft = headline(times, sweep.stat)
-    cost = metrics.prefill_cost(cells.config, batch, length, cells.dtype_bytes)
+    cost = cells.cost(metrics.prefill_cost(cells.config, batch, length, cells.dtype_bytes))
     row = {"batch": batch, "prompt_len": length, "ttft_s": ttft, "ttft_min_s": min(times),
            "times_s": times, "first_call_s": first_s + compile_s, "compile_s": compile_s,
            "tokens_per_s": batch * length / ttft, "token_budget": runner.token_budget,
@@ -154,8 +162,9 @@ def measure_decode(cells: Cells, batch: int, sweep: Sweep, machine: dict,
     tpot_samples = [t / chunk for t in chunk_times]
     tpot = headline(tpot_samples, sweep.stat)
     mean_ctx = ctx + chunk + (n_chunks * chunk - 1) / 2  # cached tokens, mean over timed steps
-    cost = metrics.decode_cost(cells.config, batch, mean_ctx, cells.dtype_bytes)
-    engine_cost = metrics.decode_cost(cells.config, batch, mean_ctx, cells.dtype_bytes, cache_len)
+    cost = cells.cost(metrics.decode_cost(cells.config, batch, mean_ctx, cells.dtype_bytes))
+    engine_cost = cells.cost(metrics.decode_cost(cells.config, batch, mean_ctx, cells.dtype_bytes,
+                                                 cache_len))
     row = {"batch": batch, "context": mean_ctx, "prompt_len": ctx, "steps": n_chunks * chunk,
            "cache_len": cache_len, "page_size": runner.page_size,
            "kv_cache_bytes": cache_nbytes(cells.config, batch, cache_len, cells.dtype, windowed=False),
@@ -279,7 +288,7 @@ def model_facts(llm, max_seq_len: int) -> dict:
     return {
         "config": dataclasses.asdict(config), "params": metrics.param_count(config),
         "params_actual": int(sum(x.size for x in jax.tree_util.tree_leaves(llm.params))),
-        "weight_bytes": metrics.weight_bytes(config, dtype_bytes),
+        "weight_bytes": metrics.stored_weight_bytes(llm.params),
         "kv_cache": {"bytes_per_token": metrics.kv_bytes_per_position(config, dtype_bytes),
                      "default_max_seq_len": max_seq_len,
                      "default_bytes": cache_nbytes(config, 1, max_seq_len, llm.cache_dtype,

@@ -28,7 +28,6 @@ import sys
 import time
 from typing import Optional, Sequence
 
-import jax
 import numpy as np
 
 from jaxinfer.config import GenerationConfig, ModelConfig
@@ -41,23 +40,16 @@ from jaxinfer.tools.bench.steps import fill_slots, new_runner, run_prompts, slot
 from jaxinfer.tools.eval.run import load_variants
 
 
-def weight_bytes_read(params: dict) -> int:
-    """Bytes of prepared params a decode step reads: every leaf but an
-    untied model's embedding table (of which a step reads B rows)."""
-    leaves = jax.tree_util.tree_leaves({k: v for k, v in params.items() if k != "embed_tokens"})
-    return sum(int(x.size) * x.dtype.itemsize for x in leaves)
-
-
 def decode_step_bytes(config: ModelConfig, params: dict, batch: int, context: float,
                       kv_bytes_per_value: float = 4.0) -> float:
     """Bytes one decode step reads and writes: the weights as stored
-    (`weight_bytes_read`), B embedding rows, and the K/V of `context` cached
+    (`metrics.stored_weight_bytes`), B embedding rows, and the K/V of `context` cached
     tokens per row plus the new entry (`metrics.decode_cost`'s K/V terms) at
     `kv_bytes_per_value` bytes per K or V value (4 for float32; 1 + 4 / H for
     int8 with a float32 scale per token per kv head)."""
     f32 = metrics.decode_cost(config, batch, context, 4)
     kv = f32.bytes - metrics.weight_bytes(config, 4) - batch * config.hidden_size * 4
-    return weight_bytes_read(params) + batch * config.hidden_size * 4 + kv * kv_bytes_per_value / 4
+    return metrics.stored_weight_bytes(params) + batch * config.hidden_size * 4 + kv * kv_bytes_per_value / 4
 
 
 def measure_decode(config: ModelConfig, params: dict, batch: int, prompt_len: int = 128,
@@ -123,7 +115,7 @@ def speed_rows(config: ModelConfig, variants: dict, batches: Sequence[int], pref
     rows = []
     for name, params in variants.items():
         kv8 = name.endswith(KV8)
-        row = {"config": name, "weight_bytes": weight_bytes_read(params), "decode": []}
+        row = {"config": name, "weight_bytes": metrics.stored_weight_bytes(params), "decode": []}
         for b in batches:
             d = measure_decode(config, params, b, kv_cache_dtype="int8" if kv8 else None,
                                **decode_kwargs)
