@@ -162,7 +162,11 @@ class MeshPrograms(ProgramCache):
 
     Warns once (`RuntimeWarning`) when the mesh has several CPU devices and
     the C++ CPU kernels would otherwise run: they are off under the mesh.
+    Its programs are not stored on disk (`serving.executables`): each
+    closes over the mesh and the plan.
     """
+
+    persist = False
 
     def __init__(self, mesh: Mesh, plan: ShardingPlan):
         super().__init__()

@@ -21,6 +21,10 @@ enabled, else from scratch; the compile is counted in `num_compiles` and
 token bucket and log-prob count, admission, decode loops, page transfer)
 number well under the default, so eviction only happens in a process that
 keeps compiling new shapes.
+
+Where JAX's persistent compilation cache is on, programs also persist as
+executables (`serving.executables`): a later process loads them without
+tracing or lowering, which is most of a warm start's compile time.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Optional
 import jax
 
 from jaxinfer.config.generation import DEFAULT_MAX_PROGRAMS
+from jaxinfer.serving.executables import ExecutableStore, Unkeyable, program_key
 from jaxinfer.progress import Progress
 
 
@@ -45,6 +50,8 @@ class ProgramCache:
     Args:
       max_programs: live compiled programs at most (None: unbounded); the
         least recently used is evicted past it (module docstring).
+      store: where compiled programs persist across processes (None: under
+        JAX's compilation cache folder when that cache is on; see `store`).
     Attributes:
       num_compiles: programs compiled so far (recompiles after an eviction included).
       num_evictions: programs evicted so far.
@@ -53,7 +60,11 @@ class ProgramCache:
       ValueError: max_programs below 1.
     """
 
-    def __init__(self, max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS):
+    persist = True    # subclasses whose programs close over more than the key says set False
+
+    def __init__(self, max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS,
+                 store: Optional[ExecutableStore] = None):
+        self._store = store
         self._compiled: collections.OrderedDict = collections.OrderedDict()   # oldest use first
         self._compiling: dict = {}        # key -> Future of a compile under way
         self._lock = threading.Lock()
@@ -93,7 +104,7 @@ class ProgramCache:
         try:
             t0 = time.perf_counter()
             with self.progress.step(f"compiling {fn.__name__}"):
-                program = fn.lower(*args, **static).compile()
+                program = self._load_or_compile(fn, args, static)
             with self._lock:
                 self.compile_s += time.perf_counter() - t0
                 if not getattr(self._local, "background", False):
@@ -111,6 +122,28 @@ class ProgramCache:
         finally:
             with self._lock:
                 del self._compiling[key]
+
+    def _load_or_compile(self, fn, args, static):
+        """The program from the executable store (`serving.executables`) when
+        it holds it, else compiled (and stored)."""
+        store = self.store if self.persist else None
+        try:
+            key = program_key(fn, args, static) if store is not None else None
+        except Unkeyable:
+            key = None
+        program = store.load(key) if key is not None else None
+        if program is None:
+            program = fn.lower(*args, **static).compile()
+            if key is not None:
+                store.save(key, program)
+        return program
+
+    @property
+    def store(self) -> Optional[ExecutableStore]:
+        """Where programs persist: the `ExecutableStore` given, else the one
+        under JAX's compilation cache folder when that cache is on (None:
+        nowhere)."""
+        return self._store if self._store is not None else ExecutableStore.from_jax_config()
 
     @property
     def max_programs(self) -> Optional[int]:

@@ -1,0 +1,221 @@
+"""Compiled programs kept on disk and found again without tracing.
+
+JAX's persistent compilation cache (`serving.loading.enable_compilation_cache`)
+skips XLA's compile on a later start, but every start still traces each
+program and lowers it to StableHLO, because that cache's key is a hash of
+the lowered module. `ExecutableStore` keys a program by what determines its
+trace instead, and keeps the executable itself
+(`jax.experimental.serialize_executable`):
+
+* the function (module and qualified name) and its static arguments;
+* the input tree (node types with their static fields) and every leaf's
+  shape, dtype and weak type;
+* a fingerprint of everything else a trace can read: jaxinfer's source files
+  (.py and .cc), the Python, jax and jaxlib versions, the platform and its
+  version, JAX's config values (its cache settings aside), the
+  `JAXINFER_*` and `XLA_*` environment variables and the CPU's flags.
+
+Only programs with a stable key are stored: one device, and static
+arguments made of None, bool, int, float, str, tuples and frozen dataclasses
+of those (a draft model's params, say, are not: such a program compiles as
+before). A file that cannot be read or loaded is removed and the program
+compiled again. Each fingerprint has its own folder; the
+`KEEP_FINGERPRINTS` most recently used are kept.
+
+`ExecutableStore.from_jax_config()` is the store under JAX's compilation
+cache folder (`<jax_compilation_cache_dir>/jaxinfer-executables`), None when
+that cache is off: programs persist exactly where compiles do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import platform
+import shutil
+import sys
+import tempfile
+from typing import Optional
+
+import jax
+
+log = logging.getLogger(__name__)
+
+KEEP_FINGERPRINTS = 4
+FOLDER = "jaxinfer-executables"
+_IGNORED_CONFIG = ("compilation_cache", "persistent_cache", "log", "explain_cache_misses")
+
+
+class Unkeyable(Exception):
+    """A program whose key would not determine it (it is compiled, not stored)."""
+
+
+def static_repr(value) -> str:
+    """A repr of a static argument that names everything it holds.
+
+    Raises:
+      Unkeyable: a value other than None, bool, int, float, str, a tuple of
+        those or a frozen dataclass of those.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(static_repr(v) for v in value) + ")"
+    if (dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and type(value).__dataclass_params__.frozen):
+        fields = ",".join(f"{f.name}={static_repr(getattr(value, f.name))}"
+                          for f in dataclasses.fields(value))
+        return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
+    raise Unkeyable(f"static argument of type {type(value).__name__}")
+
+
+def _leaf_repr(x) -> str:
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and len(sharding.device_set) != 1:
+        raise Unkeyable("an argument spread over several devices")
+    return f"{tuple(x.shape)}:{x.dtype}:{bool(getattr(x, 'weak_type', False))}"
+
+
+def program_key(fn, args: tuple, static: dict) -> str:
+    """The text that names the program `fn.lower(*args, **static)` gives in
+    this process (module docstring, fingerprint aside).
+
+    Raises:
+      Unkeyable: see `static_repr`; an argument on several devices.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return "\n".join([f"{fn.__module__}.{getattr(fn, '__qualname__', fn.__name__)}",
+                      ";".join(f"{k}={static_repr(v)}" for k, v in sorted(static.items())),
+                      str(tree), ";".join(_leaf_repr(x) for x in leaves)])
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def fingerprint() -> str:
+    """A hash of what, beside `program_key`, can change a trace or its
+    executable in this process (module docstring)."""
+    import jaxlib
+
+    device = jax.devices()[0]
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if not any(part in k for part in _IGNORED_CONFIG))
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAXINFER_", "XLA_")))
+    parts = [_source_digest(), sys.version, jax.__version__, jaxlib.__version__, device.platform,
+             device.client.platform_version, device.device_kind, str(jax.device_count()),
+             repr(config), repr(env), _cpu_flags()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+class ExecutableStore:
+    """Serialized executables under `root/<fingerprint>/<key hash>.bin`.
+
+    Args:
+      root: the store's folder (created on first save).
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = pathlib.Path(root)
+        self._folder: Optional[pathlib.Path] = None
+
+    @classmethod
+    def from_jax_config(cls) -> Optional["ExecutableStore"]:
+        """The store under JAX's persistent compilation cache folder, or None
+        when that cache is off or more than one device is visible."""
+        path = jax.config.values.get("jax_compilation_cache_dir")
+        if not path or not jax.config.values.get("jax_enable_compilation_cache", True):
+            return None
+        if jax.device_count() != 1:
+            return None
+        return cls(pathlib.Path(path) / FOLDER)
+
+    @property
+    def folder(self) -> pathlib.Path:
+        """This process's fingerprint folder (older fingerprints beyond
+        KEEP_FINGERPRINTS removed the first time it is asked for)."""
+        if self._folder is None:
+            self._folder = self.root / fingerprint()
+            self._prune()
+        return self._folder
+
+    def _prune(self) -> None:
+        try:
+            others = [p for p in self.root.iterdir() if p.is_dir() and p != self._folder]
+        except OSError:
+            return
+        others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in others[KEEP_FINGERPRINTS - 1:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.folder / (hashlib.sha256(key.encode()).hexdigest()[:40] + ".bin")
+
+    def load(self, key: str):
+        """The `jax.stages.Compiled` stored under `key`, or None (absent, or
+        unreadable: then the file is removed)."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self._path(key)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            entry = pickle.loads(blob)
+            if entry["key"] != key:
+                return None
+            program = deserialize_and_load(entry["payload"], entry["in_tree"], entry["out_tree"])
+            os.utime(self.folder)
+            return program
+        except Exception as e:  # noqa: BLE001 - a bad entry is recompiled, never fatal
+            log.warning("jaxinfer: removing an unreadable stored executable %s (%s: %s)",
+                        path.name, type(e).__name__, e)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, key: str, program) -> bool:
+        """Store a compiled program under `key` (atomically); False when its
+        executable cannot be serialized (it stays in memory only)."""
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload, in_tree, out_tree = serialize(program)
+            blob = pickle.dumps({"key": key, "payload": payload, "in_tree": in_tree,
+                                 "out_tree": out_tree})
+        except Exception as e:  # noqa: BLE001 - e.g. closed-over constants: not storable
+            log.debug("jaxinfer: executable not stored (%s: %s)", type(e).__name__, e)
+            return False
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("jaxinfer: could not store an executable in %s: %s", path.parent, e)
+            return False
+        return True

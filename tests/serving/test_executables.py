@@ -1,0 +1,164 @@
+"""Compiled programs stored on disk (`serving.executables`): the key names
+everything that determines a trace, a stored program loads without tracing
+and computes bit for bit what the compiled one does, a bad file is removed
+and recompiled, and a serving run from stored programs equals a fresh one."""
+
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kernels.packed import PackedWeight
+from jaxinfer.serving import executables
+from jaxinfer.serving.executables import ExecutableStore, Unkeyable, program_key, static_repr
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.programs import ProgramCache
+from jaxinfer.speculative import SpecConfig
+from tiny import TINY_LLAMA, random_params
+
+
+TRACES = []
+
+
+@functools.partial(jax.jit, static_argnames=("scale",), donate_argnames=("x",))
+def _f(x, y, scale):
+    TRACES.append(scale)
+    return jnp.tanh(x @ y) * scale + jnp.cumsum(x, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    a: int
+    b: tuple = ("x", 1.5)
+
+
+@dataclasses.dataclass
+class _Mutable:
+    a: int
+
+
+def _args(n=4, dtype=jnp.float32):
+    x = jnp.arange(n * 8, dtype=dtype).reshape(n, 8) / 17
+    return x, jnp.ones((8, 8), dtype) / 3
+
+
+def test_static_repr_names_every_field_and_refuses_what_it_cannot_name():
+    assert static_repr(_Frozen(1)) != static_repr(_Frozen(2)) != static_repr(_Frozen(1, ("x", 2.5)))
+    assert static_repr(1) != static_repr(1.0) != static_repr(True) != static_repr("1")
+    assert static_repr(SpecConfig("ngram", 3)) != static_repr(SpecConfig("ngram", 4))
+    for bad in (_Mutable(1), {"a": 1}, [1], np.float32(1), jnp.zeros(2), object(),
+                _Frozen(1, (jnp.zeros(2),))):
+        with pytest.raises(Unkeyable):
+            static_repr(bad)
+
+
+def test_program_key_tells_apart_what_changes_the_trace():
+    x, y = _args()
+    base = program_key(_f, (x, y), {"scale": 2.0})
+    assert program_key(_f, (x, y), {"scale": 2.0}) == base
+    assert program_key(_f, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                                  (x, y)), {"scale": 2.0}) == base
+    others = [program_key(_f, (x, y), {"scale": 3.0}),
+              program_key(_f, _args(5), {"scale": 2.0}),
+              program_key(_f, _args(4, jnp.bfloat16), {"scale": 2.0}),
+              program_key(_f, (x, jax.ShapeDtypeStruct((8, 8), jnp.float32, weak_type=True)),
+                          {"scale": 2.0}),
+              program_key(_f, ((x,), y), {"scale": 2.0}),
+              program_key(jax.jit(lambda x, y, scale: x), (x, y), {"scale": 2.0})]
+    assert len({base, *others}) == 1 + len(others)
+    panels = jnp.zeros((2, 4, 8))        # a static pytree field (the column count) is in the key
+    assert program_key(_f, (PackedWeight(panels, 13),), {}) != program_key(_f, (PackedWeight(panels, 14),), {})
+    with pytest.raises(Unkeyable):
+        program_key(_f, (x, y), {"scale": np.float32(2)})
+
+
+def test_fingerprint_follows_the_environment(monkeypatch):
+    before = executables.fingerprint()
+    assert executables.fingerprint() == before
+    monkeypatch.setenv("JAXINFER_SOMETHING", "1")
+    assert executables.fingerprint() != before
+    monkeypatch.delenv("JAXINFER_SOMETHING")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
+    assert executables.fingerprint() != before
+
+
+def test_a_stored_program_loads_without_tracing_and_equals_the_compiled_one(tmp_path, caplog):
+    store = ExecutableStore(tmp_path)
+    x, y = _args()
+    want = np.asarray(ProgramCache(store=store)(_f, jnp.array(x), y, scale=2.0))
+    [entry] = list(store.folder.glob("*.bin"))
+    jax.clear_caches()                       # JAX's own trace cache would hide a second trace
+    TRACES.clear()
+    second = ProgramCache(store=store)
+    got = np.asarray(second(_f, jnp.array(x), y, scale=2.0))
+    assert TRACES == [] and second.num_compiles == 1
+    np.testing.assert_array_equal(got, want)
+
+    entry.write_bytes(b"not a stored executable")                 # a bad file: removed, recompiled
+    with caplog.at_level(logging.WARNING, "jaxinfer.serving.executables"):
+        again = np.asarray(ProgramCache(store=store)(_f, jnp.array(x), y, scale=2.0))
+    np.testing.assert_array_equal(again, want)
+    assert TRACES == [2.0] and [r.getMessage()[:55] for r in caplog.records] == [
+        "jaxinfer: removing an unreadable stored executable " + entry.name[:4]]
+    assert entry.read_bytes() != b"not a stored executable"      # stored again after the compile
+
+
+def test_unkeyable_programs_compile_as_before(tmp_path):
+    store = ExecutableStore(tmp_path)
+    cache = ProgramCache(store=store)
+    x, y = _args()
+    cache(_f, x, y, scale=np.float32(2))                           # a numpy scalar static: no key
+    assert cache.num_compiles == 1 and not list(tmp_path.rglob("*.bin"))
+
+
+def test_old_fingerprints_are_pruned(tmp_path):
+    for i in range(6):
+        (tmp_path / f"old{i}").mkdir()
+        os.utime(tmp_path / f"old{i}", (i, i))
+    store = ExecutableStore(tmp_path)
+    assert store.folder.name == executables.fingerprint()
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted(["old5", "old4", "old3"])                # the folder itself is made on save
+
+
+def test_store_follows_jax_compilation_cache(tmp_path):
+    assert ProgramCache().store is None                            # the cache is off in tests
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        assert ProgramCache().store.root == tmp_path / executables.FOLDER
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_serving_from_stored_programs_equals_a_fresh_run(tmp_path, caplog, monkeypatch):
+    """The serving programs (admission, the step with the C++ kernels where
+    they run, paged KV) stored by one LLM and loaded by another give the
+    same tokens and log-probs."""
+    params = random_params(TINY_LLAMA, seed=3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(20, 40))]
+
+    def run(store):
+        llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
+        llm.programs = ProgramCache(store=store)
+        outs = llm.generate(prompts, max_new_tokens=6, logprobs=2)
+        return llm, [(o.token_ids, o.logprobs) for o in outs]
+
+    _, fresh = run(None)
+    store = ExecutableStore(tmp_path)
+    saving_llm, saved = run(store)
+    stored = len(list(store.folder.glob("*.bin")))
+    assert stored == saving_llm.programs.num_compiles > 0
+    saves = []
+    real_save = ExecutableStore.save
+    monkeypatch.setattr(ExecutableStore, "save", lambda self, *a: saves.append(1) or real_save(self, *a))
+    with caplog.at_level(logging.WARNING, "jaxinfer.serving.executables"):
+        loaded_llm, loaded = run(store)
+    assert not caplog.records and saves == []                   # every program loaded, none compiled
+    assert loaded_llm.programs.num_compiles == stored
+    assert loaded == saved == fresh
