@@ -15,7 +15,11 @@ trace instead, and keeps the executable itself
   version, JAX's config values (its cache settings aside), the
   `JAXINFER_*` and `XLA_*` environment variables and the CPU's flags.
 
-Only programs with a stable key are stored: one device, and static
+Only programs that XLA compiled in this process are stored: an executable
+read back from XLA's own cache serializes without some of its kernels
+(`cache_hits`), so a program that cache already holds is stored only once
+XLA compiles it again (an emptied cache folder, or a new jax). Only
+programs with a stable key are stored: one device, and static
 arguments made of None, bool, int, float, str, tuples and frozen dataclasses
 of those (a draft model's params, say, are not: such a program compiles as
 before). A file that cannot be read or loaded is removed and the program
@@ -29,6 +33,7 @@ that cache is off: programs persist exactly where compiles do.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -40,9 +45,11 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 from typing import Optional
 
 import jax
+import jax.monitoring
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,38 @@ def static_repr(value) -> str:
                           for f in dataclasses.fields(value))
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
     raise Unkeyable(f"static argument of type {type(value).__name__}")
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+@contextlib.contextmanager
+def cache_hits():
+    """Counts the hits of JAX's persistent compilation cache on this thread
+    inside the block (`jax.monitoring` events): yields a list whose one
+    element is set to that count on exit. An executable that cache gave
+    back serializes without some of its kernels (loading it then fails
+    with "Function <name>_fusion not found"), so only programs compiled
+    with no hit are stored."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+    before = getattr(_hits, "count", 0)
+    out = [0]
+    try:
+        yield out
+    finally:
+        out[0] = getattr(_hits, "count", 0) - before
 
 
 def _leaf_repr(x) -> str:

@@ -39,7 +39,7 @@ from typing import Optional
 import jax
 
 from jaxinfer.config.generation import DEFAULT_MAX_PROGRAMS
-from jaxinfer.serving.executables import ExecutableStore, Unkeyable, program_key
+from jaxinfer.serving.executables import ExecutableStore, Unkeyable, cache_hits, program_key
 from jaxinfer.progress import Progress
 
 
@@ -132,10 +132,14 @@ class ProgramCache:
         except Unkeyable:
             key = None
         program = store.load(key) if key is not None else None
-        if program is None:
+        if program is not None:
+            return program
+        if key is None:
+            return fn.lower(*args, **static).compile()
+        with cache_hits() as hits:       # what XLA's cache gave back is not stored (see there)
             program = fn.lower(*args, **static).compile()
-            if key is not None:
-                store.save(key, program)
+        if not hits[0]:
+            store.save(key, program)
         return program
 
     @property

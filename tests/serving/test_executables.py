@@ -162,3 +162,33 @@ def test_serving_from_stored_programs_equals_a_fresh_run(tmp_path, caplog, monke
     assert not caplog.records and saves == []                   # every program loaded, none compiled
     assert loaded_llm.programs.num_compiles == stored
     assert loaded == saved == fresh
+
+
+def test_what_is_stored_is_compiled_afresh_not_taken_from_xla_cache(tmp_path):
+    """An executable XLA's persistent cache returned, serialized again, loads
+    but fails when run ("Function select_bitcast_fusion not found"): such a
+    program is not stored; one XLA compiled is."""
+    from jaxinfer.serving.loading import enable_compilation_cache
+
+    enable_compilation_cache(str(tmp_path / "xla"))      # the conftest fixture turns it off after
+    params = random_params(TINY_LLAMA, seed=4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+
+    def run(store):
+        llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
+        llm.programs = ProgramCache(store=store)
+        return [o.token_ids for o in llm.generate(prompts, max_new_tokens=6)]
+
+    want = run(None)                                      # fills XLA's cache only
+    jax.clear_caches()
+    store = ExecutableStore(tmp_path / "store")
+    assert run(store) == want                             # every program from XLA's cache: none stored
+    assert not list(store.root.rglob("*.bin"))
+    jax.clear_caches()
+    enable_compilation_cache(str(tmp_path / "xla-empty"))
+    assert run(store) == want                             # XLA compiles: stored
+    stored = len(list(store.folder.glob("*.bin")))
+    assert stored > 0
+    jax.clear_caches()
+    assert run(store) == want                             # loaded from the store, and they run
+    assert len(list(store.folder.glob("*.bin"))) == stored
