@@ -21,7 +21,7 @@ host-side settings, lives in `jaxinfer.config` and is re-exported here.
 """
 
 from jaxinfer.config.sampling import MAX_SEED, TEMPERATURE_FLOOR, SamplingParams, resolve_seeds
-from jaxinfer.sampling.arrays import SamplingArrays, row_keys, stack_params, step_keys
+from jaxinfer.sampling.arrays import SamplingArrays, row_keys, stack_params, step_keys, to_device
 from jaxinfer.sampling.draw import (argmax_first, distribution, inverse_cdf, log_softmax_topn,
                                     sample)
 from jaxinfer.sampling.filters import CANDIDATES, keep_mask
@@ -30,4 +30,4 @@ from jaxinfer.sampling.penalties import apply_penalties, init_history, update_hi
 __all__ = ["CANDIDATES", "MAX_SEED", "TEMPERATURE_FLOOR", "SamplingArrays", "SamplingParams",
            "apply_penalties", "argmax_first", "distribution", "init_history", "inverse_cdf",
            "keep_mask", "log_softmax_topn", "resolve_seeds", "row_keys", "sample", "stack_params",
-           "step_keys", "update_history"]
+           "step_keys", "to_device", "update_history"]

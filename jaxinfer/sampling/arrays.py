@@ -19,6 +19,21 @@ from jaxinfer.config.sampling import SamplingParams, resolve_seeds
 _INT32_MAX = 2**31 - 1
 
 
+def to_device(x, dtype=None) -> jax.Array:
+    """A copy of host data `x` (numpy array, list, scalar) on the default
+    device, uncommitted, as `np.asarray(x, dtype)`.
+
+    Unlike `jnp.asarray` / `jnp.array`, which run a small compiled program
+    per new shape and dtype, this compiles nothing. It never aliases `x`:
+    the caller may change `x` as soon as it returns (the transfer itself is
+    asynchronous, so an array of the caller's is copied on the host first).
+    """
+    host = np.asarray(x, dtype)
+    if isinstance(x, np.ndarray) and np.may_share_memory(host, x):
+        host = host.copy()
+    return jax.device_put(host)
+
+
 @flax.struct.dataclass
 class SamplingArrays:
     """Device-side sampling parameters, one entry per batch row.
@@ -60,12 +75,11 @@ def stack_params(params: Sequence[SamplingParams]) -> SamplingArrays:
             raise TypeError(f"stack_params: entry {i} is {type(p).__name__}, not SamplingParams")
 
     def col(name, dtype):
-        return jnp.asarray(np.array([getattr(p, name) for p in params], dtype=dtype))
+        return to_device([getattr(p, name) for p in params], dtype)
 
     return SamplingArrays(
         temperature=col("temperature", np.float32),
-        top_k=jnp.asarray(np.array(
-            [max(-_INT32_MAX, min(int(p.top_k), _INT32_MAX)) for p in params], np.int32)),
+        top_k=to_device([max(-_INT32_MAX, min(int(p.top_k), _INT32_MAX)) for p in params], np.int32),
         top_p=col("top_p", np.float32),
         min_p=col("min_p", np.float32),
         repetition_penalty=col("repetition_penalty", np.float32),
@@ -90,7 +104,13 @@ def row_keys(seeds: Sequence[Optional[int]]) -> jax.Array:
     resolved = resolve_seeds(seeds)
     if not resolved:
         raise ValueError("row_keys needs at least one seed")
-    return jax.vmap(jax.random.key)(jnp.asarray(np.array(resolved, np.uint32)))
+    seeds = np.array(resolved, np.uint32)
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        # threefry's key of a 32-bit seed is the pair (0, seed) (jax._src.prng.threefry_seed);
+        # built on the host it costs no compiled program
+        return jax.random.wrap_key_data(to_device(np.stack([np.zeros_like(seeds), seeds], -1)),
+                                        impl="threefry2x32")
+    return jax.vmap(jax.random.key)(to_device(seeds))
 
 
 def step_keys(keys: jax.Array, steps: jax.Array) -> jax.Array:

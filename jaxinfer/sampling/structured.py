@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer.sampling.arrays import to_device
+
 # A row without a constraint.
 UNCONSTRAINED = -1
 # Smallest padded table sizes: a pool's first few grammars share one compiled shape.
@@ -60,7 +62,7 @@ def pad_tables(mask: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
     starts = np.concatenate([starts, np.full(sp - s, e)]).astype(np.int32)
     tokens = np.concatenate([tokens, np.full(ep - e, _INT32_MAX)]).astype(np.int32)
     next_ = np.concatenate([next_, np.zeros(ep - e)]).astype(np.int32)
-    return GrammarTables(*map(jnp.asarray, (mask, starts, tokens, next_)))
+    return GrammarTables(*map(to_device, (mask, starts, tokens, next_)))
 
 
 def allowed(tables: GrammarTables, state: jax.Array, vocab_size: int) -> jax.Array:

@@ -497,4 +497,4 @@ def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):
     for row, p in enumerate(ids):
         tokens[row, :len(p)] = p
         lengths[row] = len(p)
-    return jnp.asarray(tokens), jnp.asarray(lengths)
+    return sampling.to_device(tokens), sampling.to_device(lengths)

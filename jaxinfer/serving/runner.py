@@ -34,6 +34,7 @@ from jaxinfer.cache.paged_ring import init_ring_cache
 from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
+from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
@@ -84,14 +85,14 @@ def row_inputs(requests: Sequence[Request], vocab_size: int, history: int,
         ids[row, :len(seq)] = seq
         lengths.append(len(seq))
     return engine_step.RowInputs(
-        max_new_tokens=jnp.array([r.max_new_tokens for r in requests], jnp.int32),
-        min_tokens=jnp.array([r.min_tokens for r in requests], jnp.int32),
-        ignore_eos=jnp.array([r.ignore_eos for r in requests]), seen=jnp.asarray(seen),
-        history=jnp.asarray(ids), history_len=jnp.array(lengths, jnp.int32),
+        max_new_tokens=to_device([r.max_new_tokens for r in requests], np.int32),
+        min_tokens=to_device([r.min_tokens for r in requests], np.int32),
+        ignore_eos=to_device([r.ignore_eos for r in requests], bool), seen=to_device(seen),
+        history=to_device(ids), history_len=to_device(lengths, np.int32),
         keys=sampling.row_keys([r.sampling.seed for r in requests]),
         sampling=sampling.stack_params([r.sampling for r in requests]),
-        num_generated=jnp.array([len(d) for d in generated], jnp.int32), counts=jnp.asarray(counts),
-        grammar=jnp.array(grammar if grammar is not None else [-1] * len(requests), jnp.int32))
+        num_generated=to_device([len(d) for d in generated], np.int32), counts=to_device(counts),
+        grammar=to_device(grammar if grammar is not None else [-1] * len(requests), np.int32))
 
 
 def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
@@ -100,8 +101,8 @@ def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
     unless the row has ignore_eos (-1 pads an empty set); ids from num_ids
     on (0: none) are never drawn."""
     ids = sorted(set(stop_token_ids) | set(eos_token_ids)) or [-1]
-    return StopTokens(jnp.asarray(np.array(ids, np.int32)),
-                      jnp.asarray(np.isin(ids, list(eos_token_ids))), num_ids=int(num_ids))
+    return StopTokens(to_device(ids, np.int32), to_device(np.isin(ids, list(eos_token_ids))),
+                      num_ids=int(num_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +293,7 @@ class ModelRunner(WarmUp):
         lengths = np.zeros(a, np.int32)
         lengths[:len(admissions)] = [x.cached for x in admissions]
         self.cache, self.rows = self.programs(engine_step.admit, self.cache, self.rows,
-                                              jnp.asarray(slots), inputs, jnp.asarray(lengths))
+                                              to_device(slots), inputs, to_device(lengths))
 
     def check_structured(self, request: Request) -> None:
         """Compile a request's structured output (cached). Raises ValueError:
@@ -345,7 +346,7 @@ class ModelRunner(WarmUp):
             slot[i], start[i], length[i] = s.slot, pos, n
             decode[i], sample[i], drafts[i] = s.decode, s.sample, s.max_drafts
             pos += n
-        return engine_step.StepBatch(*map(jnp.asarray, (tokens, token_seg, slot, start, length, decode,
+        return engine_step.StepBatch(*map(to_device, (tokens, token_seg, slot, start, length, decode,
                                                         sample, drafts, block_tables)))
 
     def step(self, segments: Sequence[Segment], block_tables: np.ndarray,
@@ -369,8 +370,8 @@ class ModelRunner(WarmUp):
         caps = np.zeros(r, np.int32)
         caps[:len(slots)] = max_drafts if max_drafts is not None else 0
         self.cache, self.rows, out = self.programs(
-            engine_step.decode_loop, self.params, self.cache, self.rows, jnp.asarray(padded),
-            jnp.asarray(block_tables), jnp.asarray(caps), self.stop, self.draft_params,
+            engine_step.decode_loop, self.params, self.cache, self.rows, to_device(padded),
+            to_device(block_tables), to_device(caps), self.stop, self.draft_params,
             config=self.config,
             backend=self.backend, num_steps=num_steps, num_logprobs=num_logprobs, spec=self.spec)
         self.decode_steps += num_steps
@@ -387,7 +388,7 @@ class ModelRunner(WarmUp):
         """The contents of `pages` (page id num_pages: zeros) in every layer,
         every field, with KV heads stored `from_repeat` times de-duplicated
         (`cache.paged.export_pages`; dispatched, not waited for)."""
-        return self.programs(paged.export_pages, self.cache, jnp.asarray(np.asarray(pages, np.int32)),
+        return self.programs(paged.export_pages, self.cache, to_device(pages, np.int32),
                              from_repeat=from_repeat)
 
     def write_pages(self, pages: Sequence[int], data, to_repeat: int = 1) -> None:
@@ -399,7 +400,7 @@ class ModelRunner(WarmUp):
           ValueError: data that does not fit the pool (nothing is written).
         """
         self.cache = self.programs(paged.import_pages, self.cache,
-                                   jnp.asarray(np.asarray(pages, np.int32)), data, to_repeat=to_repeat)
+                                   to_device(pages, np.int32), data, to_repeat=to_repeat)
 
     def fetch(self, dispatched: Dispatched) -> StepOutput:
         """Device outputs -> numpy (blocks until computed), with a leading

@@ -517,3 +517,33 @@ def test_stack_params_dtypes_and_keys():
                                   jax.random.key_data(jax.random.key(3)))
     seeds = S.resolve_seeds([None, 5])
     assert seeds[1] == 5 and 0 <= seeds[0] < 2**32
+
+
+def test_row_keys_equal_jax_random_key_for_every_seed_width():
+    # row_keys builds threefry keys on the host; they must be jax.random.key's, bit for bit
+    seeds = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1]
+    keys = S.row_keys(seeds)
+    for i, seed in enumerate(seeds):
+        np.testing.assert_array_equal(jax.random.key_data(keys[i]),
+                                      jax.random.key_data(jax.random.key(seed)))
+    # and the same draws follow from them
+    np.testing.assert_array_equal(jax.random.bits(keys[3], (4,)),
+                                  jax.random.bits(jax.random.key(2**31 - 1), (4,)))
+
+
+def test_host_arrays_reach_the_device_without_compiling():
+    # jnp.asarray compiles a program per new shape; to_device, stack_params and row_keys must not
+    compiled = []
+    listener = lambda event, *args, **kw: compiled.append(event) if "compil" in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        x = np.arange(13, dtype=np.int32)
+        d = S.to_device(x)
+        S.stack_params([S.SamplingParams(temperature=0.25)] * 11)
+        S.row_keys(list(range(11)))
+        x[0] = 99  # never aliased
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled == []
+    assert d.dtype == jnp.int32 and not d.weak_type
+    np.testing.assert_array_equal(np.asarray(d), np.arange(13))
