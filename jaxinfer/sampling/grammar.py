@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 from typing import Iterable, Optional
 
@@ -156,31 +157,42 @@ class Grammar:
 def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), source: str = "") -> Grammar:
     """Lay out an outlines-core `Index` as a `Grammar` over `vocab_size` ids;
     every id in `eos_ids` is allowed (and keeps the state) in final states,
-    like the Index's own EOS id."""
+    like the Index's own EOS id. Edges with ids outside [0, vocab_size) are
+    dropped. States are renumbered densely in the order of the Index's ids."""
     transitions = index.get_transitions()
-    finals = set(index.get_final_states())
-    names = sorted(set(transitions) | finals | {n for e in transitions.values() for n in e.values()})
-    dense = {s: i for i, s in enumerate(names)}
-    rows, toks, nxts = [], [], []
-    for s in names:
-        edges = dict(transitions.get(s, {}))
-        if s in finals:
-            edges.update({int(e): s for e in eos_ids})
-        for t, n in edges.items():
-            if 0 <= t < vocab_size:
-                rows.append(dense[s])
-                toks.append(t)
-                nxts.append(dense[n])
-    rows, toks, nxts = (np.array(x, np.int64) for x in (rows, toks, nxts))
-    order = np.lexsort((toks, rows))
+    finals = np.array(sorted(index.get_final_states()), np.int64)
+    eos = np.array(sorted({int(e) for e in eos_ids}), np.int64)
+    # every edge as numpy columns (src, token, next), each read in one C-level pass
+    states = np.fromiter(transitions.keys(), np.int64, len(transitions))
+    counts = np.fromiter(map(len, transitions.values()), np.int64, len(transitions))
+    edges = lambda part: itertools.chain.from_iterable(map(part, transitions.values()))  # noqa: E731
+    total = int(counts.sum())
+    toks = np.fromiter(edges(dict.keys), np.int64, total)
+    nxts = np.fromiter(edges(dict.values), np.int64, total)
+    src = np.repeat(states, counts)
+    initial = int(index.get_initial_state())
+    names = np.unique(np.concatenate([states, finals, np.unique(nxts), [initial]]))
+    # final states: every EOS id allowed and keeping the state, replacing an edge it had
+    keep = ~(np.isin(src, finals) & np.isin(toks, eos)) & (toks >= 0) & (toks < vocab_size)
+    eos = eos[(eos >= 0) & (eos < vocab_size)]
+    src = np.concatenate([src[keep], np.repeat(finals, len(eos))])
+    toks = np.concatenate([toks[keep], np.tile(eos, len(finals))])
+    nxts = np.concatenate([nxts[keep], np.repeat(finals, len(eos))])
+    dense = lambda ids: np.searchsorted(names, ids)  # noqa: E731
+    if names[-1] < 1 << 22:  # small ids (the usual case): a lookup table, one gather
+        table = np.zeros(int(names[-1]) + 1, np.int64)
+        table[names] = np.arange(len(names))
+        dense = table.__getitem__
+    rows, nxts = dense(src), dense(nxts)
+    # edges sorted by (state, token): one argsort of a single int64 key (ids < 2**31)
+    order = np.argsort((rows << 31) | toks)
     rows, toks, nxts = rows[order], toks[order], nxts[order]
     num = len(names)
     starts = np.searchsorted(rows, np.arange(num + 1)).astype(np.int32)
     mask = np.zeros((num, -(-vocab_size // 32)), np.uint32)
     np.bitwise_or.at(mask, (rows, toks >> 5), (np.uint32(1) << (toks & 31).astype(np.uint32)))
-    final = np.array([s in finals for s in names], bool)
-    return Grammar(dense[index.get_initial_state()], final, mask, starts, toks.astype(np.int32),
-                   nxts.astype(np.int32), source)
+    final = np.isin(names, finals)
+    return Grammar(int(np.searchsorted(names, initial)), final, mask, starts, toks.astype(np.int32), nxts.astype(np.int32), source)
 
 
 class GrammarCompiler:

@@ -99,6 +99,26 @@ def test_eos_only_in_final_states():
         assert not ({EOS, 30} & allowed) or grammar.final[s]
 
 
+def test_ids_past_the_vocabulary_are_dropped_and_states_renumbered_densely():
+    # the Index knows ids up to 20 (and EOS id 30); a model with V = 10 keeps the edges below 10
+    index = outlines_core.Index("(ab|a)b?|yes", G.build_vocabulary(HAND, EOS))
+    grammar = G.grammar_from_index(index, 10, [EOS, 30])
+    transitions, finals = index.get_transitions(), set(index.get_final_states())
+    names = sorted(set(transitions) | finals | {n for e in transitions.values() for n in e.values()})
+    assert grammar.num_states == len(names) and grammar.mask.shape == (len(names), 1)
+    assert grammar.initial == names.index(index.get_initial_state())
+    for i, s in enumerate(names):
+        edges = {t: names.index(n) for t, n in transitions.get(s, {}).items() if t < 10}
+        if s in finals:
+            edges[EOS] = i
+        lo, hi = grammar.starts[i], grammar.starts[i + 1]
+        assert dict(zip(grammar.tokens[lo:hi].tolist(), grammar.next[lo:hi].tolist())) == edges
+        assert grammar.tokens[lo:hi].tolist() == sorted(edges)
+        assert _bits(grammar.mask[i], 10) == set(edges)
+    assert 14 not in grammar.tokens    # "yes" (id 14) is past V
+    assert grammar.final.tolist() == [s in finals for s in names]
+
+
 @pytest.mark.parametrize("choice", [("a.b", "a+b"), ("(x)", "[y]", "{1}|$^"), ("yes", "no")])
 def test_choice_literals_are_escaped(choice):
     regex = G.constraint_regex(StructuredOutput(choice=choice))
