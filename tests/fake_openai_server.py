@@ -1,7 +1,10 @@
 """A stand-in OpenAI-compatible streaming server for the --serve-load
 harness tests: GET /health, streamed POST /v1/completions and
 /v1/chat/completions sending `max_tokens` chunks of one word each (" tok"),
-then a usage chunk and [DONE].
+then a usage chunk and [DONE]. A chat request with "stream" false gets one
+response with llama-server's `timings` (predicted_n = max_tokens,
+predicted_ms = 2 per token): `{"ok": true}` and finish_reason "stop" when it
+asks for a `response_format`, else `max_tokens` words and "length".
 
     python tests/fake_openai_server.py --port PORT
 """
@@ -28,6 +31,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         chat = self.path == "/v1/chat/completions"
+        if chat and not req.get("stream"):
+            return self._whole(req)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
@@ -43,6 +48,19 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         self.wfile.flush()
         self.close_connection = True
+
+    def _whole(self, req):
+        n = int(req["max_tokens"])
+        constrained = "response_format" in req
+        message = {"role": "assistant", "content": '{"ok": true}' if constrained else " tok" * n}
+        body = json.dumps({"choices": [{"message": message, "finish_reason": "stop" if constrained
+                                        else "length"}],
+                           "timings": {"predicted_n": n, "predicted_ms": 2.0 * n}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 if __name__ == "__main__":

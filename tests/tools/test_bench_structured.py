@@ -58,10 +58,58 @@ def test_targets_and_report_from_hand_made_results():
     assert S.structured_targets(results)[0]["result"] == "n/a"
     results["targets"] = got
     report = S.format_structured(results).splitlines()
-    assert report[2] == "| 1 | none | 50.0 | 10 | 4/4 | 0/4 |"
-    assert report[5] == ("schema compile: vocabulary 1.5 s (once per tokenizer), cold 0.25 s, "
+    assert report[0] == "jaxinfer: dtype -, weights -"
+    assert report[4] == "| 1 | none | 50.0 | 10 | 4/4 | 0/4 |"
+    assert report[7] == ("schema compile: vocabulary 1.5 s (once per tokenizer), cold 0.25 s, "
                          "cached 4 us; 179 states, 9000 edges, 3.00 MiB")
     assert report[-1] == "| 10-field JSON schema compile, cold (s) | 0.25 | < 0.1 | FAIL |"
+    # with llama-server: a third target, jaxinfer's B=1 constrained speed over the peer's
+    results["runs"] = runs
+    results["peer"] = {"runs": [{"batch": 1, "constrained": c, "decode_tokens_per_s": v,
+                                 "decoded_tokens": 9, "outputs": 4, "stopped": 4, "parsed_json": 4 * c}
+                                for c, v in ((False, 60.0), (True, 50.0))]}
+    got = S.structured_targets(results)
+    assert (got[2]["name"], got[2]["value"], got[2]["result"]) == (
+        "B=1 constrained decode tokens/s: jaxinfer / llama-server", 0.9, "FAIL")
+    results["targets"] = got
+    report = S.format_structured(results)
+    assert "| 1 | SCHEMA | 50.0 | 9 | 4/4 | 4/4 |" in report
+    results["peer"] = {"skipped": "llama-server is not built"}
+    assert S.structured_targets(results)[2]["result"] == "n/a"
+    assert "llama-server: skipped (llama-server is not built)" in S.format_structured(results)
+
+
+def test_llama_server_runs_through_a_stand_in_server(tmp_path, monkeypatch):
+    """`structured_peer.run_llama_server` against tests/fake_openai_server.py
+    (llama-server's `timings` on each response): the request it sends, the
+    tokens and seconds it sums, and the JSON it parses."""
+    import pathlib
+    import sys
+
+    from jaxinfer.tools.bench import structured_peer as P
+
+    script = pathlib.Path(__file__).parents[1] / "fake_openai_server.py"
+    sent = []
+    monkeypatch.setattr(P, "server_command", lambda name, port, **kw: sent.append((name, kw)) or (
+        [sys.executable, str(script), "--port", str(port)], {}))
+    out = P.run_llama_server("m.gguf", ["a", "b", "c"], 5, 64, S.SCHEMA, tmp_path, setup=False)
+    assert sent[0][0] == "llamacpp" and sent[0][1]["max_num_seqs"] == 1 and not sent[0][1]["setup"]
+    free, held = out["runs"]
+    # 3 timed requests of 5 tokens: 4 after each first, over 3 x 10 ms
+    assert (free["constrained"], free["decoded_tokens"], free["decode_s"]) == (False, 12, 0.03)
+    assert free["decode_tokens_per_s"] == pytest.approx(400.0)
+    assert (free["stopped"], free["parsed_json"]) == (0, 0)
+    assert (held["constrained"], held["stopped"], held["parsed_json"]) == (True, 3, 3)
+    assert P.response_format(S.SCHEMA)["json_schema"]["schema"] is S.SCHEMA
+
+
+def test_llama_server_not_set_up_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    from jaxinfer.tools.bench import structured_peer as P
+
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    out = P.run_llama_server("m.gguf", ["a"], 5, 64, S.SCHEMA, tmp_path, setup=False)
+    assert out == {"skipped": f"llama-server is not built "
+                              f"({tmp_path}/peers/llama-server/build/bin/llama-server missing)"}
 
 
 def test_the_flag_selects_the_row():

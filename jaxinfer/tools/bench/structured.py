@@ -18,26 +18,34 @@ Compile: a fresh `GrammarCompiler` over the model's tokenizer: the
 vocabulary's bytes (once per tokenizer), SCHEMA's first compile (cold) and
 its repeats (cached: the compiler's LRU, median of `cache_repeats`).
 
+Peer (`--peers all` or `llamacpp`): llama.cpp's `llama-server` on the
+model's GGUF file, the same prompts and schema at batch 1, unconstrained and
+with `response_format` json_schema (`structured_peer`); set up on first use
+unless `--no-peer-setup`, skipped with the reason otherwise.
+
 Targets (issue 30): constrained >= 0.9x unconstrained decode tokens/s at
-batch 16; cold compile of the 10-field schema < 100 ms. The issue's
-comparison with llama-server's `json_schema` is not measured here.
+batch 16; cold compile of the 10-field schema < 100 ms; constrained decode
+at batch 1 ahead of llama-server's (> 1x).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
+from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.config import StructuredOutput
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving.llm import LLM
 from jaxinfer.tools.bench.common import loadavg, loadavg1
 from jaxinfer.tools.bench.report import publish
+from jaxinfer.tools.bench.structured_peer import peer_speed, run_llama_server
 
 _TEXT = {"type": "string", "maxLength": 24}
 # Ten fields, every one bounded, as a record an evaluation loop might ask for.
@@ -118,9 +126,12 @@ def run_decode(llm, texts: list[str], batch: int, new_tokens: int,
             "loadavg_1m": loadavg1()}
 
 
-def measure_structured(base, sweep: StructSweep, log=print) -> dict:
+def measure_structured(base, sweep: StructSweep, log=print,
+                       peer: Optional[Callable[[list[str]], dict]] = None) -> dict:
     """The module docstring's measurements over the loaded `base` LLM
-    (its config, weights and tokenizer); returns the results dict."""
+    (its config, weights and tokenizer); returns the results dict. `peer`,
+    given, measures a peer on the same prompts (`structured_peer.run_llama_server`
+    with the rest bound) and its result is kept under "peer"."""
     results = {"sweep": dataclasses.asdict(sweep), "schema": SCHEMA, "loadavg_start": loadavg()}
     log("schema compile: cold and cached")
     results["compile"] = measure_compile(base.tokenizer, base.config.vocab_size, sweep.cache_repeats)
@@ -133,6 +144,8 @@ def measure_structured(base, sweep: StructSweep, log=print) -> dict:
         for batch in sweep.batches:
             log(f"decode batch={batch} {'constrained' if spec else 'unconstrained'}")
             results["runs"].append(run_decode(llm, texts, batch, sweep.new_tokens, spec))
+    if peer is not None:
+        results["peer"] = peer(texts)
     results["loadavg_end"] = loadavg()
     results["targets"] = structured_targets(results)
     return results
@@ -145,16 +158,22 @@ def _speed(runs: list, batch: int, constrained: bool) -> Optional[float]:
 
 def structured_targets(results: dict) -> list[dict]:
     """Issue 30's targets: constrained / unconstrained decode tokens/s at
-    the largest batch (>= 0.9), and the schema's cold compile (< 0.1 s)."""
+    the largest batch (>= 0.9), the schema's cold compile (< 0.1 s) and,
+    where llama-server was measured, constrained decode at batch 1 against
+    its constrained decode (> 1)."""
     runs, batch = results["runs"], max(results["sweep"]["batches"])
     free, held = _speed(runs, batch, False), _speed(runs, batch, True)
     out = [{"name": f"B={batch}: constrained / unconstrained decode tokens/s", "op": ">=",
             "goal": 0.9, "value": held / free if held and free else None},
            {"name": "10-field JSON schema compile, cold (s)", "op": "<", "goal": 0.1,
             "value": results["compile"]["cold_s"]}]
+    if "peer" in results:
+        ours, theirs = _speed(runs, 1, True), peer_speed(results["peer"], True)
+        out.append({"name": "B=1 constrained decode tokens/s: jaxinfer / llama-server", "op": ">",
+                    "goal": 1.0, "value": ours / theirs if ours and theirs else None})
     for t in out:
         v = t["value"]
-        ok = v is not None and (v >= t["goal"] if t["op"] == ">=" else v < t["goal"])
+        ok = v is not None and {">=": v >= t["goal"], ">": v > t["goal"], "<": v < t["goal"]}[t["op"]]
         t["result"] = "n/a" if v is None else ("PASS" if ok else "FAIL")
     return out
 
@@ -162,12 +181,24 @@ def structured_targets(results: dict) -> list[dict]:
 def format_structured(results: dict) -> str:
     fmt = lambda x, spec=".3g": "-" if x is None else format(x, spec)
     c = results["compile"]
-    lines = ["| B | constraint | decode tok/s | tokens | stopped | parsed JSON |",
+    lines = [f"jaxinfer: dtype {results.get('dtype', '-')}, weights {results.get('weights', '-')}", "",
+             "| B | constraint | decode tok/s | tokens | stopped | parsed JSON |",
              "|---|---|---|---|---|---|"]
     for r in results["runs"]:
         lines.append(f"| {r['batch']} | {'SCHEMA' if r['constrained'] else 'none'} | "
                      f"{fmt(r['decode_tokens_per_s'], '.1f')} | {r['decoded_tokens']} | "
                      f"{r['stopped']}/{r['outputs']} | {r['parsed_json']}/{r['outputs']} |")
+    peer = results.get("peer")
+    if peer is not None and "skipped" in peer:
+        lines += ["", f"llama-server: skipped ({peer['skipped']})"]
+    elif peer is not None:
+        lines += ["", "llama-server (same prompts, one slot, `response_format` json_schema):", "",
+                  "| B | constraint | decode tok/s | tokens | stopped | parsed JSON |",
+                  "|---|---|---|---|---|---|"]
+        for r in peer["runs"]:
+            lines.append(f"| 1 | {'SCHEMA' if r['constrained'] else 'none'} | "
+                         f"{fmt(r['decode_tokens_per_s'], '.1f')} | {r['decoded_tokens']} | "
+                         f"{r['stopped']}/{r['outputs']} | {r['parsed_json']}/{r['outputs']} |")
     lines += ["", f"schema compile: vocabulary {fmt(c['vocabulary_s'])} s (once per tokenizer), "
                   f"cold {fmt(c['cold_s'])} s, cached {fmt(c['cached_s'] * 1e6)} us; "
                   f"{c['states']} states, {c['edges']} edges, {c['table_bytes'] / 2**20:.2f} MiB",
@@ -180,7 +211,13 @@ def format_structured(results: dict) -> str:
 def cmd_structured(args, cfg, sweep: StructSweep) -> int:
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[structured] {msg}", file=sys.stderr, flush=True))
-    base = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=sweep.max_seq_len,
+    base = LLM.load(cfg.model, dtype=cfg.dtype, weights=cfg.weights, max_seq_len=sweep.max_seq_len,
                     decode_chunk=cfg.decode_chunk)
-    return publish(measure_structured(base, sweep, log), cfg, args.out, "structured",
-                   format_structured)
+    peer = None
+    if args.peers in ("all", "llamacpp"):
+        gguf, logs = str(resolve_model(cfg.model)), pathlib.Path(args.out)
+        peer = lambda texts: run_llama_server(  # noqa: E731
+            gguf, texts, sweep.new_tokens, sweep.max_seq_len, SCHEMA, logs,
+            setup=not args.no_peer_setup, log=log)
+    results = {**measure_structured(base, sweep, log, peer), "dtype": cfg.dtype, "weights": cfg.weights}
+    return publish(results, cfg, args.out, "structured", format_structured)
