@@ -21,10 +21,11 @@
 // are turned into float32 in registers and never stored: within a block the kernel sums
 // x[m, k] * codes[k, n] in float32, then adds
 //   scale[b, n] * that + min[b, n] * sum_{k in b} x[m, k],
-// which is x @ W up to float32 summation order (register blocks of up to 4 rows x 48
-// columns). From 8 rows on (larger decode batches, prefill) each work unit first writes
-// its panel's weights scale * code + min as a float32 tile of K x 48 (at most a few
-// hundred KB, in L2, reused by up to 64 rows) and runs 8 x 48 register blocks over it:
+// which is x @ W up to float32 summation order (register blocks of up to kMaxRows rows x 48
+// columns: 4 with AVX-512, 2 with AVX2). From 8 rows on (larger decode batches, prefill)
+// each work unit first writes its panel's weights scale * code + min as a float32 tile of
+// K x 48 (at most a few hundred KB, in L2, reused by up to 64 rows) and runs
+// kTileBlockRows x 48 register blocks over it (8 rows with AVX-512, 2 with AVX2):
 // converting codes once per 4 rows made B = 32 and prefill 2-4x slower than float32.
 // Panels stream sequentially and all row blocks of a panel run back to back (as in
 // cpu_kernels.cc).
@@ -60,83 +61,73 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+// One vector: 16 float lanes with AVX-512, 8 with AVX2 (and the scalar fallback), so that a
+// vector is one register either way (a 64-byte vector on AVX2 is two, and GCC keeps arrays
+// of them in memory).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float v16 __attribute__((vector_size(4 * kLanes)));
+typedef float v16u __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(4 * kLanes)));
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return v16{} + x; }
-// Codes to float32 lanes. GCC 12 lowers __builtin_convertvector from 8- and 16-bit lanes
-// to scalar code, so AVX-512 builds use the conversion instructions directly.
+// kLanes codes to float32 lanes. GCC 12 lowers __builtin_convertvector from 8- and 16-bit
+// lanes to scalar code, so the AVX-512 and AVX2 builds use the conversion instructions.
 #if defined(__AVX512F__)
-inline v16 load16(const int8_t* p) {
+inline v16 load_codes(const int8_t* p) {
   return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
-inline void load16_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
-inline v16 load16(const _Float16* p) {
+inline v16 load_codes(const _Float16* p) {
   return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
-inline v16 load16_bf16(const uint16_t* p) {
+inline v16 load_bf16(const uint16_t* p) {
   const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
 }
 #elif defined(__AVX2__) && defined(__F16C__)
-// The same conversions as two 8-lane AVX2 halves (without them GCC's scalar code made
-// int8 and 4-bit weights about 8x slower on AVX2-only CPUs).
-inline v16 join(__m256 lo, __m256 hi) {
-  v16 r;
-  std::memcpy(&r, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&r) + sizeof lo, &hi, sizeof hi);
-  return r;
+inline v16 load_codes(const int8_t* p) {
+  return (v16)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
-inline __m128i high8(__m128i b) { return _mm_unpackhi_epi64(b, b); }
-inline v16 load16(const int8_t* p) {
-  const __m128i b = _mm_loadu_si128((const __m128i*)p);
-  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high8(b))));
+inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = (v16)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = (v16)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
-inline void load16_nibbles(const uint8_t* p, v16& lo, v16& hi) {
-  const __m128i b = _mm_loadu_si128((const __m128i*)p);
-  const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(high8(b));
-  const __m256i low_bits = _mm256_set1_epi32(15);
-  lo = join(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low_bits)),
-            _mm256_cvtepi32_ps(_mm256_and_si256(b1, low_bits)));
-  hi = join(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
+inline v16 load_codes(const _Float16* p) {
+  return (v16)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 }
-inline v16 load16(const _Float16* p) {
-  return join(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
-              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8))));
-}
-inline v16 load16_bf16(const uint16_t* p) {
-  const auto half = [](const uint16_t* q) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)q)), 16));
-  };
-  return join(half(p), half(p + 8));
+inline v16 load_bf16(const uint16_t* p) {
+  const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return (v16)_mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
 }
 #else
-inline v16 load16(const int8_t* p) {
+inline v16 load_codes(const int8_t* p) {
   v16 r;
   for (int i = 0; i < kLanes; ++i) r[i] = p[i];
   return r;
 }
-inline void load16_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
   for (int i = 0; i < kLanes; ++i) {
     lo[i] = p[i] & 15;
     hi[i] = p[i] >> 4;
   }
 }
-inline v16 load16(const _Float16* p) {
+inline v16 load_codes(const _Float16* p) {
   v16 r;
   for (int i = 0; i < kLanes; ++i) r[i] = p[i];
   return r;
 }
-inline v16 load16_bf16(const uint16_t* p) {
+inline v16 load_bf16(const uint16_t* p) {
   v16 r;
   for (int i = 0; i < kLanes; ++i) {
     const uint32_t bits = uint32_t(p[i]) << 16;
@@ -185,48 +176,60 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
 // --- Weight formats: one step of `kStep` rows of a 48-column panel as float vectors ---
 
 constexpr int kPanel = 48;
-constexpr int NV = kPanel / kLanes;  // 3 vectors per panel row
-constexpr int kMaxRows = 4;          // rows per register block
+constexpr int NV = kPanel / kLanes;  // vectors per panel row: 3 (AVX-512) or 6
 constexpr int64_t kRowsPerUnit = 64;
+// Rows per register block below kTileRows (codes converted in registers) and over a float32
+// tile: R x NV accumulators plus the weights in flight must fit the register file (32
+// vectors with AVX-512, 16 with AVX2).
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 4;
+constexpr int kTileBlockRows = 8;
+#else
+constexpr int kMaxRows = 2;
+constexpr int kTileBlockRows = 2;
+#endif
 
+// Each format reads vector j (columns j * kLanes ...) of one step: kStep rows of a panel.
 struct Int8Codes {
   using Code = int8_t;
   static constexpr int kStep = 1;
-  static void load(const int8_t* p, v16 w[1][NV]) {
-    for (int j = 0; j < NV; ++j) w[0][j] = load16(p + j * kLanes);
-  }
+  static void load_one(const int8_t* p, int j, v16 w[1]) { w[0] = load_codes(p + j * kLanes); }
 };
 
 struct Q4Codes {
   using Code = uint8_t;
   static constexpr int kStep = 2;
-  static void load(const uint8_t* p, v16 w[2][NV]) {
-    for (int j = 0; j < NV; ++j) load16_nibbles(p + j * kLanes, w[0][j], w[1][j]);
-  }
+  static void load_one(const uint8_t* p, int j, v16 w[2]) { load_nibbles(p + j * kLanes, w[0], w[1]); }
 };
 
 struct Bf16Codes {
   using Code = uint16_t;
   static constexpr int kStep = 1;
-  static void load(const uint16_t* p, v16 w[1][NV]) {
-    for (int j = 0; j < NV; ++j) w[0][j] = load16_bf16(p + j * kLanes);
-  }
+  static void load_one(const uint16_t* p, int j, v16 w[1]) { w[0] = load_bf16(p + j * kLanes); }
 };
 
 // A panel already turned into float32 (the staging tile of `dequantize_panel`).
 struct F32Codes {
   using Code = float;
   static constexpr int kStep = 1;
-  static void load(const float* p, v16 w[1][NV]) {
-    for (int j = 0; j < NV; ++j) w[0][j] = ::load(p + j * kLanes);
-  }
+  static void load_one(const float* p, int j, v16 w[1]) { w[0] = ::load(p + j * kLanes); }
 };
+
+// All NV vectors of one step: w[s][j] = row s, vector j.
+template <class Fmt>
+inline void load_step(const typename Fmt::Code* p, v16 w[Fmt::kStep][NV]) {
+  for (int j = 0; j < NV; ++j) {
+    v16 one[Fmt::kStep];
+    Fmt::load_one(p, j, one);
+    for (int s = 0; s < Fmt::kStep; ++s) w[s][j] = one[s];
+  }
+}
 
 template <typename Scale>
 inline void load_scales(const Scale* p, v16 s[NV]) {
   for (int j = 0; j < NV; ++j) {
     if constexpr (std::is_same_v<Scale, float>) s[j] = load(p + j * kLanes);
-    else s[j] = load16(p + j * kLanes);
+    else s[j] = load_codes(p + j * kLanes);
   }
 }
 
@@ -244,26 +247,30 @@ struct PanelArgs {
   int64_t N, cols;
 };
 
-// part[r][j] = sum over one block's rows k of x[r, k] * W[k, 16 j : 16 j + 16] (codes, not yet
-// scaled), x rows K apart; returns the codes after the block. One row (decode at batch 1)
-// keeps 2 * kStep independent sums per vector, so its FMAs do not wait on each other.
+// part[r][j] = sum over one block's rows k of x[r, k] * W[k, vector j's columns] (codes, not
+// yet scaled), x rows K apart; returns the codes after the block.
+// With AVX-512 a step's NV weight vectors are loaded at once, and one row (decode at batch
+// 1) keeps 2 * kStep independent sums per vector, so its FMAs do not wait on each other.
+// With 16 registers (AVX2) that would spill: there the loop takes one weight vector at a
+// time and adds it into every row's sum for that vector.
 template <class Fmt, int R>
 const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
                                      const typename Fmt::Code* c, v16 part[R][NV]) {
   constexpr int S = Fmt::kStep;
+#if defined(__AVX512F__)
   if constexpr (R == 1) {
     v16 p[2][S][NV] = {};
     int64_t k = 0;
     for (; k + 2 * S <= bs; k += 2 * S, c += 2 * kPanel)
       for (int u = 0; u < 2; ++u) {
         v16 w[S][NV];
-        Fmt::load(c + u * kPanel, w);
+        load_step<Fmt>(c + u * kPanel, w);
         for (int s = 0; s < S; ++s)
           for (int j = 0; j < NV; ++j) p[u][s][j] += xb[k + u * S + s] * w[s][j];
       }
     for (; k < bs; k += S, c += kPanel) {
       v16 w[S][NV];
-      Fmt::load(c, w);
+      load_step<Fmt>(c, w);
       for (int s = 0; s < S; ++s)
         for (int j = 0; j < NV; ++j) p[0][s][j] += xb[k + s] * w[s][j];
     }
@@ -271,19 +278,34 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
       part[0][j] = p[0][0][j] + p[1][0][j];
       for (int s = 1; s < S; ++s) part[0][j] += p[0][s][j] + p[1][s][j];
     }
-  } else {
+    return c;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) part[r][j] = v16{};
+  for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
+    v16 w[S][NV];
+    load_step<Fmt>(c, w);
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) {
+        const float xr = xb[r * K + k + s];
+        for (int j = 0; j < NV; ++j) part[r][j] += xr * w[s][j];
+      }
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) part[r][j] = v16{};
+  for (int64_t k = 0; k < bs; k += S, c += kPanel) {
+    float xr[R][S];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NV; ++j) part[r][j] = v16{};
-    for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
-      v16 w[S][NV];
-      Fmt::load(c, w);
+      for (int s = 0; s < S; ++s) xr[r][s] = xb[r * K + k + s];
+    for (int j = 0; j < NV; ++j) {
+      v16 w[S];
+      Fmt::load_one(c, j, w);
       for (int s = 0; s < S; ++s)
-        for (int r = 0; r < R; ++r) {
-          const float xr = xb[r * K + k + s];
-          for (int j = 0; j < NV; ++j) part[r][j] += xr * w[s][j];
-        }
+        for (int r = 0; r < R; ++r) part[r][j] += xr[r][s] * w[s];
     }
   }
+#endif
   return c;
 }
 
@@ -347,7 +369,7 @@ void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Sca
     if (min != nullptr) load_scales(min + k0 / bs * kPanel, mn);
     for (int64_t k = k0; k < k0 + bs; k += S, c += kPanel) {
       v16 w[S][NV];
-      Fmt::load(c, w);
+      load_step<Fmt>(c, w);
       for (int s = 0; s < S; ++s)
         for (int j = 0; j < NV; ++j)
           store(tile + (k + s) * kPanel + j * kLanes, scale != nullptr ? w[s][j] * sc[j] + mn[j] : w[s][j]);
@@ -356,10 +378,9 @@ void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Sca
 }
 
 // Row counts from which a unit first turns its panel into a float32 tile (L2-resident,
-// K x 48 floats) and runs 8-row register blocks over it: the codes are converted once
-// per 64 rows instead of once per 4.
+// K x 48 floats) and runs kTileBlockRows-row register blocks over it: the codes are
+// converted once per 64 rows instead of once per kMaxRows.
 constexpr int64_t kTileRows = 8;
-constexpr int kTileBlockRows = 8;
 
 // x [M, K] @ W [K, N] -> out [M, N] with W's panels as described at the top of the file.
 template <class Fmt, typename Scale>
@@ -527,7 +548,7 @@ void int8_scores(const float* q, int64_t H, const int8_t* k, int64_t S, float* s
   for (int64_t s = 0; s < nv; s += kLanes) {
     v16 acc[GN] = {};
     for (int64_t h = 0; h < H; ++h) {
-      const v16 kv = load16(k + h * S + s);
+      const v16 kv = load_codes(k + h * S + s);
       for (int g = 0; g < GN; ++g) acc[g] += q[g * H + h] * kv;
     }
     for (int g = 0; g < GN; ++g) store(sc + g * ld + s, acc[g]);
@@ -550,7 +571,7 @@ void int8_weighted_values(const float* w, int64_t ld, int64_t n, const int8_t* v
     v16 acc[GN][4] = {};
     for (int64_t s = 0; s < n; ++s) {
       v16 vs[4];
-      for (int j = 0; j < 4; ++j) vs[j] = load16(v + s * H + c + j * kLanes);
+      for (int j = 0; j < 4; ++j) vs[j] = load_codes(v + s * H + c + j * kLanes);
       for (int g = 0; g < GN; ++g) {
         const float ws = w[g * ld + s];
         for (int j = 0; j < 4; ++j) acc[g][j] += ws * vs[j];
