@@ -123,6 +123,7 @@ def test_decode_positions_continue_after_prompt(model):
         assert int(cache.lengths[0]) == 5 + k + 1
 
 
+@pytest.mark.slow
 def test_mixed_lengths_batch_equals_rows_alone(model):
     config, _, params = model
     llm = LLM(config, params, max_seq_len=64, decode_chunk=4)

@@ -61,6 +61,7 @@ def test_llm_generate_equals_the_plain_forward(byo, expected):
     assert c.token_ids == tokens
 
 
+@pytest.mark.slow
 def test_jaxinfer_serve_answers_with_the_same_tokens(byo, expected):
     """`jaxinfer serve model=python:examples/byo_model.py:build` (the
     documented spelling, from the repository root) in a subprocess."""

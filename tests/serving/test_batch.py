@@ -33,6 +33,7 @@ def _prompt(n, seed):
 PROMPTS = [_prompt(3, 0), _prompt(17, 1), _prompt(40, 2)]
 
 
+@pytest.mark.slow
 def test_seeded_row_independent_of_neighbours_and_position(llm):
     seeded = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
     [alone] = llm.generate([PROMPTS[1]], seeded, max_new_tokens=10)
@@ -73,6 +74,7 @@ def test_changing_sampling_params_does_not_recompile(llm):
     assert llm.programs.num_compiles == before
 
 
+@pytest.mark.slow
 def test_fifty_random_prompts_compile_a_handful_of_times(np_params):
     params = jax.tree_util.tree_map(jnp.asarray, np_params)
     fresh = LLM(TINY_LLAMA, params, max_seq_len=64, decode_chunk=4)

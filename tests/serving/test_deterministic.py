@@ -85,6 +85,7 @@ def _target(vocab):
     return _request(ids(45, vocab, 1))
 
 
+@pytest.mark.slow
 def test_a_row_is_bitwise_the_same_among_15_neighbours():
     model = (TINY_LLAMA, jax.tree_util.tree_map(jnp.asarray, random_params(TINY_LLAMA, seed=3)))
     llm = _llm(model)
@@ -92,6 +93,7 @@ def test_a_row_is_bitwise_the_same_among_15_neighbours():
                     "15 neighbours")
 
 
+@pytest.mark.slow
 def test_without_the_mode_a_neighbour_changes_the_bits():
     """The control for the test above: on this XLA the tiny Llama's RMSNorm
     sums change with the step's width (from 128 rows), so without the mode

@@ -90,6 +90,7 @@ def test_long_shared_prefix_reuses_the_cache():
     assert [t for t, _, _ in got] == [t for t, _, _ in want]
 
 
+@pytest.mark.slow
 def test_preemption_completes_every_request_unchanged():
     """A pool of 12 pages of 4 tokens (48 positions) for 4 slots of requests
     needing 7-9 pages each: admission waits and running requests are

@@ -45,6 +45,7 @@ def _run(scheduler, arrivals, max_steps=300):
     return [tokens.get(rid, []) for rid in ids]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_request_is_invariant_to_arrival_slot_and_neighbours(llm, params):
     v = llm.config.vocab_size

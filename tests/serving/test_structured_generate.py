@@ -130,6 +130,7 @@ def _check_speculation(llm, spec_llm, spec, max_new_tokens):
     assert spec_llm.last_stats.drafted > 0
 
 
+@pytest.mark.slow
 def test_ngram_speculation_keeps_outputs_in_the_language_and_greedy_unchanged(llm):
     """Drafts are verified against the masked distribution: a draft outside
     the language has probability 0 there and is rejected at its position."""
@@ -143,6 +144,7 @@ def test_bad_constraint_fails_before_any_work(llm):
             structured=StructuredOutput(regex="(unclosed"))])
 
 
+@pytest.mark.slow
 def test_preempted_constrained_rows_resume_in_their_state():
     """A pool too small for every row at once: rows are preempted and
     recomputed, resuming in the automaton state after their generated tokens
@@ -166,6 +168,7 @@ def test_preempted_constrained_rows_resume_in_their_state():
         assert tokens[-1] == 0 and _valid(spec, small.tokenizer.decode(tokens[:-1]))
 
 
+@pytest.mark.slow
 def test_draft_model_speculation_keeps_outputs_in_the_language(llm):
     """The draft model proposes from its own masked distribution (its rows
     carry the grammar state too); verification keeps the output in the language."""
