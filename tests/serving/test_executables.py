@@ -126,12 +126,15 @@ def test_old_fingerprints_are_pruned(tmp_path):
     assert kept == sorted(["old5", "old4", "old3"])                # the folder itself is made on save
 
 
-def test_store_follows_jax_compilation_cache(tmp_path):
+def test_store_follows_jax_compilation_cache_when_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv(executables.ENABLE_ENV, "1")
     assert ProgramCache().store is None                            # the cache is off in tests
     before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     try:
         assert ProgramCache().store.root == tmp_path / executables.FOLDER
+        monkeypatch.delenv(executables.ENABLE_ENV)                 # off by default
+        assert ProgramCache().store is None
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
 
@@ -192,3 +195,4 @@ def test_what_is_stored_is_compiled_afresh_not_taken_from_xla_cache(tmp_path):
     jax.clear_caches()
     assert run(store) == want                             # loaded from the store, and they run
     assert len(list(store.folder.glob("*.bin"))) == stored
+
