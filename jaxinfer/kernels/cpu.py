@@ -118,14 +118,20 @@ def _compiler() -> str:
     raise KernelBuildError("no C++ compiler found ($CXX, c++, g++ or clang++)")
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo reports them ("avx2",
+    "avx512f", ...; "Features" on ARM); empty where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            line = next((x for x in f if x.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
 def _host_cpu() -> str:
     """What `-march=native` depends on: the machine and its CPU feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+    return f"{platform.machine()} {platform.processor()} {' '.join(sorted(cpu_flags()))}"
 
 
 def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:

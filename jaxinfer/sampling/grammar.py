@@ -192,7 +192,8 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
     mask = np.zeros((num, -(-vocab_size // 32)), np.uint32)
     np.bitwise_or.at(mask, (rows, toks >> 5), (np.uint32(1) << (toks & 31).astype(np.uint32)))
     final = np.isin(names, finals)
-    return Grammar(int(np.searchsorted(names, initial)), final, mask, starts, toks.astype(np.int32), nxts.astype(np.int32), source)
+    return Grammar(int(np.searchsorted(names, initial)), final, mask, starts, toks.astype(np.int32),
+                   nxts.astype(np.int32), source)
 
 
 class GrammarCompiler:

@@ -55,6 +55,8 @@ from typing import Optional
 import jax
 import jax.monitoring
 
+from jaxinfer.kernels.cpu import cpu_flags
+
 log = logging.getLogger(__name__)
 
 KEEP_FINGERPRINTS = 4
@@ -149,14 +151,7 @@ def _source_digest() -> str:
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def fingerprint() -> str:

