@@ -85,7 +85,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -148,6 +148,20 @@ inline v16 exp_nonpositive(v16 x) {
   v16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// a * b + c rounded once, as an explicit instruction: the compiler's own contraction of
+// `c + a * b` may differ between two instantiations of one loop, and so change the bits.
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__) && defined(__AVX__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  v16 r;
+  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
+  return r;
+#endif
 }
 
 // Horizontal max and sum of the lanes of x.
@@ -503,8 +517,8 @@ void block_scores(const float* __restrict q, int64_t H, const float* __restrict 
 }
 
 // o[r, c:c+NV vectors] = o[r, c:...] * corr[r] + sum_s p[r, s] v[s, c:...] over the n keys of
-// the block, for R rows.
-template <int R, int NV>
+// the block, for R rows (kFused: each product an explicit fused multiply-add, see fmadd).
+template <int R, int NV, bool kFused = false>
 void block_values(const float* __restrict p, const float* __restrict v, int64_t H, int64_t n,
                   const float* __restrict corr, float* __restrict o, int64_t c) {
   v16 acc[R][NV];
@@ -515,7 +529,13 @@ void block_values(const float* __restrict p, const float* __restrict v, int64_t 
     for (int j = 0; j < NV; ++j) vv[j] = load(v + s * H + c + j * kLanes);
     for (int r = 0; r < R; ++r) {
       const v16 ps = splat(p[r * kKeyBlock + s]);
-      for (int j = 0; j < NV; ++j) acc[r][j] += ps * vv[j];
+      for (int j = 0; j < NV; ++j) {
+        if constexpr (kFused) {
+          acc[r][j] = fmadd(ps, vv[j], acc[r][j]);
+        } else {
+          acc[r][j] += ps * vv[j];
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -523,26 +543,26 @@ void block_values(const float* __restrict p, const float* __restrict v, int64_t 
 }
 
 // All H columns: vector blocks, then the columns past the last whole vector one at a time.
-// kFusedTail: those columns' products are explicit fused multiply-adds, so every row's bits
-// are the same whatever R (left to the compiler, the contraction of o * corr + p * v into one
-// FMA differs between row-block sizes).
-template <int R, bool kFusedTail = false>
+// kFused: every product is an explicit fused multiply-add, so every row's bits are the same
+// whatever R (left to the compiler, the contraction of o * corr + p * v into one FMA differs
+// between row-block sizes).
+template <int R, bool kFused = false>
 void block_values_all(const float* p, const float* v, int64_t H, int64_t n, const float* corr,
                       float* o) {
   int64_t c = 0;
   for (; c + kAttnVectors * kLanes <= H; c += kAttnVectors * kLanes)
-    block_values<R, kAttnVectors>(p, v, H, n, corr, o, c);
+    block_values<R, kAttnVectors, kFused>(p, v, H, n, corr, o, c);
   switch ((H - c) / kLanes) {
-    case 1: block_values<R, 1>(p, v, H, n, corr, o, c); break;
-    case 2: block_values<R, 2>(p, v, H, n, corr, o, c); break;
-    case 3: block_values<R, 3>(p, v, H, n, corr, o, c); break;
+    case 1: block_values<R, 1, kFused>(p, v, H, n, corr, o, c); break;
+    case 2: block_values<R, 2, kFused>(p, v, H, n, corr, o, c); break;
+    case 3: block_values<R, 3, kFused>(p, v, H, n, corr, o, c); break;
     default: break;
   }
   for (c += (H - c) / kLanes * kLanes; c < H; ++c)  // columns past the last whole vector
     for (int r = 0; r < R; ++r) {
       float acc = o[r * H + c] * corr[r];
       for (int64_t s = 0; s < n; ++s) {
-        if constexpr (kFusedTail) {
+        if constexpr (kFused) {
           acc = __builtin_fmaf(p[r * kKeyBlock + s], v[s * H + c], acc);
         } else {
           acc += p[r * kKeyBlock + s] * v[s * H + c];
@@ -583,7 +603,7 @@ struct BlockValues {
 };
 
 template <int R>
-struct FusedTailBlockValues {
+struct FusedBlockValues {
   static void run(int64_t r, const float* p, const float* v, int64_t H, int64_t n,
                   const float* corr, float* o) {
     block_values_all<R, true>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
@@ -910,7 +930,7 @@ void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh
                          w.corr.data());
     const float* corr = w.corr.data();
     page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
-      by_row_block<FusedTailBlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
+      by_row_block<FusedBlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
                                          vp + ((page * K + kh) * ps + off) * H, H, n, corr,
                                          w.o.data());
       corr = w.ones.data();  // the block's correction is applied once, with its first run

@@ -27,8 +27,9 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernel
 
 HEADS = [(3, 3, 64),   # SmolLM2-135M: K, G, H
          (1, 4, 256),  # Gemma 3 270M
-         (2, 5, 40)]   # G = 5 (a row block of 6 splits a token's heads), odd head_dim tail
-HEAD_IDS = ["smollm2", "gemma3", "g5h40"]
+         (2, 5, 40),   # G = 5 (a row block of 6 splits a token's heads), odd head_dim tail
+         (2, 2, 8)]    # tests/tiny.py's Llama: head_dim one AVX2 vector
+HEAD_IDS = ["smollm2", "gemma3", "g5h40", "tiny"]
 
 
 def reference_ragged(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
