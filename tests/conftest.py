@@ -15,13 +15,43 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _COMPILE_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                           "jax_persistent_cache_min_entry_size_bytes")
 
+# The test run's own JAX persistent compilation cache: the tiny models' programs
+# are the same HLO in many modules (and in both of .ci/run's runs), and each
+# module's end drops the compiled programs (`_release_compiled_programs`), so
+# without it they are compiled again and again. "off" turns it off.
+TEST_XLA_CACHE_ENV = "JAXINFER_TEST_XLA_CACHE"
+
+
+def _xla_cache_dir() -> str | None:
+    """The folder of the test run's compilation cache ($JAXINFER_TEST_XLA_CACHE,
+    default `.test-xla-cache/` in the checkout), or None when it is "off"."""
+    folder = os.environ.get(TEST_XLA_CACHE_ENV) or str(ROOT / ".test-xla-cache")
+    return None if folder == "off" else folder
+
+
+def pytest_configure(config):
+    folder = _xla_cache_dir()
+    if folder:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture
+def xla_cache_off():
+    """The test compiles every program itself: JAX's persistent compilation
+    cache off (restored after by `_compile_cache_options_restored`)."""
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+
 
 @pytest.fixture(autouse=True)
-def _persistent_compile_cache_stays_off():
-    """The CLI turns JAX's persistent compilation cache on for the whole
-    process (`serving.loading.enable_compilation_cache`); a test that runs it
-    in-process must not leave every later test writing executables to the
-    user's cache, so the options and JAX's cache object are restored."""
+def _compile_cache_options_restored():
+    """The CLI points JAX's persistent compilation cache at the user's cache
+    for the whole process (`serving.loading.enable_compilation_cache`); a
+    test that runs it in-process must not leave every later test writing
+    executables there, so the options and JAX's cache object are restored
+    to the test run's own (`pytest_configure`)."""
     before = {name: getattr(jax.config, name) for name in _COMPILE_CACHE_OPTIONS}
     yield
     if any(getattr(jax.config, name) != value for name, value in before.items()):

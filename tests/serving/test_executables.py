@@ -21,6 +21,9 @@ from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.speculative import SpecConfig
 from tiny import TINY_LLAMA, random_params
 
+# stored programs must be compiled here, never taken from the test run's XLA cache
+pytestmark = pytest.mark.usefixtures("xla_cache_off")
+
 
 TRACES = []
 
