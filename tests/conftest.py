@@ -1,6 +1,8 @@
 import gc
+import hashlib
 import os
 import pathlib
+import shutil
 import sys
 
 import jax
@@ -35,6 +37,12 @@ def pytest_configure(config):
         jax.config.update("jax_compilation_cache_dir", folder)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        # and in the processes tests start (multi-device cases, disaggregation workers),
+        # through JAX's own environment variables; the CLI's `enable_compilation_cache`
+        # still points `jaxinfer serve` and `generate` at their own cache
+        os.environ.update(JAX_COMPILATION_CACHE_DIR=folder,
+                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                          JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 @pytest.fixture
@@ -76,15 +84,30 @@ def _release_compiled_programs():
     gc.collect()
 
 
-def load_hf_gguf(gguf_path):
+def load_hf_gguf(gguf_path, keep_dir=None):
     """(transformers model in float32 eval mode, its tokenizer) for a GGUF
-    file, the reference the real-model tests compare against."""
+    file, the reference the real-model tests compare against.
+
+    keep_dir: a folder where the pair is pickled (`torch.save`) after the
+    first load and read back on later ones: transformers converts Gemma 3's
+    GGUF in about two minutes here and cannot `save_pretrained` a model it
+    loaded from GGUF; the pickle gives back the same weights, config and
+    tokenizer."""
     import torch
     import transformers
 
+    kept = None
+    if keep_dir is not None:
+        key = hashlib.sha256(str(pathlib.Path(gguf_path).resolve()).encode()).hexdigest()[:16]
+        kept = pathlib.Path(keep_dir) / f"{pathlib.Path(gguf_path).stem}-{key}.pt"
+        if kept.is_file():
+            model, tok = torch.load(kept, weights_only=False)
+            return model.eval(), tok
     folder, name = str(gguf_path.parent), gguf_path.name
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if kept is not None:
+        torch.save((model, tok), kept)
     return model.eval(), tok
 
 
@@ -122,13 +145,17 @@ def real_model_path():
 
 
 @pytest.fixture(scope="session")
-def hf_gguf():
+def hf_gguf(tmp_path_factory):
     """`.get(gguf path)` -> (transformers model, tokenizer), one model held at a
     time across the session (see `OneAtATime`); the last module using a model
-    calls `.clear()`, and the session's end releases whatever is left."""
-    holder = OneAtATime(load_hf_gguf)
+    calls `.clear()`, and the session's end releases whatever is left. A
+    model asked for again is read back from the session's pickle of it
+    (`load_hf_gguf`'s keep_dir), deleted at the session's end."""
+    keep_dir = tmp_path_factory.mktemp("hf-gguf")
+    holder = OneAtATime(lambda path: load_hf_gguf(path, keep_dir))
     yield holder
     holder.clear()
+    shutil.rmtree(keep_dir, ignore_errors=True)
 
 
 # --- the two-layer toy model, trained once per session -----------------------------------
