@@ -931,8 +931,8 @@ void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh
     const float* corr = w.corr.data();
     page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
       by_row_block<FusedBlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
-                                         vp + ((page * K + kh) * ps + off) * H, H, n, corr,
-                                         w.o.data());
+                                     vp + ((page * K + kh) * ps + off) * H, H, n, corr,
+                                     w.o.data());
       corr = w.ones.data();  // the block's correction is applied once, with its first run
     });
   }
