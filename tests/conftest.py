@@ -89,10 +89,10 @@ def load_hf_gguf(gguf_path, keep_dir=None):
     file, the reference the real-model tests compare against.
 
     keep_dir: a folder where the pair is pickled (`torch.save`) after the
-    first load and read back on later ones: transformers converts Gemma 3's
-    GGUF in about two minutes here and cannot `save_pretrained` a model it
-    loaded from GGUF; the pickle gives back the same weights, config and
-    tokenizer."""
+    first load and read back on later ones: transformers' GGUF conversion is
+    slow (docs/testing.md has the figures) and it cannot `save_pretrained` a
+    model it loaded from GGUF; the pickle gives back the same weights,
+    config and tokenizer."""
     import torch
     import transformers
 
