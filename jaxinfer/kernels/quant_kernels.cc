@@ -381,6 +381,12 @@ void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Sca
 // K x 48 floats) and runs kTileBlockRows-row register blocks over it: the codes are
 // converted once per 64 rows instead of once per kMaxRows.
 constexpr int64_t kTileRows = 8;
+// Below kTileRows, consecutive panels go to one work unit: at least kUnitsPerThread units
+// per thread and at most about kUnitBytes of weights per unit, so each unit is one long
+// sequential read (threads taking alternate panels kept a wide LM head well below the read
+// bandwidth; benchmarks/README.md) and the last units still balance the threads.
+constexpr int64_t kUnitsPerThread = 8;
+constexpr int64_t kUnitBytes = 1 << 20;
 
 // x [M, K] @ W [K, N] -> out [M, N] with W's panels as described at the top of the file.
 template <class Fmt, typename Scale>
@@ -396,8 +402,8 @@ void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
   const float* xs = xsum.empty() ? nullptr : xsum.data();
   const int64_t panel_codes = d.K * kPanel / (Fmt::kStep == 2 ? 2 : 1);
   const int64_t row_units = (d.M + kRowsPerUnit - 1) / kRowsPerUnit;
-  parallel_units(pool, d.P * row_units, [=](int64_t unit) {
-    const int64_t p = unit / row_units, m0 = (unit % row_units) * kRowsPerUnit;
+  const auto unit = [=](int64_t u) {
+    const int64_t p = u / row_units, m0 = (u % row_units) * kRowsPerUnit;
     const int64_t m1 = std::min(d.M, m0 + kRowsPerUnit);
     const int64_t cols = std::min<int64_t>(kPanel, d.N - p * kPanel);
     const Scale* ps = scale ? scale + p * d.nb * kPanel : nullptr;
@@ -420,6 +426,14 @@ void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
       quant_panel_rows<Fmt, Scale, kMaxRows>(std::min<int64_t>(kMaxRows, m1 - m), a,
                                               codes + p * panel_codes);
     }
+  };
+  if (d.M >= kTileRows) return parallel_units(pool, d.P * row_units, unit);
+  const int64_t panel_bytes = panel_codes * sizeof(typename Fmt::Code) +
+                              (scale ? 1 + (min != nullptr) : 0) * d.nb * kPanel * sizeof(Scale);
+  const int64_t group = std::max<int64_t>(
+      1, std::min(d.P / (kUnitsPerThread * pool.num_threads()), kUnitBytes / panel_bytes));
+  parallel_units(pool, (d.P + group - 1) / group, [=](int64_t g) {
+    for (int64_t p = g * group; p < std::min(d.P, (g + 1) * group); ++p) unit(p);
   });
 }
 

@@ -224,7 +224,9 @@ FORMATS = {  # name: (quantizer, rows per block or None for per channel)
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 7, 8, 33])
-@pytest.mark.parametrize("k, n", [(576, 960), (32, 100), (16, 48), (8, 1)])  # 100, 1: padded panel
+# 100, 1: padded panel; 14458: 302 panels, which decode (m < 8) reads in groups of
+# consecutive panels with a shorter last group
+@pytest.mark.parametrize("k, n", [(576, 960), (32, 100), (16, 48), (8, 1), (64, 14458)])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_quant_matmul_matches_float64(fmt, m, k, n):
     rng = np.random.default_rng(m * n + k)
