@@ -874,16 +874,19 @@ inline void page_runs(const int32_t* pages, int64_t ps, int64_t a, int64_t z, F 
   }
 }
 
-// One (segment r, kv head, query tokens [i0, i1) of the segment) unit.
+// One (segment r, kv head, query tokens [i0, i1) of the segment, query heads [g0, g1) of
+// the kv head's group) unit. Each row (token, query head) is computed the same whatever
+// the unit's other rows are.
 void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh, int64_t i0,
-                 int64_t i1, const float* q, const float* kp, const float* vp,
-                 const int32_t* tables, float* out, RaggedScratch& w) {
-  const int64_t K = d.K, G = d.G, H = d.H, ps = d.ps, tokens = i1 - i0, rows = tokens * G;
+                 int64_t i1, int64_t g0, int64_t g1, const float* q, const float* kp,
+                 const float* vp, const int32_t* tables, float* out, RaggedScratch& w) {
+  const int64_t K = d.K, G = g1 - g0, H = d.H, ps = d.ps, tokens = i1 - i0, rows = tokens * G;
   const int64_t t0 = seg.start[r] + i0, p0 = seg.pos[r] + i0, p_last = p0 + tokens - 1;
   const int32_t* pages = tables + static_cast<int64_t>(seg.slot[r]) * d.M;
   w.q.resize(rows * H);
   for (int64_t i = 0; i < tokens; ++i)
-    std::memcpy(w.q.data() + i * G * H, q + ((t0 + i) * K + kh) * G * H, G * H * sizeof(float));
+    std::memcpy(w.q.data() + i * G * H, q + (((t0 + i) * K + kh) * d.G + g0) * H,
+                G * H * sizeof(float));
   w.kb.resize(H * kKeyBlock);
   w.sc.resize(rows * kKeyBlock);
   w.o.assign(rows * H, 0.0f);
@@ -937,7 +940,7 @@ void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh
     });
   }
   for (int64_t i = 0; i < tokens; ++i) {
-    float* o_out = out + ((t0 + i) * K + kh) * G * H;
+    float* o_out = out + (((t0 + i) * K + kh) * d.G + g0) * H;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = i * G + g;
       const float inv = w.l[row] > 0.0f ? 1.0f / w.l[row] : 0.0f;
@@ -1025,10 +1028,17 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
   const Block* bp = blocks.data();
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  parallel_units(pool, static_cast<int64_t>(blocks.size()) * d.K, [=, &d, &seg](int64_t u) {
+  // Fewer (block, kv head) units than two per thread (decode of a few rows; one kv head in
+  // Gemma 3 270M): each unit takes a share of the group's query heads, so every thread
+  // streams the K/V too instead of one thread reading them alone.
+  const int64_t units = static_cast<int64_t>(blocks.size()) * d.K;
+  const int64_t per_unit = std::clamp<int64_t>(units * d.G / (2 * pool.num_threads()), 1, d.G);
+  const int64_t parts = (d.G + per_unit - 1) / per_unit;
+  parallel_units(pool, units * parts, [=, &d, &seg](int64_t u) {
     thread_local RaggedScratch scratch;
-    const Block& b = bp[u / d.K];
-    ragged_unit(d, seg, b.r, u % d.K, b.i0, b.i1, qp, kp, vp, tp, op, scratch);
+    const Block& b = bp[u / parts / d.K];
+    const int64_t g0 = (u % parts) * per_unit, g1 = std::min(d.G, g0 + per_unit);
+    ragged_unit(d, seg, b.r, u / parts % d.K, b.i0, b.i1, g0, g1, qp, kp, vp, tp, op, scratch);
   });
   return ffi::Error::Success();
 }
