@@ -52,6 +52,7 @@ _TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
             "jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
+            "jaxinfer_argmax_first": "JaxinferArgmaxFirst",
             "jaxinfer_read_sum": "JaxinferReadSum"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 # Run in a fresh process by `_probe`: call one int() C function of the library (argv[1],
@@ -289,3 +290,23 @@ def read_sum(x: jax.Array) -> jax.Array:
         raise ValueError(f"read_sum: expected a float32 vector, got {x.dtype}{list(x.shape)}")
     _require_enabled()
     return jax.ffi.ffi_call("jaxinfer_read_sum", jax.ShapeDtypeStruct((), jnp.float32))(x)
+
+
+def argmax_first(x: jax.Array) -> jax.Array:
+    """Index of the maximum along the last axis, the lowest on ties: float32
+    [..., V] -> int32 [...], jnp.argmax's result for rows without NaN. One
+    multi-threaded pass over the rows (`JaxinferArgmaxFirst`); NaNs are
+    skipped, and a row of -inf gives 0.
+
+    Raises:
+      ValueError: x is not float32 with at least one axis, or V >= 2**31.
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    if x.ndim < 1 or x.dtype != jnp.float32 or x.shape[-1] >= 2**31:
+        raise ValueError(f"argmax_first: expected float32 [..., V] with V < 2**31, "
+                         f"got {x.dtype}{list(x.shape)}")
+    _require_enabled()
+    rows = x.reshape(-1, x.shape[-1])
+    out = jax.ffi.ffi_call("jaxinfer_argmax_first", jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32),
+                           vmap_method="sequential")(rows)
+    return out.reshape(x.shape[:-1])

@@ -5,6 +5,7 @@
 //   JaxinferCausalAttention  T tokens per row, causal by position, flash-style (prefill)
 //   JaxinferRaggedPagedAttention  a step's ragged segments of query tokens over a paged cache
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
+//   JaxinferArgmaxFirst      each row's first maximum (greedy sampling)
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
 //
 // Both split their work into units shared by the calling thread and tasks it schedules
@@ -1310,6 +1311,80 @@ ffi::Error ReadSum(ffi::ThreadPool pool, Vector1 x, ffi::Result<Scalar0> out) {
   return ffi::Error::Success();
 }
 
+// --- Argmax ---
+//   x   f32 [B, V]
+//   out s32 [B]    the lowest index of row b's maximum (jnp.argmax's result); NaNs are
+//                  skipped, and a row of -inf (or all NaN) gives 0
+// One pass: each lane keeps its largest value and that value's first index (a later
+// element replaces it only when strictly larger); the lanes are then merged, ties going
+// to the lower index. Units are (row, chunk of kArgmaxChunk columns), merged in chunk
+// order, so the result does not depend on which thread ran which chunk. XLA:CPU ran
+// jaxinfer.sampling.argmax_first's max, select and min as three single-threaded passes
+// (benchmarks/README.md).
+constexpr int64_t kArgmaxChunk = 1 << 16;
+
+struct ArgmaxPart {
+  float value;
+  int64_t index;
+};
+
+// The first maximum of x[a, b): (-inf, a) when nothing there is larger than -inf. Four
+// independent (value, index) vectors, so consecutive compares do not wait on each other.
+ArgmaxPart argmax_span(const float* x, int64_t a, int64_t b) {
+  constexpr int kAcc = 4;
+  v16 best[kAcc];
+  vi16 at[kAcc];
+  for (int j = 0; j < kAcc; ++j) {
+    best[j] = splat(-INFINITY);
+    at[j] = vi16{} + static_cast<int32_t>(a);
+  }
+  const vi16 lane = load_i32(kIota);
+  int64_t i = a;
+  for (; i + kAcc * kLanes <= b; i += kAcc * kLanes)
+    for (int j = 0; j < kAcc; ++j) {
+      const v16 v = load(x + i + j * kLanes);
+      const vi16 gt = v > best[j];
+      best[j] = gt ? v : best[j];
+      at[j] = gt ? lane + static_cast<int32_t>(i + j * kLanes) : at[j];
+    }
+  ArgmaxPart part{-INFINITY, a};
+  for (int j = 0; j < kAcc; ++j)
+    for (int l = 0; l < kLanes; ++l)
+      if (best[j][l] > part.value || (best[j][l] == part.value && at[j][l] < part.index))
+        part = ArgmaxPart{best[j][l], at[j][l]};
+  for (; i < b; ++i)
+    if (x[i] > part.value) part = ArgmaxPart{x[i], i};
+  return part;
+}
+
+using Matrix2f = ffi::Buffer<ffi::F32, 2>;
+using Vector1s = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error ArgmaxFirst(ffi::ThreadPool pool, Matrix2f x, ffi::Result<Vector1s> out) {
+  const int64_t B = x.dimensions()[0], V = x.dimensions()[1];
+  if (out->dimensions()[0] != B)
+    return ffi::Error::InvalidArgument("argmax_first: expected x [B, V] and out [B]");
+  if (V >= (int64_t(1) << 31))
+    return ffi::Error::InvalidArgument("argmax_first: V must be below 2**31");
+  const int64_t chunks = std::max<int64_t>(1, (V + kArgmaxChunk - 1) / kArgmaxChunk);
+  std::vector<ArgmaxPart> parts(B * chunks);
+  const float* xp = x.typed_data();
+  ArgmaxPart* pp = parts.data();
+  parallel_units(pool, B * chunks, [=](int64_t u) {
+    const int64_t row = u / chunks, c = u % chunks;
+    const int64_t a = c * kArgmaxChunk, b = std::min(V, a + kArgmaxChunk);
+    pp[u] = argmax_span(xp + row * V, a, b);
+  });
+  int32_t* op = out->typed_data();
+  for (int64_t row = 0; row < B; ++row) {
+    ArgmaxPart best{-INFINITY, 0};
+    for (int64_t c = 0; c < chunks; ++c)
+      if (pp[row * chunks + c].value > best.value) best = pp[row * chunks + c];
+    op[row] = static_cast<int32_t>(best.index);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // --- Plain C entry points (ctypes): the build's blocking, and probes that a fresh process
@@ -1415,6 +1490,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
                                   .Arg<Bf16Panels3>()
                                   .Attr<int32_t>("dot")
                                   .Ret<Matrix2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferArgmaxFirst, ArgmaxFirst,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix2f>()
+                                  .Ret<Vector1s>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferReadSum, ReadSum,
                               ffi::Ffi::Bind()

@@ -13,18 +13,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config.sampling import TEMPERATURE_FLOOR
+from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.nn.norm import ordered_sum
 from jaxinfer.sampling.arrays import SamplingArrays
 from jaxinfer.sampling.filters import keep_mask, materialize
 
 
 def argmax_first(x: jax.Array) -> jax.Array:
-    """Index of the row maximum, lowest index on ties: f32[B, V] -> i32[B].
+    """Index of the row maximum, lowest index on ties: f32[..., V] -> i32[...].
 
-    Same result as `jnp.argmax`, written as a max then a min over indices
+    Same result as `jnp.argmax` for rows without NaN. With the CPU kernels
+    (`kernels.cpu.enabled()`), one multi-threaded pass
+    (`kernels.cpu.argmax_first`); otherwise a max then a min over indices
     (about 15x faster than XLA:CPU's variadic argmax reduction at
-    B=32, V=49152). Needs V < 2**24 (indices are exact in float32).
+    B=32, V=49152), which needs V < 2**24 (indices exact in float32).
     """
+    if cpu_kernels.enabled():
+        return cpu_kernels.argmax_first(x.astype(jnp.float32))
     x = materialize(x)
     v = x.shape[-1]
     assert v < 2**24, v
