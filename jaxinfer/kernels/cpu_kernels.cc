@@ -1029,12 +1029,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
   const Block* bp = blocks.data();
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  // Fewer (block, kv head) units than threads (decode of a few rows; one kv head in Gemma 3
-  // 270M): each unit takes a share of the group's query heads, so every thread streams the
-  // K/V too instead of one thread reading them alone. Shares are as large as the threads
-  // allow (about one unit per thread), since each share reads its kv head's K/V again.
+  // Fewer (block, kv head) units than two per thread (decode of a few rows; one kv head in
+  // Gemma 3 270M): each unit takes a share of the group's query heads, so every thread
+  // streams the K/V too instead of one thread reading them alone.
   const int64_t units = static_cast<int64_t>(blocks.size()) * d.K;
-  const int64_t per_unit = std::clamp<int64_t>(units * d.G / pool.num_threads(), 1, d.G);
+  const int64_t per_unit = std::clamp<int64_t>(units * d.G / (2 * pool.num_threads()), 1, d.G);
   const int64_t parts = (d.G + per_unit - 1) / per_unit;
   parallel_units(pool, units * parts, [=, &d, &seg](int64_t u) {
     thread_local RaggedScratch scratch;
