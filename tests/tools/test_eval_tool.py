@@ -136,3 +136,21 @@ def test_speed_rows_run_the_serving_step():
     assert d["bytes_per_step"] == speed.decode_step_bytes(config, params, 2, d["context"], 1.5)
     assert d["memory_roofline_fraction"] == d["bytes_per_step"] / 1e9 / d["tpot_s"]
     assert row["prefill"]["prompt_len"] == 8 and row["prefill"]["ttft_s"] > 0
+
+
+def test_llamacpp_worker_failures_say_why():
+    """A worker killed by SIGILL (a llama-cpp-python built for another CPU)
+    names the signal and the fix; other failures keep stderr's tail."""
+    import signal
+    from jaxinfer.tools.eval import speed
+
+    assert speed._worker_result(0, 'log\n{"tpot_s": 0.5}\n', "") == {"tpot_s": 0.5}
+    assert speed._worker_result(-int(signal.SIGILL), "", "") == {"skipped": (
+        "the llama.cpp worker was killed by SIGILL (llama-cpp-python was built for instructions "
+        "this CPU does not run; rebuild it with the flags in benchmarks/README.md)")}
+    assert speed._worker_result(-int(signal.SIGKILL), "", "") == {
+        "skipped": "the llama.cpp worker was killed by SIGKILL"}
+    assert speed._worker_result(1, "", "Traceback\nValueError: bad gguf\n") == {
+        "skipped": "Traceback\nValueError: bad gguf"}
+    assert speed._worker_result(3, "", "") == {
+        "skipped": "the llama.cpp worker exited 3 with no output"}

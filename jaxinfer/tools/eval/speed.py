@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -141,10 +142,24 @@ def llamacpp_speed(gguf_path: str, prompt_len: int = 128, steps: int = 64, warmu
                        "threads": threads or os.cpu_count() or 1})
     done = subprocess.run([sys.executable, "-m", "jaxinfer.tools.eval.speed", "--llamacpp-worker",
                            spec], capture_output=True, text=True)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"skipped": (done.stderr or "no output")[-300:]}
-    return json.loads(lines[-1])
+    return _worker_result(done.returncode, done.stdout, done.stderr)
+
+
+def _worker_result(returncode: int, stdout: str, stderr: str) -> dict:
+    """The llama.cpp worker's JSON line, or {"skipped": why}: its stderr's
+    tail, or the signal that killed it (SIGILL: a build for instructions this
+    CPU does not run)."""
+    lines = stdout.strip().splitlines()
+    if returncode == 0 and lines:
+        return json.loads(lines[-1])
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else "a signal"
+        why = f"the llama.cpp worker was killed by {name}"
+        if -returncode == signal.SIGILL:
+            why += (" (llama-cpp-python was built for instructions this CPU does not run; rebuild it "
+                    "with the flags in benchmarks/README.md)")
+        return {"skipped": why}
+    return {"skipped": (stderr.strip() or f"the llama.cpp worker exited {returncode} with no output")[-300:]}
 
 
 def _llamacpp_worker(spec: dict) -> dict:
