@@ -34,6 +34,9 @@ class StructuredOutput:
       regex: a regular expression the whole output must match.
       choice: the output is exactly one of these strings.
       json_object: the output is any JSON object.
+      grammar: a context-free grammar the whole output must match, in
+        llama.cpp's GBNF (start rule `root`) or llguidance's Lark syntax
+        (start rule `start`); masked on the host, one token per step.
     Raises:
       ValueError / TypeError: none or several fields set, a schema that is
         not JSON, an empty choice list or a choice that is not a string.
@@ -43,13 +46,16 @@ class StructuredOutput:
     regex: Optional[str] = None
     choice: Optional[tuple[str, ...]] = None
     json_object: bool = False
+    grammar: Optional[str] = None
 
     def __post_init__(self):
-        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("StructuredOutput needs exactly one of json_schema, regex, choice, "
-                             f"json_object; got {given or 'none'}")
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise TypeError(f"StructuredOutput.grammar must be a non-empty string, got {self.grammar!r}")
         if self.json_schema is not None:
             schema = self.json_schema
             if isinstance(schema, str):

@@ -1,8 +1,10 @@
-"""Structured output on the host: a `StructuredOutput` compiled with
-outlines-core against the tokenizer's vocabulary into table form.
+"""Structured output on the host: a `StructuredOutput` compiled against the
+tokenizer's vocabulary, into device tables (a finite automaton) or into a
+parser that masks on the host (a context-free grammar).
 
-    GrammarCompiler(tokenizer, vocab_size).compile(spec) -> Grammar   (cached per spec)
+    GrammarCompiler(tokenizer, vocab_size).compile(spec) -> Grammar | HostGrammar   (cached per spec)
     GrammarPool.add(grammar) -> offset; GrammarPool.tables() -> structured.GrammarTables
+    GrammarPool.acquire(matcher) -> j; GrammarPool.release(j)     host-masked rows
 
 The automaton is outlines-core's `Index`: a DFA whose edges are token ids
 (Willard & Louf 2023, arXiv:2307.09702). A JSON schema and "any JSON object"
@@ -13,6 +15,16 @@ renumbered densely (state 0 .. S-1) and laid out for the device: the packed
 allowed-token bitmask [S, ceil(V/32)] uint32 and, per state, its outgoing
 edges sorted by token id (CSR: starts [S + 1], tokens [E], next [E]). EOS
 ids are allowed only in final states (an edge to the same state).
+
+Where the automaton is not finite, or too large for the device, the
+constraint becomes a `HostGrammar` instead: llguidance (Moskal et al.,
+github.com/guidance-ai/llguidance) parses the output so far and gives the
+next token's mask on the host, one step at a time. That is every
+`StructuredOutput.grammar` (a context-free grammar, GBNF or Lark), and a
+regex, choice or JSON schema whose tables would exceed `max_table_bytes`.
+A host-masked row reads its mask from `GrammarTables.live` (`GrammarPool`),
+which the runner rewrites before each step; while such a row runs, the
+scheduler dispatches one step at a time and the row drafts no tokens.
 """
 
 from __future__ import annotations
@@ -20,15 +32,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import threading
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
+import llguidance
+import llguidance.numpy
 import numpy as np
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
 from jaxinfer.config.sampling import StructuredOutput
-from jaxinfer.sampling.structured import GrammarTables, pad_tables
+from jaxinfer.sampling.arrays import to_device
+from jaxinfer.sampling.structured import MIN_LIVE_ROWS, GrammarTables, pad_tables
 
 # Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -48,6 +64,8 @@ def constraint_regex(spec: StructuredOutput) -> str:
     Raises:
       ValueError: a schema the library rejects (naming its message).
     """
+    if spec.grammar is not None:
+        raise ValueError("a context-free grammar has no regular expression")
     if spec.regex is not None:
         return spec.regex
     if spec.choice is not None:
@@ -195,6 +213,105 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
     return Grammar(int(np.searchsorted(names, initial)), final, mask, starts, toks.astype(np.int32),
                    nxts.astype(np.int32), source)
 
+def host_grammar_text(spec: StructuredOutput) -> str:
+    """llguidance's grammar for `spec` (its `grammar_from`: a GBNF or Lark
+    grammar, a JSON schema, a regex or a choice list).
+
+    Raises:
+      ValueError: a grammar llguidance cannot convert (naming the problem).
+    """
+    if spec.grammar is not None:
+        kind, text = "grammar", spec.grammar
+    elif spec.regex is not None:
+        kind, text = "regex", spec.regex
+    elif spec.choice is not None:
+        kind, text = "choice", json.dumps(list(spec.choice))
+    else:
+        kind, text = "json_schema", _ANY_OBJECT if spec.json_object else spec.json_schema
+    try:
+        return llguidance.grammar_from(kind, text)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
+        raise ValueError(f"structured output: {e}") from None
+
+
+class _TokenTable:
+    """What `llguidance.TokenizerWrapper` reads: every id's bytes (special
+    tokens by their text, marked special), the EOS id and an encoder."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int):
+        backend = tokenizer.hf_tokenizer.backend_tokenizer
+        pieces = token_bytes(tokenizer)
+        names = {i: p for p, i in backend.get_vocab(with_added_tokens=True).items()}
+        self.tokens = [pieces.get(i, names.get(i, "").encode("utf-8")) for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i in tokenizer.special_token_ids if i < vocab_size)
+        self.eos_token_id, self.bos_token_id = int(eos_id), None
+        self._backend = backend
+
+    def __call__(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
+class HostMatcher:
+    """One row's parser state under a `HostGrammar` (llguidance's `LLMatcher`).
+
+    Args:
+      grammar: the compiled `HostGrammar`.
+      tokens: the row's output so far (a row resumed after preemption).
+    Raises:
+      ValueError: a token the grammar does not allow.
+    """
+
+    def __init__(self, grammar: "HostGrammar", tokens: Sequence[int] = ()):
+        self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar)
+        self.consumed = 0
+        self.advance(tokens)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Consume tokens[self.consumed:] (the row's whole output so far).
+
+        Raises:
+          ValueError: a token the grammar does not allow (naming it).
+        """
+        for t in tokens[self.consumed:]:
+            if not self._matcher.consume_token(int(t)):
+                raise ValueError(f"structured output: token {int(t)} is not allowed after "
+                                 f"{self.consumed} tokens ({self._matcher.get_error()})")
+            self.consumed += 1
+
+    def fill(self, words: np.ndarray, row: int) -> None:
+        """Write the next token's mask into words[row] (int32 [L, ceil(V/32)],
+        bit t % 32 of word t // 32: token t allowed)."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, words, row)
+
+    def is_accepting(self) -> bool:
+        return self._matcher.is_accepting()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostGrammar:
+    """A constraint masked on the host, one step at a time (module docstring).
+
+    Attributes:
+      grammar: llguidance's grammar text.
+      tokenizer: the `llguidance.LLTokenizer` it runs against.
+      source: what it was compiled from (`StructuredOutput` field: text).
+      reason: why it is not on the device.
+    """
+
+    grammar: str
+    tokenizer: object
+    source: str = ""
+    reason: str = ""
+
+    def matcher(self, tokens: Sequence[int] = ()) -> HostMatcher:
+        """A parser at the start, after `tokens` (ValueError: not allowed)."""
+        return HostMatcher(self, tokens)
+
+
+CompiledConstraint = Union[Grammar, HostGrammar]
+
 
 class GrammarCompiler:
     """Compiles `StructuredOutput`s for one tokenizer, caching each by spec.
@@ -202,18 +319,23 @@ class GrammarCompiler:
     `compile(spec)` is an LRU cache keyed by the spec (equal schemas are
     equal specs: `StructuredOutput` keeps canonical JSON); the compiler is
     bound to one tokenizer and V, so the key is in effect (constraint,
-    tokenizer). A repeated spec returns the same `Grammar` object; a spec
-    that fails is not cached. `compile.cache_info()` counts hits and misses.
+    tokenizer). A repeated spec returns the same object; a spec that fails
+    is not cached. `compile.cache_info()` counts hits and misses.
+
+    A regex, choice or JSON schema becomes a `Grammar` (device tables,
+    outlines-core), unless its tables would take more than max_table_bytes:
+    then, like every context-free `grammar`, a `HostGrammar` (llguidance).
 
     Args:
       tokenizer: a `jaxinfer.tokenizer.Tokenizer` (compiling needs an EOS id).
       vocab_size: the model's V (its logits' width; >= the tokenizer's).
-      cache_size: compiled grammars kept (least recently used dropped
+      cache_size: compiled constraints kept (least recently used dropped
         first); 64 by default.
-      max_table_bytes: the most device memory one grammar's tables may take.
+      max_table_bytes: the most device memory one automaton's tables may
+        take; 0: every constraint is masked on the host (no automaton is built).
     Raises (compile):
-      ValueError: an invalid regex or schema, or one the library rejects,
-        naming the problem; tables over max_table_bytes, with the figure.
+      ValueError: an invalid regex, schema or grammar, or one the libraries
+        reject, naming the problem.
     """
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64,
@@ -222,6 +344,7 @@ class GrammarCompiler:
         self.max_table_bytes = int(max_table_bytes)
         self.eos_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._vocabulary = None
+        self._host_tokenizer = None
         self._lock = threading.Lock()
         self.compile = functools.lru_cache(cache_size)(self._compile)
 
@@ -231,9 +354,23 @@ class GrammarCompiler:
                 self._vocabulary = build_vocabulary(token_bytes(self.tokenizer), self.eos_ids[0])
             return self._vocabulary
 
-    def _compile(self, spec: StructuredOutput) -> Grammar:
+    def host_tokenizer(self):
+        """llguidance's tokenizer over the same token bytes (built once)."""
+        with self._lock:
+            if self._host_tokenizer is None:
+                table = _TokenTable(self.tokenizer, self.vocab_size, self.eos_ids[0])
+                self._host_tokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(table), n_vocab=self.vocab_size,
+                    eos_token=list(self.eos_ids))
+            return self._host_tokenizer
+
+    def _compile(self, spec: StructuredOutput) -> CompiledConstraint:
         if not self.eos_ids:
             raise ValueError("structured output needs a tokenizer with an EOS id")
+        if spec.grammar is not None:
+            return self._host(spec, "a context-free grammar is not a finite automaton")
+        if self.max_table_bytes <= 0:
+            return self._host(spec, "max_table_bytes is 0: every constraint is masked on the host")
         regex = constraint_regex(spec)
         try:
             index = outlines_core.Index(regex, self.vocabulary())
@@ -243,24 +380,42 @@ class GrammarCompiler:
             raise ValueError(f"structured output: {e}") from None
         grammar = grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
         if grammar.nbytes > self.max_table_bytes:
-            raise ValueError(f"structured output: its automaton needs {grammar.nbytes / 2**20:.1f} "
-                             f"MiB of device tables ({grammar.num_states} states), over the limit "
-                             f"of {self.max_table_bytes / 2**20:.0f} MiB; simplify the constraint")
+            return self._host(spec, f"its automaton needs {grammar.nbytes / 2**20:.1f} MiB of device "
+                                    f"tables ({grammar.num_states} states), over the limit of "
+                                    f"{self.max_table_bytes / 2**20:.0f} MiB")
         return grammar
+
+    def _host(self, spec: StructuredOutput, reason: str) -> HostGrammar:
+        text = host_grammar_text(spec)
+        tokenizer = self.host_tokenizer()
+        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ValueError(f"structured output: {error.strip()}")
+        source = spec.grammar if spec.grammar is not None else constraint_regex(spec)
+        return HostGrammar(text, tokenizer, source, reason)
 
 
 class GrammarPool:
     """The grammars a runner's rows use, concatenated into one set of device
-    tables (state ids are global: a grammar's local state + its offset).
+    tables (state ids are global: a grammar's local state + its offset),
+    and the masks of its host-masked rows (`GrammarTables.live`).
+
     Grammars are kept once added (the same object, or one compiled from the
     same source again after the compiler's LRU dropped it, reuses its offset);
-    `tables()` pads S and E to powers of two, so the compiled step changes
-    shape only when the pool outgrows a size."""
+    `tables()` pads S and E to powers of two and the live rows to a power of
+    two (at least MIN_LIVE_ROWS), so the compiled step changes shape only
+    when the pool outgrows a size.
 
-    def __init__(self):
+    Args:
+      vocab_size: the model's V (the masks' width: ceil(V / 32) words).
+    """
+
+    def __init__(self, vocab_size: int):
         self.grammars: list[Grammar] = []
         self._offsets: dict[int, int] = {}
         self._tables: Optional[GrammarTables] = None
+        self.live: dict[int, HostMatcher] = {}
+        self._words = np.zeros((MIN_LIVE_ROWS, -(-int(vocab_size) // 32)), np.int32)
 
     @property
     def num_states(self) -> int:
@@ -275,20 +430,52 @@ class GrammarPool:
             self._tables = None
         return self._offsets[key]
 
+    def acquire(self, matcher: HostMatcher) -> int:
+        """A live row j for a host-masked row's `matcher` (row state
+        `structured.host_state(j)`); the rows double when all are taken."""
+        j = next((i for i in range(self._words.shape[0]) if i not in self.live), None)
+        if j is None:
+            j = self._words.shape[0]
+            self._words = np.concatenate([self._words, np.zeros_like(self._words)])
+        self.live[j] = matcher
+        return j
+
+    def release(self, j: int) -> None:
+        """Free live row j (its row finished or left its slot)."""
+        self.live.pop(j, None)
+
     def tables(self) -> Optional[GrammarTables]:
-        """The device tables of every grammar added (None before the first)."""
-        if self._tables is None and self.grammars:
+        """The device tables of every grammar added, with each live row's
+        next-token mask computed now (None before the first grammar or
+        host-masked row)."""
+        if not self.grammars and not self.live:
+            return None
+        if self._tables is None or self._tables.live.shape != self._words.shape:
             offsets, edges = [], 0
             for g in self.grammars:
                 offsets.append(edges)
                 edges += len(g.tokens)
             starts = np.concatenate([g.starts[:-1] + o for g, o in zip(self.grammars, offsets)]
-                                    + [[edges]])
-            nxt = np.concatenate([g.next + self._offsets[g.source or id(g)] for g in self.grammars])
-            self._tables = pad_tables(np.concatenate([g.mask for g in self.grammars]),
-                                      starts, np.concatenate([g.tokens for g in self.grammars]), nxt)
+                                    + [[edges]]).astype(np.int32)
+            if self.grammars:
+                mask = np.concatenate([g.mask for g in self.grammars])
+                tokens = np.concatenate([g.tokens for g in self.grammars])
+                nxt = np.concatenate([g.next + self._offsets[g.source or id(g)] for g in self.grammars])
+            else:   # host-masked rows only
+                mask = np.zeros((0, self._words.shape[1]), np.uint32)
+                tokens, nxt = np.zeros(0, np.int32), np.zeros(0, np.int32)
+            self._tables = pad_tables(mask, starts, tokens, nxt, self._live_words())
+        elif self.live:
+            self._tables = self._tables.replace(live=to_device(self._live_words()))
         return self._tables
 
+    def _live_words(self) -> np.ndarray:
+        self._words[:] = 0
+        for j, matcher in self.live.items():
+            matcher.fill(self._words, j)
+        return self._words.view(np.uint32)
 
-__all__ = ["MAX_TABLE_BYTES", "Grammar", "GrammarCompiler", "GrammarPool", "build_vocabulary", "constraint_regex",
-           "escape_literal", "grammar_from_index", "token_bytes"]
+
+__all__ = ["MAX_TABLE_BYTES", "CompiledConstraint", "Grammar", "GrammarCompiler", "GrammarPool",
+           "HostGrammar", "HostMatcher", "build_vocabulary", "constraint_regex", "escape_literal",
+           "grammar_from_index", "host_grammar_text", "token_bytes"]

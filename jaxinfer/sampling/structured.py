@@ -6,10 +6,13 @@ decode loop (no round trip to the host per token).
     advance(state, token, active, tables)       -> the states after `token`
 
 A row's state is a global state id into `GrammarTables` (every grammar a
-runner uses, concatenated: `grammar.GrammarPool`), or -1 for a row without a
-constraint. When no row is constrained the mask is skipped (`lax.cond`);
-when the runner has no grammar at all the tables are None and nothing here
-is traced.
+runner uses, concatenated: `grammar.GrammarPool`), -1 (`UNCONSTRAINED`) for
+a row without a constraint, or -2 - j for a row whose mask the host computes
+(`host_state(j)`: a grammar that is not a finite automaton, see
+`grammar.HostGrammar`): its allowed tokens are `GrammarTables.live[j]`, which
+the host rewrites before each step, and its state never moves on the device.
+When no row is constrained the mask is skipped (`lax.cond`); when the runner
+has no grammar at all the tables are None and nothing here is traced.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from jaxinfer.sampling.arrays import to_device
 
 # A row without a constraint.
 UNCONSTRAINED = -1
+# Smallest number of host-masked rows the tables make room for.
+MIN_LIVE_ROWS = 8
 # Smallest padded table sizes: a pool's first few grammars share one compiled shape.
 MIN_STATES, MIN_EDGES = 256, 4096
 _INT32_MAX = 2**31 - 1
@@ -39,51 +44,63 @@ class GrammarTables:
       tokens: int32 [E], each state's edge tokens in ascending order
         (padding: INT32_MAX).
       next: int32 [E], the global state each edge leads to.
+      live: uint32 [L, ceil(V/32)], the allowed tokens of host-masked rows
+        (row state -2 - j reads live[j]; same bit layout as mask).
     """
 
     mask: jax.Array
     starts: jax.Array
     tokens: jax.Array
     next: jax.Array
+    live: jax.Array
 
 
 def _pow2(n: int, least: int) -> int:
     return 1 << max(int(n) - 1, least - 1).bit_length()
 
 
+def host_state(j: int) -> int:
+    """The row state of host-masked row j (reads `GrammarTables.live[j]`)."""
+    return -2 - int(j)
+
+
 def pad_tables(mask: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
-               next_: np.ndarray) -> GrammarTables:
+               next_: np.ndarray, live: np.ndarray) -> GrammarTables:
     """Device `GrammarTables` from host arrays, S and E padded to powers of
     two (at least MIN_STATES, MIN_EDGES) with states that allow nothing and
-    edges no token matches."""
+    edges no token matches; `live` [L, W] as given."""
     s, e = mask.shape[0], tokens.shape[0]
     sp, ep = _pow2(s, MIN_STATES), _pow2(e, MIN_EDGES)
     mask = np.concatenate([mask, np.zeros((sp - s, mask.shape[1]), np.uint32)])
     starts = np.concatenate([starts, np.full(sp - s, e)]).astype(np.int32)
     tokens = np.concatenate([tokens, np.full(ep - e, _INT32_MAX)]).astype(np.int32)
     next_ = np.concatenate([next_, np.zeros(ep - e)]).astype(np.int32)
-    return GrammarTables(*map(to_device, (mask, starts, tokens, next_)))
+    return GrammarTables(*map(to_device, (mask, starts, tokens, next_, live)))
 
 
 def allowed(tables: GrammarTables, state: jax.Array, vocab_size: int) -> jax.Array:
-    """bool [B, V]: the tokens each row's state allows (state < 0: read as state 0)."""
-    words = tables.mask[jnp.maximum(state, 0)]                      # [B, W]
+    """bool [B, V]: the tokens each row's state allows: mask[state] for a
+    device state, live[-2 - state] for a host-masked row (-1: read as state 0)."""
+    host = state <= host_state(0)
+    words = jnp.where(host[:, None], tables.live[jnp.clip(host_state(0) - state, 0, tables.live.shape[0] - 1)],
+                      tables.mask[jnp.maximum(state, 0)])           # [B, W]
     bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def mask_logits(logits: jax.Array, state, tables) -> jax.Array:
     """logits [B, V] with the tokens a constrained row's state does not allow
-    at -inf; unconstrained rows (state < 0) unchanged. Skipped when no row
+    at -inf; unconstrained rows (state -1) unchanged. Skipped when no row
     is constrained, and not traced when state or tables is None."""
     if state is None or tables is None:
         return logits
+    free = state == UNCONSTRAINED
 
     def apply(x):
-        ok = allowed(tables, state, x.shape[-1]) | (state < 0)[:, None]
+        ok = allowed(tables, state, x.shape[-1]) | free[:, None]
         return jnp.where(ok, x, -jnp.inf)
 
-    return jax.lax.cond(jnp.any(state >= 0), apply, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(~free), apply, lambda x: x, logits)
 
 
 def lookup(tables: GrammarTables, state: jax.Array, token: jax.Array) -> jax.Array:
@@ -107,13 +124,13 @@ def lookup(tables: GrammarTables, state: jax.Array, token: jax.Array) -> jax.Arr
 
 
 def advance(state, token: jax.Array, active: jax.Array, tables):
-    """The states after active rows emit `token` [B] (others, and
-    unconstrained rows, unchanged); None stays None."""
+    """The states after active rows emit `token` [B] (others, unconstrained
+    and host-masked rows unchanged); None stays None."""
     if state is None or tables is None:
         return state
     moved = lookup(tables, jnp.maximum(state, 0), token)
     return jnp.where(active & (state >= 0), moved, state)
 
 
-__all__ = ["GrammarTables", "MIN_EDGES", "MIN_STATES", "UNCONSTRAINED", "advance", "allowed",
-           "lookup", "mask_logits", "pad_tables"]
+__all__ = ["GrammarTables", "MIN_EDGES", "MIN_LIVE_ROWS", "MIN_STATES", "UNCONSTRAINED", "advance",
+           "allowed", "host_state", "lookup", "mask_logits", "pad_tables"]

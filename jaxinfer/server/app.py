@@ -83,7 +83,8 @@ class ServerSettings:
 def _constraint_param(body) -> str:
     """The request field that carries its output constraint."""
     return next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
-                            "tool_choice") if getattr(body, n, None) is not None)
+                            "guided_grammar", "grammar", "tool_choice")
+                if getattr(body, n, None) is not None)
 
 
 def _json_error(status: int, message: str, type: str = "invalid_request_error",

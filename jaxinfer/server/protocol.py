@@ -14,8 +14,9 @@ value in its YAML config (`jaxinfer serve --config`).
 
 Structured output (docs/structured.md): `response_format` ({"type":
 "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...,
-"strict": ...}}) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
-become a `StructuredOutput` (`structured_output`); so does a chat request's
+"strict": ...}}), vLLM's `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` and llama-server's `grammar` (GBNF, or Lark) become a
+`StructuredOutput` (`structured_output`); so does a chat request's
 forced tool call (`tools` + `tool_choice` naming a function, or "required"
 with one tool: its `parameters` schema). At most one may be given. Tools
 with tool_choice "auto" (or none given) are not a constraint: they go to
@@ -138,6 +139,8 @@ class _Sampling(_Strict):
     guided_json: Union[dict, str, None] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    grammar: Optional[str] = None
     # Unsupported (see UNSUPPORTED): typed loosely so that the check below names them.
     logit_bias: Any = None
     tools: Any = None
@@ -186,7 +189,8 @@ class _Sampling(_Strict):
             raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, "
                            "json_schema", param="response_format")
         for name, key in (("guided_json", "json_schema"), ("guided_regex", "regex"),
-                          ("guided_choice", "choice")):
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                          ("grammar", "grammar")):
             value = getattr(self, name)
             if value is not None:
                 try:

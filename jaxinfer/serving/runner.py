@@ -35,7 +35,8 @@ from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
 from jaxinfer.sampling.arrays import to_device
-from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool
+from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool, HostGrammar
+from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
@@ -198,7 +199,8 @@ class ModelRunner(WarmUp):
         self.programs = programs or ProgramCache()
         self.backend = backend or choose_backend(cache_dtype)
         self.stop = stop_tokens(stop_token_ids, eos_token_ids, tokenizer_vocab_size)
-        self.grammars, self.grammar_pool = grammars, GrammarPool()
+        self.grammars, self.grammar_pool = grammars, GrammarPool(config.vocab_size)
+        self.host_rows: dict[int, int] = {}   # slot -> live row of a host-masked request
         self.speculative = speculative
         self.spec = self._spec(speculative)
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
@@ -303,19 +305,55 @@ class ModelRunner(WarmUp):
                 raise ValueError("structured output needs a model with a tokenizer")
             self.grammars.compile(request.sampling.structured)
 
+    def host_constrained(self, request: Request) -> bool:
+        """Whether the request's constraint is masked on the host
+        (`grammar.HostGrammar`): its rows run one step per dispatch, after
+        the previous step's token is read, and draft nothing."""
+        spec = request.sampling.structured
+        return spec is not None and isinstance(self.grammars.compile(spec), HostGrammar)
+
     def _grammar_states(self, admissions: Sequence[Admission]) -> list[int]:
-        """Each admitted row's global grammar state (-1: none), after the
-        tokens it generated before a preemption; the device tables follow."""
+        """Each admitted row's grammar state (-1: none), after the tokens it
+        generated before a preemption; the device tables follow. A
+        host-masked request takes a live row (its slot's earlier one freed)."""
         states = []
         for x in admissions:
+            old = self.host_rows.pop(x.slot, None)
+            if old is not None:
+                self.grammar_pool.release(old)
             if x.request.sampling.structured is None:
-                states.append(-1)
+                states.append(UNCONSTRAINED)
                 continue
             self.check_structured(x.request)
             grammar = self.grammars.compile(x.request.sampling.structured)
-            states.append(self.grammar_pool.add(grammar) + grammar.walk(x.generated))
+            if isinstance(grammar, HostGrammar):
+                self.host_rows[x.slot] = self.grammar_pool.acquire(grammar.matcher(x.generated))
+                states.append(host_state(self.host_rows[x.slot]))
+            else:
+                states.append(self.grammar_pool.add(grammar) + grammar.walk(x.generated))
         self.stop = self.stop.replace(grammar=self.grammar_pool.tables())
         return states
+
+    def advance_host_row(self, slot: int, tokens: Sequence[int]) -> None:
+        """Feed a host-masked request's output so far (`tokens`, all of it)
+        to its parser, which consumes what it has not seen (no-op for a slot
+        without one).
+
+        Raises:
+          ValueError: a token its grammar does not allow.
+        """
+        j = self.host_rows.get(slot)
+        if j is not None:
+            self.grammar_pool.live[j].advance(tokens)
+
+    def sync_host_rows(self, slots) -> None:
+        """Before a step: `slots` hold the host-masked requests; other slots'
+        live rows are freed, and every parser's next-token mask goes to the
+        device."""
+        for slot in [s for s in self.host_rows if s not in slots]:
+            self.grammar_pool.release(self.host_rows.pop(slot))
+        if self.host_rows:
+            self.stop = self.stop.replace(grammar=self.grammar_pool.tables())
 
     def step_shape(self, num_tokens: int) -> tuple[int, int]:
         """(T, R): the token bucket of a step of `num_tokens` tokens and its segments.

@@ -25,6 +25,12 @@ rows take their tokens from the device), so the host detokenizes and matches
 stop strings while the device computes; a row finished on the device idles
 in the step already dispatched, and is freed when its last token is read.
 
+A request whose constraint is masked on the host (`ModelRunner.host_constrained`:
+a context-free grammar) needs its last token before its next mask: while
+one holds a slot, each iteration reads the dispatched step before
+dispatching the next, runs one step per dispatch, and that row drafts
+nothing.
+
 When nothing waits and no request streams, running rows decode
 `decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`) once that
 program is compiled: k = 1 while requests arrive or a stream wants each
@@ -77,6 +83,7 @@ class _Seq:
     order: int = 0
     inflight: int = 0          # tokens the dispatched, unread steps can still add
     long_prompt: bool = False  # more tokens to prefill at admission than the token budget
+    host: bool = False         # its constraint is masked on the host (one step at a time)
 
     @property
     def prefilling(self) -> bool:
@@ -146,6 +153,7 @@ class Scheduler:
         self._failed: list[RequestOutput] = []    # FailedOutputs for the next step's events
         self.num_preempted = 0
         self.streaming: set[int] = set()  # requests that want each token as it comes
+        self._host_seen = False           # a host-masked request was added (its rows sync)
 
     @property
     def states(self) -> dict[int, RequestState]:
@@ -172,7 +180,9 @@ class Scheduler:
         detok = self.detokenizer_factory() if self.detokenizer_factory else None
         state = RequestState(rid, request, detok, self.stop_token_ids, self.eos_token_ids,
                              self.clock())
-        self.seqs[rid] = _Seq(state)
+        host = request.sampling.structured is not None and self.runner.host_constrained(request)
+        self._host_seen |= host
+        self.seqs[rid] = _Seq(state, host=host)
         self.waiting.append(rid)
         if stream:
             self.streaming.add(rid)
@@ -232,6 +242,10 @@ class Scheduler:
         events = self._take_aborted()
         pending, self._pending = self._pending, []
         try:
+            if pending and self._host_running():    # its next mask needs its last token
+                for item in pending:
+                    events += self._process(*item)
+                pending = []
             dispatched = self._dispatch()
             for item in pending:
                 events += self._process(*item)
@@ -246,8 +260,25 @@ class Scheduler:
         self._failed = []
         return events
 
+    def _host_running(self) -> bool:
+        return self._host_seen and any(self.seqs[r].host for r in self.slots if r is not None)
+
+    def _advance_host_rows(self) -> None:
+        """Feed each host-masked row's new tokens to its parser; a row whose
+        token its grammar rejects fails alone."""
+        for seq in self._running():
+            if seq.host and not seq.state.finished:
+                try:
+                    self.runner.advance_host_row(seq.slot, seq.state.token_ids)
+                except ValueError as e:
+                    if not self.isolate_faults:
+                        raise
+                    faults.fail_request(self, seq.state.request_id, str(e))
+
     def _dispatch(self):
         """Plan and dispatch the next step (or decode loop); None when idle."""
+        if self._host_seen:
+            self._advance_host_rows()
         running = [s for s in self._running() if not s.state.finished]
         decoding = [s for s in running if not s.prefilling]
         width = self.runner.width
@@ -266,6 +297,8 @@ class Scheduler:
         if not segments:
             return None
         self.runner.admit(admits)
+        if self._host_seen:
+            self.runner.sync_host_rows({s.slot for s in self._running() if s.host})
         num_logprobs = self._num_logprobs(rid for rid, *_ in owners)
         out = self.runner.step(segments, self.pages.tables, num_logprobs)
         return out, owners
@@ -282,7 +315,7 @@ class Scheduler:
         """Decoding steps for one dispatch: decode_chunk when nothing waits,
         nothing is prefilled, no row streams and the loop is compiled; else 1."""
         if (not decoding or self.waiting or len(decoding) != self.num_running or self.decode_chunk < 2
-                or any(s.state.request_id in self.streaming for s in decoding)):
+                or any(s.state.request_id in self.streaming or s.host for s in decoding)):
             return 1
         rows = min(1 << (len(decoding) - 1).bit_length(), self.runner.max_num_seqs)
         more = self.decode_chunk * self.runner.width
@@ -310,7 +343,9 @@ class Scheduler:
 
     def _draft_cap(self, seq: _Seq) -> int:
         spec = self.runner.speculative
-        return seq.state.draft_cap(spec.num_speculative_tokens) if spec is not None else 0
+        if spec is None or seq.host:
+            return 0
+        return seq.state.draft_cap(spec.num_speculative_tokens)
 
     @staticmethod
     def _generated_before(seq: _Seq) -> int:

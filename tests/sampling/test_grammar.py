@@ -129,7 +129,7 @@ def test_choice_literals_are_escaped(choice):
 def test_device_lookup_and_mask_equal_the_host_tables_across_a_pool():
     vocab = G.build_vocabulary(HAND, EOS)
     grammars = [G.grammar_from_index(outlines_core.Index(r, vocab), V, [EOS]) for r in REGEXES]
-    pool = G.GrammarPool()
+    pool = G.GrammarPool(V)
     offsets = [pool.add(g) for g in grammars]
     assert pool.add(grammars[0]) == offsets[0] == 0
     tables = pool.tables()
@@ -155,14 +155,14 @@ def test_a_grammar_compiled_again_from_the_same_source_reuses_its_pool_entry():
                                         source=r) for r in (REGEXES[0], REGEXES[0]))
     other = dataclasses.replace(G.grammar_from_index(outlines_core.Index(REGEXES[1], vocab), V, [EOS]),
                                 source=REGEXES[1])
-    pool = G.GrammarPool()
+    pool = G.GrammarPool(V)
     assert first is not again and pool.add(first) == pool.add(again) == 0
     assert pool.add(other) == first.num_states and pool.grammars == [first, other]
 
 
 def test_mask_logits_leaves_unconstrained_rows_and_advance_skips_them():
     g = G.grammar_from_index(outlines_core.Index("ab", G.build_vocabulary(HAND, EOS)), V, [EOS])
-    pool = G.GrammarPool()
+    pool = G.GrammarPool(V)
     pool.add(g)
     tables = pool.tables()
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, V)), jnp.float32)
@@ -192,11 +192,62 @@ def test_bad_constraints_are_value_errors_naming_the_problem():
     assert SamplingParams(structured={"regex": "a+"}).structured == StructuredOutput(regex="a+")
 
 
-def test_tables_over_the_memory_limit_are_refused_with_the_figure():
+def test_tables_over_the_memory_limit_fall_back_to_host_masks_with_the_figure():
     compiler = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size, max_table_bytes=1024)
-    with pytest.raises(ValueError, match=r"MiB of device tables \(\d+ states\), over the limit"):
-        compiler.compile(StructuredOutput(regex="[a-z]{20}"))
+    host = compiler.compile(StructuredOutput(regex="[a-z]{20}"))
+    assert isinstance(host, G.HostGrammar)
+    assert re.search(r"MiB of device tables \(\d+ states\), over the limit", host.reason), host.reason
     assert compiler.compile(StructuredOutput(choice=("a",))).nbytes <= 1024
+    assert isinstance(compiler.compile(StructuredOutput(grammar='root ::= "a" root | "b"')), G.HostGrammar)
+
+
+def _ids(words: np.ndarray, vocab: int) -> set[int]:
+    return _bits(words.view(np.uint32), vocab)
+
+
+def test_live_rows_read_the_host_parsers_masks_and_never_move():
+    """A host-masked row's device mask is its parser's next-token mask (the
+    parser advanced by hand through "((ab" of the character tokenizer), the
+    device tables stay as they were, and advance keeps the row's state."""
+    tok = ascii_tokenizer()
+    compiler = G.GrammarCompiler(tok, CONFIG.vocab_size)
+    host = compiler.compile(StructuredOutput(grammar='root ::= "(" root ")" | "ab"'))
+    device = compiler.compile(StructuredOutput(regex="ab"))
+    pool = G.GrammarPool(CONFIG.vocab_size)
+    offset = pool.add(device)
+    a, b = host.matcher(), host.matcher([VOCAB["("], VOCAB["("], VOCAB["ab"]])
+    ja, jb = pool.acquire(a), pool.acquire(b)
+    assert (ja, jb) == (0, 1)
+    tables = pool.tables()
+    assert tables.live.shape == (D.MIN_LIVE_ROWS, -(-CONFIG.vocab_size // 32))
+    state = jnp.array([D.host_state(ja), D.host_state(jb), offset + device.initial, D.UNCONSTRAINED])
+    got = [set(np.flatnonzero(m)) for m in np.asarray(D.allowed(tables, state, CONFIG.vocab_size))[:3]]
+    assert got[0] == {VOCAB["("], VOCAB["a"], VOCAB["ab"]}
+    assert got[1] == {VOCAB[")"]}
+    assert got[2] == _bits(device.mask[device.initial], CONFIG.vocab_size)
+    moved = D.advance(state, jnp.array([VOCAB["("], VOCAB[")"], VOCAB["a"], 5]), jnp.array([True] * 4),
+                      tables)
+    assert list(np.asarray(moved)) == [D.host_state(0), D.host_state(1),
+                                       offset + device.step(device.initial, VOCAB["a"]), D.UNCONSTRAINED]
+    # the parser moves on the host: after "))" only EOS is left
+    b.advance([VOCAB["("], VOCAB["("], VOCAB["ab"], VOCAB[")"], VOCAB[")"]])
+    words = np.zeros((1, tables.live.shape[1]), np.int32)
+    b.fill(words, 0)
+    assert _ids(words[0], CONFIG.vocab_size) == {0} and b.is_accepting()
+    with pytest.raises(ValueError, match="not allowed"):
+        b.advance([VOCAB["("], VOCAB["("], VOCAB["ab"], VOCAB[")"], VOCAB[")"], VOCAB["("]])
+
+
+def test_live_rows_are_reused_and_double_when_all_are_taken():
+    host = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size).compile(
+        StructuredOutput(grammar='root ::= "a"'))
+    pool = G.GrammarPool(CONFIG.vocab_size)
+    rows = [pool.acquire(host.matcher()) for _ in range(D.MIN_LIVE_ROWS)]
+    assert rows == list(range(D.MIN_LIVE_ROWS)) and pool.tables().live.shape[0] == D.MIN_LIVE_ROWS
+    pool.release(3)
+    assert pool.acquire(host.matcher()) == 3
+    assert pool.acquire(host.matcher()) == D.MIN_LIVE_ROWS
+    assert pool.tables().live.shape[0] == 2 * D.MIN_LIVE_ROWS
 
 
 def test_the_config_key_builds_a_structured_output():

@@ -197,3 +197,24 @@ def test_the_readme_example_runs_as_written(client, capsys):
     name, arguments = call.split(" ", 1)
     assert name == "get_weather" and namespace["reply"].choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(arguments), namespace["weather"]["function"]["parameters"])
+
+
+def test_guided_grammar_and_llama_server_grammar(client):
+    """A context-free grammar (vLLM's guided_grammar, llama-server's
+    grammar field): masked on the host, streamed too."""
+    gbnf = 'root ::= "(" root ")" | "ab"'
+    for field in ("guided_grammar", "grammar"):
+        r = client.completions.create(model="tiny", prompt="x", max_tokens=40, n=3, temperature=1.3,
+                                      seed=2, extra_body={field: gbnf})
+        for c in r.choices:
+            m = re.fullmatch(r"(\(*)ab(\)*)", c.text)
+            assert m and len(m.group(1)) == len(m.group(2)) and c.finish_reason == "stop", c
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True,
+        extra_body={"guided_grammar": 'start: "[" item ("," item)* "]"\nitem: "cat" | "dog" | start'})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert re.fullmatch(r"[\[\],catdog]+", text) and text.count("[") == text.count("]"), text
+    with pytest.raises(openai.BadRequestError, match="Rule 'nope' not found") as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"grammar": "root ::= nope"})
+    assert e.value.body["param"] == "grammar"

@@ -29,8 +29,9 @@ def test_the_row_runs_every_configuration_on_a_tiny_model():
     base.tokenizer.hf_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     sweep = S.StructSweep(batches=(1, 2), prompts=2, new_tokens=12, max_seq_len=256, cache_repeats=3)
     results = S.measure_structured(base, sweep, log=lambda msg: None)
-    assert [(r["batch"], r["constrained"], r["outputs"]) for r in results["runs"]] == [
-        (1, False, 2), (2, False, 2), (1, True, 2), (2, True, 2)]
+    assert [(r["batch"], r["mode"], r["outputs"]) for r in results["runs"]] == [
+        (1, "none", 2), (2, "none", 2), (1, "device", 2), (2, "device", 2), (1, "host", 2),
+        (2, "host", 2)]
     for r in results["runs"]:
         assert r["decoded_tokens"] > 0 and r["decode_s"] > 0
         if r["constrained"]:      # 12 tokens cannot close a 10-field object
@@ -42,7 +43,9 @@ def test_the_row_runs_every_configuration_on_a_tiny_model():
         grammar.num_states, grammar.tokens.size, grammar.nbytes)
     assert [t["name"] for t in results["targets"]] == [
         "B=2: constrained / unconstrained decode tokens/s", "10-field JSON schema compile, cold (s)"]
-    assert "| 2 | SCHEMA |" in S.format_structured(results)
+    assert c["host_cold_s"] > 0 and c["host_tokenizer_s"] > 0
+    report = S.format_structured(results)
+    assert "| 2 | SCHEMA |" in report and "| 2 | SCHEMA, host-masked |" in report
 
 
 def test_targets_and_report_from_hand_made_results():

@@ -4,19 +4,24 @@ and the time to compile a JSON schema.
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml --structured [--quick]
 
 Decode: the same chat prompts (asking for a JSON record of a city), greedy,
-at each batch size (1 and 16), once with no constraint and once under
-SCHEMA, a 10-field JSON schema (docs/structured.md). Decode tokens/s is
+at each batch size (1 and 16), once with no constraint, once under SCHEMA,
+a 10-field JSON schema (docs/structured.md), as device tables, and once
+under SCHEMA masked on the host (llguidance, as a context-free grammar is:
+`GrammarCompiler(max_table_bytes=0)`; its JSON grammar differs from
+outlines-core's in whitespace, so its outputs may differ). Decode tokens/s is
 `RunStats.decode_tokens_per_s` summed over the timed batches (tokens after
 each request's first, over the time from the first first token to the last
 request's end), after one warm-up batch per configuration that compiles.
 Each run ends where its requests end (EOS, or the schema's closing brace),
 so the two runs decode different token counts; tokens/s compares them. The
-two configurations are separate `LLM`s over the same weights, so the
+three configurations are separate `LLM`s over the same weights, so the
 unconstrained one never traces the grammar tables.
 
 Compile: a fresh `GrammarCompiler` over the model's tokenizer: the
 vocabulary's bytes (once per tokenizer), SCHEMA's first compile (cold) and
-its repeats (cached: the compiler's LRU, median of `cache_repeats`).
+its repeats (cached: the compiler's LRU, median of `cache_repeats`); then
+the host path's tokenizer (once per tokenizer) and SCHEMA's cold compile
+there.
 
 Peer (`--peers all` or `llamacpp`): llama.cpp's `llama-server` on the
 model's GGUF file, the same prompts and schema at batch 1, unconstrained and
@@ -97,13 +102,19 @@ def measure_compile(tokenizer, vocab_size: int, repeats: int) -> dict:
         cached.append(time.perf_counter() - s)
     if again is not grammar:
         raise RuntimeError("the grammar compile cache missed a repeated schema")
+    host = GrammarCompiler(tokenizer, vocab_size, max_table_bytes=0)
+    t3 = time.perf_counter()
+    host.host_tokenizer()
+    t4 = time.perf_counter()
+    host.compile(spec)
+    t5 = time.perf_counter()
     return {"vocabulary_s": t1 - t0, "cold_s": t2 - t1, "cached_s": statistics.median(cached),
             "states": grammar.num_states, "edges": int(grammar.tokens.size),
-            "table_bytes": grammar.nbytes}
+            "table_bytes": grammar.nbytes, "host_tokenizer_s": t4 - t3, "host_cold_s": t5 - t4}
 
 
 def run_decode(llm, texts: list[str], batch: int, new_tokens: int,
-               spec: Optional[StructuredOutput]) -> dict:
+               spec: Optional[StructuredOutput], mode: str = "device") -> dict:
     """Greedy generation of `texts`, `batch` at a time, under `spec` (or
     none), one warm-up batch first; decode tokens/s over the timed batches
     and how many constrained outputs parsed as JSON."""
@@ -120,7 +131,8 @@ def run_decode(llm, texts: list[str], batch: int, new_tokens: int,
                 parsed += isinstance(json.loads(o.text), dict)
             except ValueError:
                 pass
-    return {"batch": batch, "constrained": spec is not None, "decoded_tokens": decoded,
+    return {"batch": batch, "constrained": spec is not None,
+            "mode": mode if spec is not None else "none", "decoded_tokens": decoded,
             "decode_s": seconds, "decode_tokens_per_s": decoded / seconds if seconds else None,
             "outputs": len(texts), "stopped": stopped, "parsed_json": parsed,
             "loadavg_1m": loadavg1()}
@@ -137,13 +149,16 @@ def measure_structured(base, sweep: StructSweep, log=print,
     results["compile"] = measure_compile(base.tokenizer, base.config.vocab_size, sweep.cache_repeats)
     texts = prompts(sweep.prompts)
     results["runs"] = []
-    for spec in (None, StructuredOutput(json_schema=SCHEMA)):
+    schema = StructuredOutput(json_schema=SCHEMA)
+    for spec, mode in ((None, "none"), (schema, "device"), (schema, "host")):
         llm = LLM(base.config, base.params, base.tokenizer, max_seq_len=sweep.max_seq_len,
                   decode_chunk=base.decode_chunk, max_num_seqs=max(sweep.batches))
         llm.programs.progress = base.programs.progress
+        if mode == "host":
+            llm.grammars.max_table_bytes = 0    # before its first compile: every constraint on the host
         for batch in sweep.batches:
-            log(f"decode batch={batch} {'constrained' if spec else 'unconstrained'}")
-            results["runs"].append(run_decode(llm, texts, batch, sweep.new_tokens, spec))
+            log(f"decode batch={batch} constraint={mode}")
+            results["runs"].append(run_decode(llm, texts, batch, sweep.new_tokens, spec, mode))
     if peer is not None:
         results["peer"] = peer(texts)
     results["loadavg_end"] = loadavg()
@@ -151,9 +166,10 @@ def measure_structured(base, sweep: StructSweep, log=print,
     return results
 
 
-def _speed(runs: list, batch: int, constrained: bool) -> Optional[float]:
+def _speed(runs: list, batch: int, constrained: bool, mode: str = "device") -> Optional[float]:
     return next((r["decode_tokens_per_s"] for r in runs
-                 if (r["batch"], r["constrained"]) == (batch, constrained)), None)
+                 if (r["batch"], r["constrained"]) == (batch, constrained)
+                 and r.get("mode", "device") in (mode, "none")), None)
 
 
 def structured_targets(results: dict) -> list[dict]:
@@ -185,7 +201,9 @@ def format_structured(results: dict) -> str:
              "| B | constraint | decode tok/s | tokens | stopped | parsed JSON |",
              "|---|---|---|---|---|---|"]
     for r in results["runs"]:
-        lines.append(f"| {r['batch']} | {'SCHEMA' if r['constrained'] else 'none'} | "
+        name = {"none": "none", "device": "SCHEMA", "host": "SCHEMA, host-masked"}[r.get("mode", "device")
+                                                                          if r["constrained"] else "none"]
+        lines.append(f"| {r['batch']} | {name} | "
                      f"{fmt(r['decode_tokens_per_s'], '.1f')} | {r['decoded_tokens']} | "
                      f"{r['stopped']}/{r['outputs']} | {r['parsed_json']}/{r['outputs']} |")
     peer = results.get("peer")
@@ -202,6 +220,8 @@ def format_structured(results: dict) -> str:
     lines += ["", f"schema compile: vocabulary {fmt(c['vocabulary_s'])} s (once per tokenizer), "
                   f"cold {fmt(c['cold_s'])} s, cached {fmt(c['cached_s'] * 1e6)} us; "
                   f"{c['states']} states, {c['edges']} edges, {c['table_bytes'] / 2**20:.2f} MiB",
+              "", f"host-masked (llguidance): tokenizer {fmt(c.get('host_tokenizer_s'))} s (once per "
+                  f"tokenizer), SCHEMA cold {fmt(c.get('host_cold_s'))} s",
               "", "| target | measured | goal | result |", "|---|---|---|---|"]
     for t in results["targets"]:
         lines.append(f"| {t['name']} | {fmt(t['value'])} | {t['op']} {t['goal']:g} | {t['result']} |")

@@ -1,0 +1,113 @@
+"""Constraints masked on the host (llguidance): context-free grammars, and
+finite automata too large for the device tables. On the tiny random model
+with a character tokenizer (tests/structured_cases.py): outputs are in the
+grammar's language, greedy and sampled, with and without n-gram speculation;
+a regex or choice forced onto the host gives the same tokens as its device
+tables (same language, same masks); device-masked and unconstrained rows
+beside a host-masked one are unchanged; a bad grammar fails before any work."""
+
+import re
+
+import pytest
+
+from jaxinfer.config import SamplingParams, StructuredOutput
+from jaxinfer.sampling.grammar import HostGrammar
+from jaxinfer.serving.llm import LLM
+from jaxinfer.speculative import SpecConfig
+from structured_cases import CONFIG, ascii_tokenizer, params
+
+# Balanced parentheses around "ab" or "cat": recursive, so no finite automaton has it.
+PARENS_GBNF = 'root ::= "(" root ")" | "ab" | "cat"'
+PARENS_LARK = 'start: "(" start ")" | "ab" | "cat"'
+# A comma-separated list of small sums, e.g. "1+2,30": GBNF with repetition.
+SUMS_GBNF = 'root ::= sum ("," sum)*\nsum ::= num ("+" num)*\nnum ::= [1-9] [0-9]?'
+PROMPTS = ["the cat", "(", "x", "12", "a dog said", "{", "((", "no"]
+
+
+def _parens(text: str) -> bool:
+    m = re.fullmatch(r"(\(*)(ab|cat)(\)*)", text)
+    return m is not None and len(m.group(1)) == len(m.group(3))
+
+
+def _sums(text: str) -> bool:
+    return re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*(,[1-9][0-9]?(\+[1-9][0-9]?)*)*", text) is not None
+
+
+def _llm(**kw):
+    return LLM(CONFIG, params(), ascii_tokenizer(), **{
+        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, "min_kv_bucket": 16, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _llm()
+
+
+def _rows(spec: StructuredOutput, n: int = 8) -> list[SamplingParams]:
+    return [SamplingParams(structured=spec)] + [
+        SamplingParams(structured=spec, temperature=1.5, seed=s) for s in range(n - 1)]
+
+
+@pytest.mark.parametrize("grammar, valid", [(PARENS_GBNF, _parens), (PARENS_LARK, _parens),
+                                            (SUMS_GBNF, _sums)], ids=["gbnf", "lark", "sums"])
+def test_context_free_grammar_outputs_are_in_the_language(llm, grammar, valid):
+    spec = StructuredOutput(grammar=grammar)
+    assert isinstance(llm.grammars.compile(spec), HostGrammar)
+    outs = llm.generate(PROMPTS, _rows(spec), max_new_tokens=60)
+    for o in outs:
+        assert o.finish_reason == "stop" and o.token_ids[-1] == 0, o
+        assert valid(o.text), o.text
+    # the sampled rows are not all the same string: the mask leaves the model a choice
+    assert len({o.text for o in outs}) > 2, [o.text for o in outs]
+
+
+@pytest.mark.parametrize("spec", [StructuredOutput(regex="(cat|dog)-[0-9]{2,3}"),
+                                  StructuredOutput(choice=("red", "green", "blue", "dark red"))],
+                         ids=["regex", "choice"])
+def test_host_masks_give_the_device_tables_tokens(llm, spec):
+    host = _llm()
+    host.grammars.max_table_bytes = 0          # every automaton is over the limit: host masks
+    assert isinstance(host.grammars.compile(spec), HostGrammar)
+    assert not isinstance(llm.grammars.compile(spec), HostGrammar)
+    device_out = llm.generate(PROMPTS, _rows(spec), max_new_tokens=30)
+    host_out = host.generate(PROMPTS, _rows(spec), max_new_tokens=30)
+    assert [o.token_ids for o in host_out] == [o.token_ids for o in device_out]
+    assert all(o.finish_reason == "stop" for o in host_out)
+
+
+def test_rows_beside_a_host_masked_row_are_unchanged(llm):
+    regex = StructuredOutput(regex="(cat|dog)-[0-9]{2,3}")
+    others = [SamplingParams(), SamplingParams(temperature=1.2, seed=3),
+              SamplingParams(structured=regex), SamplingParams(structured=regex, temperature=1.5, seed=4)]
+    alone = llm.generate(PROMPTS[:4], others, max_new_tokens=24)
+    mixed = llm.generate(PROMPTS[:4] + ["("], others + [SamplingParams(
+        structured=StructuredOutput(grammar=PARENS_GBNF), temperature=1.5, seed=9)], max_new_tokens=24)
+    assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
+    assert _parens(mixed[4].text) or mixed[4].finish_reason == "length", mixed[4]
+
+
+def test_ngram_speculation_keeps_host_rows_in_the_language_and_greedy_unchanged(llm):
+    spec_llm = _llm(speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
+    spec = StructuredOutput(grammar=SUMS_GBNF)
+    plain = llm.generate(PROMPTS, _rows(spec), max_new_tokens=40)
+    outs = spec_llm.generate(PROMPTS, _rows(spec), max_new_tokens=40)
+    assert outs[0].token_ids == plain[0].token_ids
+    for o in outs:
+        assert _sums(o.text) or o.finish_reason == "length", o
+
+
+def test_a_budget_ending_inside_the_grammar_finishes_with_length(llm):
+    spec = StructuredOutput(grammar='root ::= "((((((" "ab" "))))))"')
+    [g] = llm.generate(["("], [SamplingParams(structured=spec)], max_new_tokens=3)
+    assert g.finish_reason == "length" and g.text == "(((", g
+
+
+def test_bad_grammars_fail_before_any_work(llm):
+    with pytest.raises(ValueError, match="Rule 'foo' not found"):
+        llm.generate(["x"], [SamplingParams(structured=StructuredOutput(grammar="root ::= foo"))],
+                     max_new_tokens=4)
+    with pytest.raises(ValueError, match='unknown name: "foo"'):
+        llm.generate(["x"], [SamplingParams(structured=StructuredOutput(grammar="start: foo"))],
+                     max_new_tokens=4)
+    with pytest.raises(TypeError, match="non-empty string"):
+        StructuredOutput(grammar="  ")
