@@ -44,10 +44,11 @@ from jaxinfer.serving.request import Request
 from jaxinfer.serving.warmup import WarmUp
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
-# The smallest token bucket: a decoding batch of up to this many rows runs
-# at this width (below it the step costs about the same: the weights are
-# read once either way).
-MIN_TOKEN_BUCKET = 4
+# The smallest token bucket. Every padded token costs as much as a real one
+# in the quantized matmuls (dequantizing and multiplying, not reading the
+# weights, bounds them at a few rows), so a step of one decoding row runs
+# at width 1.
+MIN_TOKEN_BUCKET = 1
 
 # Allocates the KV page pools (`ModelRunner.cache`).
 _ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-kv-pool")

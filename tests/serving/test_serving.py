@@ -82,10 +82,10 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
              for r in requests]
     served = LLM(llm.config, llm.params, max_seq_len=64, prefill_chunk_size=8, max_num_batched_tokens=32)
     sched = served.scheduler(2)
-    # the step for token buckets 4, 8, 16, 32 and one admission program (up to
-    # ADMIT_ROWS rows per call, here both slots): 5 programs, nothing run
-    assert sched.runner.token_buckets == (4, 8, 16, 32)
-    # XLA compiles those 5 and nothing else, in warm-up or serving: no eager op on the
+    # the step for token buckets 1, 2, 4, 8, 16, 32 and one admission program (up to
+    # ADMIT_ROWS rows per call, here both slots): 7 programs, nothing run
+    assert sched.runner.token_buckets == (1, 2, 4, 8, 16, 32)
+    # XLA compiles those 7 and nothing else, in warm-up or serving: no eager op on the
     # host-to-device path (jnp.asarray of a new shape compiles a small program), counted
     # from JAX's own compile events once the KV cache is allocated (its zeros compile)
     jax.block_until_ready(sched.runner.cache)
@@ -93,7 +93,7 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
     listener = lambda event, *a, **k: compiles.append(event) if "backend_compile" in event else None
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        assert sched.runner.warmup() == len(sched.runner.compile_plan()) == 5 == served.programs.num_compiles
+        assert sched.runner.warmup() == len(sched.runner.compile_plan()) == 7 == served.programs.num_compiles
         engine = EngineThread(sched).start()
         handles = [engine.submit(r) for r in requests]
         outs = [[t for e in h for t in e.token_ids] for h in handles]
@@ -101,8 +101,8 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert engine.error is None and outs == alone
-    assert served.programs.num_compiles == 5
-    assert len(compiles) == 5
+    assert served.programs.num_compiles == 7
+    assert len(compiles) == 7
 
 
 def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
@@ -116,14 +116,14 @@ def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
     served = LLM(llm.config, llm.params, max_seq_len=64, prefill_chunk_size=8, max_num_batched_tokens=32)
     sched = served.scheduler(2)
     assert sched.runner.warmup(background=True) == 3 == served.programs.num_compiles
-    assert sched.runner.ready_buckets == [4, 32]
-    assert sched.runner.step_shape(6) == (32, 2) and sched.runner.step_shape(3) == (4, 2)
+    assert sched.runner.ready_buckets == [1, 32]
+    assert sched.runner.step_shape(6) == (32, 2) and sched.runner.step_shape(1) == (1, 1)
     assert _run(sched, {0: [request]}) == [alone.token_ids]
     assert served.programs.num_compiles == 3
     sched.runner.compile_behind()
     assert sched.runner.wait_compiled(timeout_s=300)
-    assert sched.runner.ready_buckets == [4, 8, 16, 32] and served.programs.num_compiles == 5
-    assert sched.runner.step_shape(6) == (8, 2)
+    assert sched.runner.ready_buckets == [1, 2, 4, 8, 16, 32] and served.programs.num_compiles == 7
+    assert sched.runner.step_shape(6) == (8, 2) and sched.runner.step_shape(2) == (2, 2)
 
 
 def test_greedy_tokens_follow_the_reference(llm):
@@ -186,7 +186,7 @@ def test_min_tokens_and_ignore_eos(llm):
 def test_generate_compiles_a_handful_of_programs(llm):
     """generate compiles one program per shape the compile plan allows, and
     nothing for another batch whose shapes were seen: counted on a fresh LLM
-    of the fixture's model with a token budget of 64 (buckets 4..64)."""
+    of the fixture's model with a token budget of 64 (buckets 1..64)."""
     v = llm.config.vocab_size
     fresh = LLM(llm.config, llm.params, max_seq_len=64, decode_chunk=3, prefill_chunk_size=8,
                 max_num_batched_tokens=64)
@@ -199,14 +199,14 @@ def test_generate_compiles_a_handful_of_programs(llm):
                    max_new_tokens=4)
     assert fresh.programs.num_compiles == 3
     # any number of 3- or 4-prompt batches compile at most, on their 4 slots: the step
-    # for each of the 5 token buckets, admission of 1, 2 or 4 rows, and the decode loop
-    # of 1, 2 or 4 rows (decode_chunk steps): 5 + 3 + 3 = 11
+    # for each of the 7 token buckets, admission of 1, 2 or 4 rows, and the decode loop
+    # of 1, 2 or 4 rows (decode_chunk steps): 7 + 3 + 3 = 13
     rng = np.random.default_rng(0)
     for batch in range(4):
         lengths = rng.integers(1, 40, 3 + batch % 2).tolist()
         fresh.generate([_ids(n, v, 200 + 10 * batch + i) for i, n in enumerate(lengths)],
                        SEEDED, max_new_tokens=[int(m) for m in rng.integers(1, 20, len(lengths))])
-        assert fresh.programs.num_compiles <= 11
+        assert fresh.programs.num_compiles <= 13
 
 
 # --- the engine thread --------------------------------------------------------------------------
