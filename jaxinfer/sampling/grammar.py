@@ -40,7 +40,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 import outlines_core
-from outlines_core.json_schema import build_regex_from_schema
+from outlines_core.json_schema import WHITESPACE, build_regex_from_schema
 
 from jaxinfer.config.sampling import StructuredOutput
 from jaxinfer.sampling.arrays import to_device
@@ -213,9 +213,12 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
     return Grammar(int(np.searchsorted(names, initial)), final, mask, starts, toks.astype(np.int32),
                    nxts.astype(np.int32), source)
 
+
 def host_grammar_text(spec: StructuredOutput) -> str:
     """llguidance's grammar for `spec` (its `grammar_from`: a GBNF or Lark
-    grammar, a JSON schema, a regex or a choice list).
+    grammar, a regex or a choice list; a JSON schema with outlines-core's
+    whitespace rule between JSON tokens, so that it reads the same language
+    as on the device).
 
     Raises:
       ValueError: a grammar llguidance cannot convert (naming the problem).
@@ -229,6 +232,9 @@ def host_grammar_text(spec: StructuredOutput) -> str:
     else:
         kind, text = "json_schema", _ANY_OBJECT if spec.json_object else spec.json_schema
     try:
+        if kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                text, overrides={"whitespace_pattern": WHITESPACE})
         return llguidance.grammar_from(kind, text)
     except (KeyboardInterrupt, SystemExit):
         raise

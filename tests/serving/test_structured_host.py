@@ -6,6 +6,7 @@ a regex or choice forced onto the host gives the same tokens as its device
 tables (same language, same masks); device-masked and unconstrained rows
 beside a host-masked one are unchanged; a bad grammar fails before any work."""
 
+import json
 import re
 
 import pytest
@@ -111,3 +112,20 @@ def test_bad_grammars_fail_before_any_work(llm):
                      max_new_tokens=4)
     with pytest.raises(TypeError, match="non-empty string"):
         StructuredOutput(grammar="  ")
+
+
+def test_a_json_schema_masked_on_the_host_validates(llm):
+    """llguidance reads the schema (with outlines-core's whitespace rule):
+    every output finishes and validates with jsonschema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["name", "ok", "n"]}
+    host = _llm()
+    host.grammars.max_table_bytes = 0
+    spec = StructuredOutput(json_schema=schema)
+    assert isinstance(host.grammars.compile(spec), HostGrammar)
+    for o in host.generate(PROMPTS, _rows(spec), max_new_tokens=100):
+        assert o.finish_reason == "stop", o
+        jsonschema.validate(json.loads(o.text), schema)
