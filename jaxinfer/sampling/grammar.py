@@ -214,11 +214,27 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
                    nxts.astype(np.int32), source)
 
 
+def closed_objects(schema):
+    """`schema` with `"additionalProperties": false` added to every object
+    schema that lists `properties` and does not say: outlines-core reads
+    such an object as closed, the JSON Schema default (and llguidance) as
+    open. Nothing else changes; the input is not modified."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def host_grammar_text(spec: StructuredOutput) -> str:
     """llguidance's grammar for `spec` (its `grammar_from`: a GBNF or Lark
-    grammar, a regex or a choice list; a JSON schema with outlines-core's
-    whitespace rule between JSON tokens, so that it reads the same language
-    as on the device).
+    grammar, a regex or a choice list). A JSON schema is read as
+    outlines-core reads it on the device: objects that list their
+    properties are closed (`closed_objects`), with outlines-core's
+    whitespace rule between JSON tokens.
 
     Raises:
       ValueError: a grammar llguidance cannot convert (naming the problem).
@@ -234,7 +250,7 @@ def host_grammar_text(spec: StructuredOutput) -> str:
     try:
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                text, overrides={"whitespace_pattern": WHITESPACE})
+                json.dumps(closed_objects(json.loads(text))), overrides={"whitespace_pattern": WHITESPACE})
         return llguidance.grammar_from(kind, text)
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -484,4 +500,4 @@ class GrammarPool:
 
 __all__ = ["MAX_TABLE_BYTES", "CompiledConstraint", "Grammar", "GrammarCompiler", "GrammarPool",
            "HostGrammar", "HostMatcher", "build_vocabulary", "constraint_regex", "escape_literal",
-           "grammar_from_index", "host_grammar_text", "token_bytes"]
+           "closed_objects", "grammar_from_index", "host_grammar_text", "token_bytes"]

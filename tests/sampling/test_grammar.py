@@ -253,3 +253,20 @@ def test_live_rows_are_reused_and_double_when_all_are_taken():
 def test_the_config_key_builds_a_structured_output():
     cfg = GenerationConfig.load(None, ('structured={choice: [red, blue]}',))
     assert cfg.sampling.structured == StructuredOutput(choice=("red", "blue"))
+
+
+def test_closed_objects_closes_objects_that_list_properties_only():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "object", "properties": {}, "additionalProperties": True},
+        "c": {"anyOf": [{"type": "object", "properties": {"y": {}}}, {"type": "null"}]},
+        "d": {"type": "object"}},
+        "$defs": {"e": {"properties": {"z": {}}}}}
+    before = json.dumps(schema, sort_keys=True)
+    out = G.closed_objects(schema)
+    assert json.dumps(schema, sort_keys=True) == before           # the input is not modified
+    assert out["additionalProperties"] is False
+    p = out["properties"]
+    assert p["a"]["additionalProperties"] is False and p["b"]["additionalProperties"] is True
+    assert p["c"]["anyOf"][0]["additionalProperties"] is False and p["c"]["anyOf"][1] == {"type": "null"}
+    assert "additionalProperties" not in p["d"] and out["$defs"]["e"]["additionalProperties"] is False
