@@ -17,8 +17,8 @@ edges sorted by token id (CSR: starts [S + 1], tokens [E], next [E]). EOS
 ids are allowed only in final states (an edge to the same state).
 
 Where the automaton is not finite, or too large for the device, the
-constraint becomes a `HostGrammar` instead: llguidance (Moskal et al.,
-github.com/guidance-ai/llguidance) parses the output so far and gives the
+constraint becomes a `HostGrammar` instead (`host_grammar`): llguidance
+(github.com/guidance-ai/llguidance) parses the output so far and gives the
 next token's mask on the host, one step at a time. That is every
 `StructuredOutput.grammar` (a context-free grammar, GBNF or Lark), and a
 regex, choice or JSON schema whose tables would exceed `max_table_bytes`.
@@ -32,23 +32,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import threading
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Union
 
 import llguidance
-import llguidance.numpy
 import numpy as np
 import outlines_core
-from outlines_core.json_schema import WHITESPACE, build_regex_from_schema
+from outlines_core.json_schema import build_regex_from_schema
 
 from jaxinfer.config.sampling import StructuredOutput
 from jaxinfer.sampling.arrays import to_device
+from jaxinfer.sampling.host_grammar import (ANY_OBJECT, HostGrammar, HostMatcher, TokenTable,
+                                            closed_objects, host_grammar_text)
 from jaxinfer.sampling.structured import MIN_LIVE_ROWS, GrammarTables, pad_tables
 
 # Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
-_ANY_OBJECT = '{"type": "object"}'
 # Device tables one grammar may take (SmolLM2's vocabulary: 6 KiB of mask per state).
 MAX_TABLE_BYTES = 256 << 20
 
@@ -70,7 +69,7 @@ def constraint_regex(spec: StructuredOutput) -> str:
         return spec.regex
     if spec.choice is not None:
         return "(" + "|".join(escape_literal(c) for c in spec.choice) + ")"
-    schema = _ANY_OBJECT if spec.json_object else spec.json_schema
+    schema = ANY_OBJECT if spec.json_object else spec.json_schema
     try:
         return build_regex_from_schema(schema)
     except (KeyboardInterrupt, SystemExit):
@@ -214,124 +213,6 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
                    nxts.astype(np.int32), source)
 
 
-def closed_objects(schema):
-    """`schema` with `"additionalProperties": false` added to every object
-    schema that lists `properties` and does not say: outlines-core reads
-    such an object as closed, the JSON Schema default (and llguidance) as
-    open. Nothing else changes; the input is not modified."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed_objects(v) for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-def host_grammar_text(spec: StructuredOutput) -> str:
-    """llguidance's grammar for `spec` (its `grammar_from`: a GBNF or Lark
-    grammar, a regex or a choice list). A JSON schema is read as
-    outlines-core reads it on the device: objects that list their
-    properties are closed (`closed_objects`), with outlines-core's
-    whitespace rule between JSON tokens.
-
-    Raises:
-      ValueError: a grammar llguidance cannot convert (naming the problem).
-    """
-    if spec.grammar is not None:
-        kind, text = "grammar", spec.grammar
-    elif spec.regex is not None:
-        kind, text = "regex", spec.regex
-    elif spec.choice is not None:
-        kind, text = "choice", json.dumps(list(spec.choice))
-    else:
-        kind, text = "json_schema", _ANY_OBJECT if spec.json_object else spec.json_schema
-    try:
-        if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(closed_objects(json.loads(text))), overrides={"whitespace_pattern": WHITESPACE})
-        return llguidance.grammar_from(kind, text)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
-        raise ValueError(f"structured output: {e}") from None
-
-
-class _TokenTable:
-    """What `llguidance.TokenizerWrapper` reads: every id's bytes (special
-    tokens by their text, marked special), the EOS id and an encoder."""
-
-    def __init__(self, tokenizer, vocab_size: int, eos_id: int):
-        backend = tokenizer.hf_tokenizer.backend_tokenizer
-        pieces = token_bytes(tokenizer)
-        names = {i: p for p, i in backend.get_vocab(with_added_tokens=True).items()}
-        self.tokens = [pieces.get(i, names.get(i, "").encode("utf-8")) for i in range(vocab_size)]
-        self.special_token_ids = sorted(i for i in tokenizer.special_token_ids if i < vocab_size)
-        self.eos_token_id, self.bos_token_id = int(eos_id), None
-        self._backend = backend
-
-    def __call__(self, text: str) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=False).ids
-
-
-class HostMatcher:
-    """One row's parser state under a `HostGrammar` (llguidance's `LLMatcher`).
-
-    Args:
-      grammar: the compiled `HostGrammar`.
-      tokens: the row's output so far (a row resumed after preemption).
-    Raises:
-      ValueError: a token the grammar does not allow.
-    """
-
-    def __init__(self, grammar: "HostGrammar", tokens: Sequence[int] = ()):
-        self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar)
-        self.consumed = 0
-        self.advance(tokens)
-
-    def advance(self, tokens: Sequence[int]) -> None:
-        """Consume tokens[self.consumed:] (the row's whole output so far).
-
-        Raises:
-          ValueError: a token the grammar does not allow (naming it).
-        """
-        for t in tokens[self.consumed:]:
-            if not self._matcher.consume_token(int(t)):
-                raise ValueError(f"structured output: token {int(t)} is not allowed after "
-                                 f"{self.consumed} tokens ({self._matcher.get_error()})")
-            self.consumed += 1
-
-    def fill(self, words: np.ndarray, row: int) -> None:
-        """Write the next token's mask into words[row] (int32 [L, ceil(V/32)],
-        bit t % 32 of word t // 32: token t allowed)."""
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, words, row)
-
-    def is_accepting(self) -> bool:
-        return self._matcher.is_accepting()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class HostGrammar:
-    """A constraint masked on the host, one step at a time (module docstring).
-
-    Attributes:
-      grammar: llguidance's grammar text.
-      tokenizer: the `llguidance.LLTokenizer` it runs against.
-      source: what it was compiled from (`StructuredOutput` field: text).
-      reason: why it is not on the device.
-    """
-
-    grammar: str
-    tokenizer: object
-    source: str = ""
-    reason: str = ""
-
-    def matcher(self, tokens: Sequence[int] = ()) -> HostMatcher:
-        """A parser at the start, after `tokens` (ValueError: not allowed)."""
-        return HostMatcher(self, tokens)
-
-
 CompiledConstraint = Union[Grammar, HostGrammar]
 
 
@@ -380,7 +261,8 @@ class GrammarCompiler:
         """llguidance's tokenizer over the same token bytes (built once)."""
         with self._lock:
             if self._host_tokenizer is None:
-                table = _TokenTable(self.tokenizer, self.vocab_size, self.eos_ids[0])
+                table = TokenTable(self.tokenizer, token_bytes(self.tokenizer), self.vocab_size,
+                                   self.eos_ids[0])
                 self._host_tokenizer = llguidance.LLTokenizer(
                     llguidance.TokenizerWrapper(table), n_vocab=self.vocab_size,
                     eos_token=list(self.eos_ids))

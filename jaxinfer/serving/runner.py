@@ -336,13 +336,9 @@ class ModelRunner(WarmUp):
         return states
 
     def advance_host_row(self, slot: int, tokens: Sequence[int]) -> None:
-        """Feed a host-masked request's output so far (`tokens`, all of it)
-        to its parser, which consumes what it has not seen (no-op for a slot
-        without one).
-
-        Raises:
-          ValueError: a token its grammar does not allow.
-        """
+        """Feed a host-masked request's whole output so far to its parser
+        (no-op for a slot without one). Raises ValueError: a token its
+        grammar does not allow."""
         j = self.host_rows.get(slot)
         if j is not None:
             self.grammar_pool.live[j].advance(tokens)

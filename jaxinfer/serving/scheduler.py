@@ -61,8 +61,8 @@ import itertools
 import time
 from typing import Callable, Optional
 
-from jaxinfer.sampling.rows import NO_TOKEN
 from jaxinfer.serving import faults
+from jaxinfer.serving.outputs import StepOutputs
 from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import (QueueFullError, Request, RequestOutput, RequestState,
                                       check_fits)
@@ -90,7 +90,7 @@ class _Seq:
         return self.computed < len(self.ids)
 
 
-class Scheduler:
+class Scheduler(StepOutputs):
     """Admission, the token budget, chunked prefill, pages, preemption,
     abort and events for one runner.
 
@@ -463,64 +463,6 @@ class Scheduler:
         segments.append(Segment(seq.slot, chunk, sample=last))
         owners.append((seq.state.request_id, last, seq.order))
         return n
-
-    # --- outputs -------------------------------------------------------------------------
-
-    def _take_aborted(self) -> list[RequestOutput]:
-        events = []
-        for rid in self._aborted:
-            events.append(self.seqs.pop(rid).state.take_output(self.clock()))
-            self.streaming.discard(rid)
-        self._aborted = []
-        return events
-
-    def _process(self, dispatched, owners) -> list[RequestOutput]:
-        """Feed a dispatched step's tokens to their requests and emit events.
-        `owners` is ((request id, samples, admission), ...), one per segment
-        in order; `admission` is the request's `order` when the step was
-        dispatched: a request preempted since (and perhaps admitted again
-        already, recomputing these tokens) takes none of its outputs."""
-        out = self.runner.fetch(dispatched)
-        events = []
-        for row, (rid, samples, admission) in enumerate(owners):
-            seq = self.seqs.get(rid)
-            if seq is None or not samples or seq.slot is None or seq.order != admission:
-                continue            # aborted, or preempted: its outputs are recomputed
-            seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
-            try:
-                events += self._take_tokens(seq, out, row)
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                if not self.isolate_faults:
-                    raise
-                faults.fail_request(self, rid, f"processing its tokens: {faults.describe(e)}")
-        return events
-
-    def _take_tokens(self, seq: _Seq, out, row: int) -> list[RequestOutput]:
-        """Feed row `row` of a fetched output to its request; its events."""
-        state = seq.state
-        if out.drafted is not None:
-            state.record_speculation(int(out.drafted[:, row].sum()), int(out.accepted[:, row].sum()),
-                                     int((out.drafted[:, row] > 0).sum()))
-        for step in range(out.token.shape[0]):
-            for i in range(out.token.shape[2]):
-                token = int(out.token[step, row, i])
-                if token == NO_TOKEN or state.finished:
-                    continue
-                lp = None if out.logprob is None else (
-                    out.logprob[step, row, i], out.top_ids[step, row, i],
-                    out.top_logprobs[step, row, i])
-                state.add(token, lp)
-        return self._emit(seq)
-
-    def _emit(self, seq: _Seq) -> list[RequestOutput]:
-        state = seq.state
-        if state.finished:
-            self._free(seq)
-        event = state.take_output(self.clock())
-        if state.finished:
-            del self.seqs[state.request_id]
-            self.streaming.discard(state.request_id)
-        return [event] if event is not None else []
 
     @property
     def kv_pages(self):

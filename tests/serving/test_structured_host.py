@@ -131,3 +131,47 @@ def test_a_json_schema_masked_on_the_host_validates(llm):
         assert o.finish_reason == "stop", o
         jsonschema.validate(json.loads(o.text), schema)
         assert sorted(json.loads(o.text)) == ["n", "name", "ok"], o.text
+
+
+def test_a_token_its_parser_rejects_fails_that_request_alone():
+    """Serving (isolate_faults): when a host-masked row's parser refuses a
+    token, that request ends with a FailedOutput naming the error and its
+    neighbour generates what it does alone."""
+    from jaxinfer import models
+    from jaxinfer.sampling.grammar import GrammarCompiler
+    from jaxinfer.serving.faults import FailedOutput
+    from jaxinfer.serving.request import Request
+    from jaxinfer.serving.runner import ModelRunner
+    from jaxinfer.serving.scheduler import Scheduler
+
+    tok = ascii_tokenizer()
+
+    def run(fault: bool):
+        runner = ModelRunner(CONFIG, models.family("llama").prepare(params(), CONFIG), max_num_seqs=2, max_seq_len=64, page_size=4, num_pages=40,
+                             stop_token_ids=(0,), eos_token_ids=(0,), token_budget=16,
+                             grammars=GrammarCompiler(tok, CONFIG.vocab_size))
+        if fault:
+            real = runner.advance_host_row
+
+            def advance(slot, tokens):
+                if len(tokens) >= 1:
+                    raise ValueError("structured output: injected refusal")
+                real(slot, tokens)
+            runner.advance_host_row = advance
+        sched = Scheduler(runner, decode_chunk=1, stop_token_ids=(0,), eos_token_ids=(0,))
+        host = sched.add_request(Request(tuple(tok.encode("(")), SamplingParams(
+            structured=StructuredOutput(grammar=PARENS_GBNF), temperature=1.5, seed=1), max_new_tokens=30))
+        other = sched.add_request(Request(tuple(tok.encode("the cat")), SamplingParams(temperature=1.2, seed=2),
+                                          max_new_tokens=12))
+        events = []
+        while sched.has_unfinished():
+            events += sched.step()
+        last = {e.request_id: e for e in events}
+        tokens = [t for e in events if e.request_id == other for t in e.token_ids]
+        return last[host], last[other], tokens, sched
+
+    failed, _, with_fault, sched = run(True)
+    _, ok, alone, _ = run(False)
+    assert isinstance(failed, FailedOutput) and "injected refusal" in failed.error, failed
+    assert ok.finished and not isinstance(ok, FailedOutput) and with_fault == alone
+    assert all(s is None for s in sched.slots)
