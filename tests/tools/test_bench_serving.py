@@ -210,7 +210,11 @@ def test_llama_cpp_flags_follow_the_cpu_and_a_build_for_other_flags_is_not_used(
                     "-DCMAKE_BUILD_TYPE=Release")
     avx512 = serve_peers.llama_cmake_flags({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni"})
     assert "-DGGML_AVX512=ON" in avx512 and "-DGGML_AVX512_VNNI=ON" in avx512
-    assert "-DGGML_AVX512_BF16=OFF" in avx512
+    assert "-DGGML_AVX512_BF16=OFF" in avx512 and "-DGGML_AVX512_VBMI=OFF" in avx512
+    # /proc/cpuinfo's spellings: avx512vbmi (no underscore), avx512_vnni, avx512_bf16
+    full = serve_peers.llama_cmake_flags({"avx", "avx2", "fma", "f16c", "avx512f", "avx512vbmi",
+                                          "avx512_vnni", "avx512_bf16"})
+    assert all(f"-DGGML_{n}=ON" in full for n in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"))
     # a binary whose recorded build used other flags (the cache shared with another CPU)
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
     other = avx512 if serve_peers.llama_cmake_flags() != avx512 else avx2

