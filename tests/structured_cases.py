@@ -34,3 +34,12 @@ def ascii_tokenizer() -> Tokenizer:
 
 def params(seed: int = 0):
     return random_params(CONFIG, seed)
+
+
+def tiny_llm(**kw):
+    """An `LLM` of the random model and the character tokenizer (small
+    buckets and slots; `kw` overrides)."""
+    from jaxinfer.serving.llm import LLM
+
+    return LLM(CONFIG, params(), ascii_tokenizer(), **{
+        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, "min_kv_bucket": 16, **kw})

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import SamplingParams, StructuredOutput
-from jaxinfer.serving.llm import LLM
 from jaxinfer.speculative import SpecConfig
-from structured_cases import CONFIG, ascii_tokenizer, params
+from structured_cases import CONFIG, params, tiny_llm
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -41,14 +40,9 @@ def _valid(spec: StructuredOutput, text: str) -> bool:
         return False
 
 
-def _llm(**kw):
-    return LLM(CONFIG, params(), ascii_tokenizer(), **{
-        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, "min_kv_bucket": 16, **kw})
-
-
 @pytest.fixture(scope="module")
 def llm():
-    return _llm()
+    return tiny_llm()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=["json_schema", "regex", "choice"])
@@ -134,7 +128,7 @@ def _check_speculation(llm, spec_llm, spec, max_new_tokens):
 def test_ngram_speculation_keeps_outputs_in_the_language_and_greedy_unchanged(llm):
     """Drafts are verified against the masked distribution: a draft outside
     the language has probability 0 there and is rejected at its position."""
-    spec_llm = _llm(speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
+    spec_llm = tiny_llm(speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
     _check_speculation(llm, spec_llm, SPECS[0], max_new_tokens=80)
 
 
@@ -156,8 +150,8 @@ def test_preempted_constrained_rows_resume_in_their_state():
     requests = [Request(ids(n, 90, 40 + n), SamplingParams(structured=spec, temperature=1.0,
                                                            seed=n), max_new_tokens=40)
                 for n in (9, 14, 6, 11)]
-    big = _llm(page_size=4)
-    small = _llm(page_size=4, num_pages=14)
+    big = tiny_llm(page_size=4)
+    small = tiny_llm(page_size=4, num_pages=14)
     small.programs = big.programs
     want = run(big.scheduler(4), requests, arrive=[0, 0, 1, 2])
     sched = small.scheduler(4)
@@ -176,7 +170,7 @@ def test_draft_model_speculation_keeps_outputs_in_the_language(llm):
     from jaxinfer.weights.prepare import prepare_params
 
     draft = DraftModel(CONFIG, prepare_params(params(seed=1), CONFIG), "random")
-    spec_llm = _llm(speculative=SpecConfig("draft", 3, draft=draft))
+    spec_llm = tiny_llm(speculative=SpecConfig("draft", 3, draft=draft))
     _check_speculation(llm, spec_llm, SPECS[1], max_new_tokens=40)
 
 
@@ -187,7 +181,7 @@ def test_a_thousand_seeded_samples_validate_against_the_schema(speculative):
     """1,000 sampled rows (seeds 0..999, temperature 1) under SCHEMA: every
     output ends with EOS and validates with `jsonschema`, with and without
     n-gram speculation."""
-    spec_llm = _llm(max_num_seqs=64, speculative=speculative)
+    spec_llm = tiny_llm(max_num_seqs=64, speculative=speculative)
     n = 1000
     outs = spec_llm.generate([PROMPTS[i % 4] for i in range(n)],
                              [SamplingParams(structured=SPECS[0], temperature=1.0, seed=s)

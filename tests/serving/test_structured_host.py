@@ -13,9 +13,8 @@ import pytest
 
 from jaxinfer.config import SamplingParams, StructuredOutput
 from jaxinfer.sampling.grammar import HostGrammar
-from jaxinfer.serving.llm import LLM
 from jaxinfer.speculative import SpecConfig
-from structured_cases import CONFIG, ascii_tokenizer, params
+from structured_cases import CONFIG, ascii_tokenizer, params, tiny_llm
 
 # Balanced parentheses around "ab" or "cat": recursive, so no finite automaton has it.
 PARENS_GBNF = 'root ::= "(" root ")" | "ab" | "cat"'
@@ -34,14 +33,9 @@ def _sums(text: str) -> bool:
     return re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)*(,[1-9][0-9]?(\+[1-9][0-9]?)*)*", text) is not None
 
 
-def _llm(**kw):
-    return LLM(CONFIG, params(), ascii_tokenizer(), **{
-        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, "min_kv_bucket": 16, **kw})
-
-
 @pytest.fixture(scope="module")
 def llm():
-    return _llm()
+    return tiny_llm()
 
 
 def _rows(spec: StructuredOutput, n: int = 8) -> list[SamplingParams]:
@@ -66,7 +60,7 @@ def test_context_free_grammar_outputs_are_in_the_language(llm, grammar, valid):
                                   StructuredOutput(choice=("red", "green", "blue", "dark red"))],
                          ids=["regex", "choice"])
 def test_host_masks_give_the_device_tables_tokens(llm, spec):
-    host = _llm()
+    host = tiny_llm()
     host.grammars.max_table_bytes = 0          # every automaton is over the limit: host masks
     assert isinstance(host.grammars.compile(spec), HostGrammar)
     assert not isinstance(llm.grammars.compile(spec), HostGrammar)
@@ -88,7 +82,7 @@ def test_rows_beside_a_host_masked_row_are_unchanged(llm):
 
 
 def test_ngram_speculation_keeps_host_rows_in_the_language_and_greedy_unchanged(llm):
-    spec_llm = _llm(speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
+    spec_llm = tiny_llm(speculative=SpecConfig(method="ngram", num_speculative_tokens=3))
     spec = StructuredOutput(grammar=SUMS_GBNF)
     plain = llm.generate(PROMPTS, _rows(spec), max_new_tokens=40)
     outs = spec_llm.generate(PROMPTS, _rows(spec), max_new_tokens=40)
@@ -123,7 +117,7 @@ def test_a_json_schema_masked_on_the_host_validates(llm):
               "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
                              "n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["name", "ok", "n"]}
-    host = _llm()
+    host = tiny_llm()
     host.grammars.max_table_bytes = 0
     spec = StructuredOutput(json_schema=schema)
     assert isinstance(host.grammars.compile(spec), HostGrammar)
