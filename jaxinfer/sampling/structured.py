@@ -82,8 +82,8 @@ def allowed(tables: GrammarTables, state: jax.Array, vocab_size: int) -> jax.Arr
     """bool [B, V]: the tokens each row's state allows: mask[state] for a
     device state, live[-2 - state] for a host-masked row (-1: read as state 0)."""
     host = state <= host_state(0)
-    words = jnp.where(host[:, None], tables.live[jnp.clip(host_state(0) - state, 0, tables.live.shape[0] - 1)],
-                      tables.mask[jnp.maximum(state, 0)])           # [B, W]
+    live = tables.live[jnp.clip(host_state(0) - state, 0, tables.live.shape[0] - 1)]
+    words = jnp.where(host[:, None], live, tables.mask[jnp.maximum(state, 0)])   # [B, W]
     bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
 

@@ -36,8 +36,8 @@ from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
 from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool, HostGrammar
-from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
+from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
