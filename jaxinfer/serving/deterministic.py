@@ -7,7 +7,8 @@ What makes it hold, on one machine with one build:
 - every projection and the LM head run on the packed C++ matmul
   (`kernels.packed`), whose sum over K for an output element is one fixed
   loop whatever the number of rows; bfloat16 panels (`weights: bfloat16`)
-  likewise from 2 rows on, and a serving step has at least 2 token slots;
+  likewise from 2 rows on, and in this mode a serving step has at least 2
+  token slots (`runner.DETERMINISTIC_MIN_TOKEN_BUCKET`);
 - attention runs on the ragged paged kernel (`kernels.ragged`), which
   reduces each query over its own keys in blocks aligned to absolute
   positions, so a prompt run whole, in chunks or over cached pages gives

@@ -44,11 +44,12 @@ from jaxinfer.serving.request import Request
 from jaxinfer.serving.warmup import WarmUp
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
-# The smallest token bucket. Every padded token costs as much as a real one
-# in the quantized matmuls (dequantizing and multiplying, not reading the
-# weights, bounds them at a few rows), so a step of one decoding row runs
-# at width 1.
+# The smallest token bucket. A padded token costs as much as a real one in
+# the quantized matmuls (dequantizing and multiplying bound them at a few
+# rows), so one decoding row runs at width 1; the deterministic mode keeps 2
+# (the packed bfloat16 matmul sums in one order only from 2 rows on).
 MIN_TOKEN_BUCKET = 1
+DETERMINISTIC_MIN_TOKEN_BUCKET = 2
 
 # Allocates the KV page pools (`ModelRunner.cache`).
 _ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-kv-pool")
@@ -206,7 +207,8 @@ class ModelRunner(WarmUp):
         self.spec = self._spec(speculative)
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
         self.width = 1 + (self.spec.k if self.spec else 0)
-        self.token_buckets = power_of_two_buckets(min(MIN_TOKEN_BUCKET, token_budget), token_budget)
+        smallest = DETERMINISTIC_MIN_TOKEN_BUCKET if config.deterministic else MIN_TOKEN_BUCKET
+        self.token_buckets = power_of_two_buckets(min(smallest, token_budget), token_budget)
         self.sliding_window_ring = bool(sliding_window_ring)
         self._dtypes = (cache_dtype, kv_cache_dtype)
         # The pool is zero-filled on a thread (about a second of CPU per GiB, outside
