@@ -10,7 +10,9 @@ up to k drafted tokens under speculative decoding: a block verified with a
 causal mask inside it), a prompt contributes a chunk. Everything runs in one
 forward with per-token positions (`cache.lengths[slot] + i`), and the rows
 that finish their prompt or decode are sampled in the same program, from
-the logits of their segment's last W positions only (W = 1 + k).
+the logits of their segment's last W positions only (W = 1 + k). The
+matmuls skip the bucket's padding (`weights.matmul.computed_rows`): a step
+costs about what its real tokens cost, whatever its bucket.
 
 Device state: the paged KV cache (`cache.paged.PagedKVCache`: pools and
 per-slot lengths) and the per-slot `RowState` (last token, done, budgets,
@@ -37,6 +39,7 @@ from jaxinfer.engine.ragged import AttentionBackend, Segments
 from jaxinfer.sampling.rows import NO_TOKEN, RowState, StepOutput, StopTokens, accept_drafts, sample_step
 from jaxinfer.speculative import DraftConfig, NgramConfig, ngram_propose
 from jaxinfer.engine.draft import propose, settle
+from jaxinfer.weights.matmul import computed_rows
 
 
 @struct.dataclass
@@ -188,9 +191,15 @@ def _step(params, cache: PagedKVCache, rows: RowState, batch: StepBatch, stop: S
     count = jnp.where(live, jnp.where(batch.seg_decode, 1 + num, batch.seg_len), 0)
     seg, tokens = place(cache.lengths, slot, batch.seg_start, count, batch.token_seg,
                         _block_ids(seg_rows, batch, drafts))
-    h, cache = paged_forward(params, cache, tokens, seg, batch.block_tables, config, backend)
+    # The host packs used segments first, in order: tokens and logit rows past the last live
+    # segment are padding, or rows already done, whose results are dropped below.
+    r = jnp.arange(1, slot.shape[0] + 1, dtype=jnp.int32)
+    with computed_rows(jnp.max(jnp.where(live, batch.seg_start + batch.seg_len, 0))):
+        h, cache = paged_forward(params, cache, tokens, seg, batch.block_tables, config, backend)
     width = 1 + (spec.k if spec is not None else 0)
-    logits = models.family(config.arch).unembed(params, _logit_rows(h, seg, batch, width), config)
+    with computed_rows(width * jnp.max(jnp.where(live, r, 0))):
+        logits = models.family(config.arch).unembed(params, _logit_rows(h, seg, batch, width),
+                                                    config)
     sampled, out = _sample(logits, seg_rows, batch, drafts, num, probs, stop, num_logprobs)
     use = live & batch.seg_sample
     rows = _scatter(rows, seg.slot, sampled, use)

@@ -272,6 +272,12 @@ def check_operands(fn: str, expected: dict) -> None:
                              f"expected {jnp.dtype(dtype)}{list(shape)}")
 
 
+def row_count(rows, m: int) -> jax.Array:
+    """The int32 scalar `rows` operand of the matmul kernels: `rows` (an
+    int32 scalar, traced or not), or all m rows when None."""
+    return jnp.asarray(m if rows is None else rows, jnp.int32).reshape(())
+
+
 def _require_enabled():
     if not enabled():
         raise RuntimeError("jaxinfer CPU kernels are not enabled (see cpu_kernels.enabled)")

@@ -1244,20 +1244,34 @@ using Matrix2 = ffi::Buffer<ffi::F32, 2>;
 using Panels3 = ffi::Buffer<ffi::F32, 3>;
 using Bf16Panels3 = ffi::Buffer<ffi::BF16, 3>;
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, ffi::Result<Matrix2> out) {
+// The rows operand of the packed matmuls: x's first `rows` rows (clamped to [0, M]) are
+// computed, the other rows of out are zeros (a serving step's padding).
+using Rows = ffi::BufferR0<ffi::S32>;
+
+inline int64_t computed_rows(Rows& rows, float* out, int64_t M, int64_t O) {
+  const int64_t n = std::clamp<int64_t>(rows.typed_data()[0], 0, M);
+  std::fill(out + n * O, out + M * O, 0.0f);
+  return n;
+}
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, Rows rows,
+                        ffi::Result<Matrix2> out) {
   const auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
   const int64_t M = xd[0], I = xd[1], P = pd[0], O = od[1];
   if (pd[1] != I || pd[2] != kPanel || od[0] != M || O > P * kPanel || O <= (P - 1) * kPanel)
     return ffi::Error::InvalidArgument(
         "packed_matmul: expected x [M,I], packed [ceil(O/panel),I,panel], out [M,O]");
-  packed_matmul<F32Panel>(pool, x.typed_data(), packed.typed_data(), out->typed_data(), M, I, O, P, I);
+  const int64_t n = computed_rows(rows, out->typed_data(), M, O);
+  if (n > 0)
+    packed_matmul<F32Panel>(pool, x.typed_data(), packed.typed_data(), out->typed_data(), n, I, O,
+                            P, I);
   return ffi::Error::Success();
 }
 
 // bfloat16 panels [P, ceil(I/2), 2 * kPanel]: element (p, i, 2c + e) = W[2i + e, p*kPanel + c].
 // dot = 1 uses VDPBF16PS (x rounded to bfloat16), dot = 0 widens W to float32 (x as is).
-ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, Matrix2 x, Bf16Panels3 packed, int32_t dot,
-                            ffi::Result<Matrix2> out) {
+ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, Matrix2 x, Bf16Panels3 packed, Rows rows,
+                            int32_t dot, ffi::Result<Matrix2> out) {
   const auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
   const int64_t M = xd[0], I = xd[1], P = pd[0], O = od[1];
   if (pd[1] != (I + 1) / 2 || pd[2] != 2 * kPanel || od[0] != M || O > P * kPanel ||
@@ -1268,13 +1282,17 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, Matrix2 x, Bf16Panels3 packed,
   const auto* w = reinterpret_cast<const uint32_t*>(packed.untyped_data());
   if (dot) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    bf16_dot_matmul(pool, x.typed_data(), w, out->typed_data(), M, I, O, P);
+    const int64_t n = computed_rows(rows, out->typed_data(), M, O);
+    if (n > 0) bf16_dot_matmul(pool, x.typed_data(), w, out->typed_data(), n, I, O, P);
     return ffi::Error::Success();
 #else
     return ffi::Error::InvalidArgument("packed_matmul: this build has no AVX512-BF16 dot product");
 #endif
   }
-  packed_matmul<Bf16WidenPanel>(pool, x.typed_data(), w, out->typed_data(), M, I, O, P, (I + 1) / 2);
+  const int64_t n = computed_rows(rows, out->typed_data(), M, O);
+  if (n > 0)
+    packed_matmul<Bf16WidenPanel>(pool, x.typed_data(), w, out->typed_data(), n, I, O, P,
+                                  (I + 1) / 2);
   return ffi::Error::Success();
 }
 
@@ -1480,6 +1498,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix2>()
                                   .Arg<Panels3>()
+                                  .Arg<Rows>()
                                   .Ret<Matrix2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
@@ -1487,6 +1506,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix2>()
                                   .Arg<Bf16Panels3>()
+                                  .Arg<Rows>()
                                   .Attr<int32_t>("dot")
                                   .Ret<Matrix2>());
 

@@ -5,12 +5,14 @@ shapes (benchmarks/README.md has the measurements)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxinfer.kernels.cpu import _require_enabled, bf16_dot, panel_width
+from jaxinfer.kernels.cpu import _require_enabled, bf16_dot, panel_width, row_count
 
 # Version of the PackedWeight layout `pack_weight` writes; part of the load
 # cache's key (jaxinfer/checkpoint/prepared.py, with the build's panel width): bump it
@@ -67,9 +69,13 @@ def pack_weight(w: jax.Array) -> PackedWeight:
     return PackedWeight(panels.reshape(p, pairs, 2 * width), cols)
 
 
-def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
+def packed_matmul(x: jax.Array, w: PackedWeight, rows: Optional[jax.Array] = None) -> jax.Array:
     """x @ W for x [..., I] (any float dtype, read as float32) and a packed
     W [I, O] -> float32 [..., O], accumulated in float32.
+
+    rows: None, or an int32 scalar n: only the first n rows of x flattened
+    to [M, I] are computed (n clamped to [0, M]), the others are zeros; a
+    computed row is bitwise what the call without `rows` gives.
 
     float32 panels: float32 products. bfloat16 panels: VDPBF16PS products of
     x rounded to bfloat16 where `bf16_dot()`, else W widened to float32 and
@@ -79,19 +85,20 @@ def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
       ValueError: x's last axis is not I (at trace time).
       RuntimeError: the kernels are not `enabled()`.
     """
-    rows, n = w.shape
+    size_in, n = w.shape
     k = x.shape[-1]
     bf16 = w.dtype == jnp.bfloat16
-    if not jnp.issubdtype(x.dtype, jnp.floating) or not (k == rows or (bf16 and k == rows - 1)):
-        raise ValueError(f"packed_matmul: x is {x.dtype}{list(x.shape)}, expected float[..., {rows}]")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not (k == size_in or (bf16 and k == size_in - 1)):
+        raise ValueError(f"packed_matmul: x is {x.dtype}{list(x.shape)}, expected float[..., {size_in}]")
     _require_enabled()
     flat = x.reshape(-1, k).astype(jnp.float32)
+    count = row_count(rows, flat.shape[0])
     result = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
     if bf16:
         out = jax.ffi.ffi_call("jaxinfer_packed_matmul_bf16", result)(
-            flat, w.panels, dot=np.int32(bf16_dot()))
+            flat, w.panels, count, dot=np.int32(bf16_dot()))
     else:
-        out = jax.ffi.ffi_call("jaxinfer_packed_matmul", result)(flat, w.panels)
+        out = jax.ffi.ffi_call("jaxinfer_packed_matmul", result)(flat, w.panels, count)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,13 @@ def _require_enabled():
         raise RuntimeError("jaxinfer CPU kernels are not enabled (see cpu_kernels.enabled)")
 
 
-def quant_matmul(x: jax.Array, w) -> jax.Array:
+def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array:
     """x @ W for x float32 [..., K] and a `quant.QuantizedWeight` W [K, N] -> float32 [..., N].
+
+    rows: None, or an int32 scalar n: only the first n rows of x flattened
+    to [M, K] are computed (n clamped to [0, M]), the others are zeros. A
+    computed row equals the call without `rows` up to float32 summation
+    order (a lone row in the last register block keeps two partial sums).
 
     Raises:
       ValueError: x is not float32 or its last axis is not K (at trace time).
@@ -60,16 +66,17 @@ def quant_matmul(x: jax.Array, w) -> jax.Array:
     if x.dtype != jnp.float32 or x.shape[-1] != k:
         raise ValueError(f"quant_matmul: x is {x.dtype}{list(x.shape)}, expected float32[..., {k}]")
     _require_enabled()
-    rows = x.reshape(-1, k)
-    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    flat = x.reshape(-1, k)
+    count = cpu_kernels.row_count(rows, flat.shape[0])
+    out = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
     if w.format == "q4":
-        y = jax.ffi.ffi_call("jaxinfer_q4_matmul", out)(rows, w.codes, w.scale, w.min)
+        y = jax.ffi.ffi_call("jaxinfer_q4_matmul", out)(flat, w.codes, w.scale, w.min, count)
     elif w.format == "int8" and w.min is None:
-        y = jax.ffi.ffi_call("jaxinfer_int8_matmul", out)(rows, w.codes, w.scale)
+        y = jax.ffi.ffi_call("jaxinfer_int8_matmul", out)(flat, w.codes, w.scale, count)
     elif w.format == "int8":
-        y = jax.ffi.ffi_call("jaxinfer_int8_min_matmul", out)(rows, w.codes, w.scale, w.min)
+        y = jax.ffi.ffi_call("jaxinfer_int8_min_matmul", out)(flat, w.codes, w.scale, w.min, count)
     else:
-        y = jax.ffi.ffi_call("jaxinfer_bf16_matmul", out)(rows, w.codes)
+        y = jax.ffi.ffi_call("jaxinfer_bf16_matmul", out)(flat, w.codes, count)
     return y.reshape(*x.shape[:-1], n)
 
 

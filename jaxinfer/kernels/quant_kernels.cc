@@ -28,7 +28,9 @@
 // kTileBlockRows x 48 register blocks over it (8 rows with AVX-512, 2 with AVX2):
 // converting codes once per 4 rows made B = 32 and prefill 2-4x slower than float32.
 // Panels stream sequentially and all row blocks of a panel run back to back (as in
-// cpu_kernels.cc).
+// cpu_kernels.cc). Every matmul takes a last operand `rows` (int32 scalar): only x's first
+// `rows` rows are computed and the others' outputs are zeros (a serving step's padding);
+// which of the two paths runs still depends on M alone.
 //
 // --- int8 decode attention ---
 //   q       f32  [B, K, G, H]  grouped, pre-scaled queries (query head k*G + g reads kv head k)
@@ -354,8 +356,10 @@ void quant_panel_rows(int64_t rows, const PanelArgs<Scale>& a, const typename Fm
   quant_panel_block<Fmt, Scale, R>(a, codes);
 }
 
+// M rows of x, of which the first `rows` are computed (the rest of out is zeros), K inputs,
+// N outputs in P panels, nb blocks along K.
 struct MatmulShape {
-  int64_t M, K, N, P, nb;
+  int64_t M, K, N, P, nb, rows;
 };
 
 // tile[k, :] = W[k, panel columns] in float32 for every k: one panel's weights, K x 48.
@@ -393,18 +397,23 @@ template <class Fmt, typename Scale>
 void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
                   const typename Fmt::Code* codes, const Scale* scale, const Scale* min, float* out) {
   const int64_t bs = d.K / d.nb;
+  // Only the first d.rows rows are computed; the choice between the two paths below stays
+  // with d.M (a lone row in the last register block still sums in its own order).
+  const int64_t M = d.rows;
+  std::fill(out + M * d.N, out + d.M * d.N, 0.0f);
+  if (M == 0) return;
   std::vector<float> xsum;
   if (min != nullptr && d.M < kTileRows) {  // per-block row sums of x, for the min term
-    xsum.assign(d.M * d.nb, 0.0f);
-    for (int64_t m = 0; m < d.M; ++m)
+    xsum.assign(M * d.nb, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < d.K; ++k) xsum[m * d.nb + k / bs] += x[m * d.K + k];
   }
   const float* xs = xsum.empty() ? nullptr : xsum.data();
   const int64_t panel_codes = d.K * kPanel / (Fmt::kStep == 2 ? 2 : 1);
-  const int64_t row_units = (d.M + kRowsPerUnit - 1) / kRowsPerUnit;
+  const int64_t row_units = (M + kRowsPerUnit - 1) / kRowsPerUnit;
   const auto unit = [=](int64_t u) {
     const int64_t p = u / row_units, m0 = (u % row_units) * kRowsPerUnit;
-    const int64_t m1 = std::min(d.M, m0 + kRowsPerUnit);
+    const int64_t m1 = std::min(M, m0 + kRowsPerUnit);
     const int64_t cols = std::min<int64_t>(kPanel, d.N - p * kPanel);
     const Scale* ps = scale ? scale + p * d.nb * kPanel : nullptr;
     const Scale* pm = min ? min + p * d.nb * kPanel : nullptr;
@@ -441,14 +450,20 @@ using Matrix2 = ffi::Buffer<ffi::F32, 2>;
 using Int8Panels = ffi::Buffer<ffi::S8, 3>;
 using Q4Panels = ffi::Buffer<ffi::U8, 3>;
 using Bf16Panels = ffi::Buffer<ffi::BF16, 3>;
+// The rows operand: how many leading rows of x to compute (clamped to [0, M]).
+using Rows = ffi::BufferR0<ffi::S32>;
+
+inline int64_t valid_rows(Rows& rows, int64_t M) {
+  return std::clamp<int64_t>(rows.typed_data()[0], 0, M);
+}
 
 // Checks x [M, K], codes [P, K / step, 48], scale/min [P, nb, 48] (nb dividing K into blocks
 // of an even number of rows when step is 2) and out [M, N] with (P - 1) * 48 < N <= P * 48.
 ffi::Error check_matmul(const char* name, Matrix2& x, ffi::Span<const int64_t> cd, int step,
-                        const ffi::AnyBuffer* scale, const ffi::AnyBuffer* min,
+                        const ffi::AnyBuffer* scale, const ffi::AnyBuffer* min, Rows& rows,
                         ffi::Result<Matrix2>& out, MatmulShape& d) {
   const auto xd = x.dimensions(), od = out->dimensions();
-  d = MatmulShape{xd[0], xd[1], od[1], cd[0], 1};
+  d = MatmulShape{xd[0], xd[1], od[1], cd[0], 1, valid_rows(rows, xd[0])};
   bool ok = cd.size() == 3 && cd[1] * step == d.K && cd[2] == kPanel && od[0] == d.M &&
             d.N <= d.P * kPanel && d.N > (d.P - 1) * kPanel;
   if (ok && scale != nullptr) {
@@ -484,9 +499,10 @@ void dispatch_scale(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes,
-                      ffi::AnyBuffer scale, ffi::Result<Matrix2> out) {
+                      ffi::AnyBuffer scale, Rows rows, ffi::Result<Matrix2> out) {
   MatmulShape d;
-  if (auto err = check_matmul("int8_matmul", x, codes.dimensions(), 1, &scale, nullptr, out, d);
+  if (auto err = check_matmul("int8_matmul", x, codes.dimensions(), 1, &scale, nullptr, rows,
+                              out, d);
       !err.success())
     return err;
   dispatch_scale<Int8Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, nullptr,
@@ -495,9 +511,10 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes,
 }
 
 ffi::Error Int8MinMatmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes, ffi::AnyBuffer scale,
-                         ffi::AnyBuffer min, ffi::Result<Matrix2> out) {
+                         ffi::AnyBuffer min, Rows rows, ffi::Result<Matrix2> out) {
   MatmulShape d;
-  if (auto err = check_matmul("int8_min_matmul", x, codes.dimensions(), 1, &scale, &min, out, d);
+  if (auto err = check_matmul("int8_min_matmul", x, codes.dimensions(), 1, &scale, &min, rows,
+                              out, d);
       !err.success())
     return err;
   dispatch_scale<Int8Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
@@ -506,9 +523,11 @@ ffi::Error Int8MinMatmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes, ffi:
 }
 
 ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes,
-                    ffi::AnyBuffer scale, ffi::AnyBuffer min, ffi::Result<Matrix2> out) {
+                    ffi::AnyBuffer scale, ffi::AnyBuffer min, Rows rows,
+                    ffi::Result<Matrix2> out) {
   MatmulShape d;
-  if (auto err = check_matmul("q4_matmul", x, codes.dimensions(), 2, &scale, &min, out, d);
+  if (auto err = check_matmul("q4_matmul", x, codes.dimensions(), 2, &scale, &min, rows, out,
+                              d);
       !err.success())
     return err;
   dispatch_scale<Q4Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
@@ -516,10 +535,11 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes,
   return ffi::Error::Success();
 }
 
-ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes,
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes, Rows rows,
                       ffi::Result<Matrix2> out) {
   MatmulShape d;
-  if (auto err = check_matmul("bf16_matmul", x, codes.dimensions(), 1, nullptr, nullptr, out, d);
+  if (auto err = check_matmul("bf16_matmul", x, codes.dimensions(), 1, nullptr, nullptr, rows,
+                              out, d);
       !err.success())
     return err;
   quant_matmul<Bf16Codes, float>(pool, d, x.typed_data(),
@@ -726,6 +746,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
                                   .Arg<Matrix2>()
                                   .Arg<Int8Panels>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<Rows>()
                                   .Ret<Matrix2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MinMatmul, Int8MinMatmul,
@@ -735,6 +756,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MinMatmul, Int8MinMatmul,
                                   .Arg<Int8Panels>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<Rows>()
                                   .Ret<Matrix2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
@@ -744,6 +766,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
                                   .Arg<Q4Panels>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<Rows>()
                                   .Ret<Matrix2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
@@ -751,6 +774,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix2>()
                                   .Arg<Bf16Panels>()
+                                  .Arg<Rows>()
                                   .Ret<Matrix2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttentionInt8, DecodeAttentionInt8,

@@ -1,7 +1,15 @@
 """The one matmul dispatch: plain arrays through XLA, packed panels
-through the CPU kernel, quantized codes through the quantized kernels."""
+through the CPU kernel, quantized codes through the quantized kernels.
+
+`computed_rows(n)` (a trace-time context) tells the kernels how many
+leading rows of x are real: a serving step pads its tokens to a bucket,
+and the kernels then skip the padding instead of multiplying it."""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +17,26 @@ import jax.numpy as jnp
 from jaxinfer.kernels.packed import PackedWeight, packed_matmul
 from jaxinfer.weights import quant
 from jaxinfer.weights.quant import QuantizedWeight
+
+
+_ROWS: contextvars.ContextVar[Optional[jax.Array]] = contextvars.ContextVar("computed_rows",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def computed_rows(n: jax.Array) -> Iterator[None]:
+    """While tracing inside, `matmul` through the CPU kernels computes only
+    the first `n` rows of x flattened to [M, I] (n an int32 scalar, traced or
+    not, clamped to [0, M]); the other rows of the result are zeros. XLA's
+    dot (plain weights) computes every row. Callers read only the first `n`
+    rows either way. A computed row is bitwise the same with the packed
+    kernels, and the same up to float32 summation order with the quantized
+    ones (`kernels.quant.quant_matmul`)."""
+    token = _ROWS.set(jnp.asarray(n, jnp.int32))
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
@@ -20,9 +48,10 @@ def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
     A `PackedWeight` (float32 or bfloat16 panels on CPU, see
     `weights.prepare.prepare_params`) goes through `kernels.packed.packed_matmul`, a
     `QuantizedWeight` (int8, 4-bit or bfloat16 codes) through `quant.matmul`;
-    both accumulate in float32."""
+    both accumulate in float32. Inside `computed_rows(n)` the kernels
+    compute only the first n rows of x (flattened to [M, I])."""
     if isinstance(w, PackedWeight):
-        return packed_matmul(x, w).astype(preferred_element_type or x.dtype)
+        return packed_matmul(x, w, rows=_ROWS.get()).astype(preferred_element_type or x.dtype)
     if isinstance(w, QuantizedWeight):
-        return quant.matmul(x, w).astype(preferred_element_type or x.dtype)
+        return quant.matmul(x, w, rows=_ROWS.get()).astype(preferred_element_type or x.dtype)
     return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)

@@ -286,11 +286,12 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     return panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :w.n]
 
 
-def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def matmul(x: jax.Array, w: QuantizedWeight, rows: Optional[jax.Array] = None) -> jax.Array:
     """x [..., K] float32 @ W [K, N] -> float32 [..., N].
 
     With the CPU kernels enabled, `quant_kernels.quant_matmul` (codes
-    dequantized in registers); otherwise XLA on `dequantize(w)`.
+    dequantized in registers; `rows`: as there); otherwise XLA on
+    `dequantize(w)`, every row computed.
 
     Raises:
       ValueError: x's last axis is not K.
@@ -300,7 +301,7 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     if x.shape[-1] != k:
         raise ValueError(f"quant matmul: x is {x.dtype}{list(x.shape)}, expected [..., {k}]")
     if quant_kernels.enabled():
-        return quant_kernels.quant_matmul(x.astype(jnp.float32), w)
+        return quant_kernels.quant_matmul(x.astype(jnp.float32), w, rows)
     return jnp.einsum("...K,KN->...N", x.astype(jnp.float32), dequantize(w))
 
 
