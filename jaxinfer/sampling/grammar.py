@@ -25,10 +25,17 @@ regex, choice or JSON schema whose tables would exceed `max_table_bytes`.
 A host-masked row reads its mask from `GrammarTables.live` (`GrammarPool`),
 which the runner rewrites before each step; while such a row runs, the
 scheduler dispatches one step at a time and the row drafts no tokens.
+
+Building an automaton's tables takes seconds for a JSON schema (its Index
+walks every token through every state). With `background=True` (what
+`jaxinfer serve` uses) a regex, choice or schema not built yet is masked on
+the host at once, while its tables build on a thread; requests admitted
+after the build run on the device.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -223,7 +230,8 @@ class GrammarCompiler:
     equal specs: `StructuredOutput` keeps canonical JSON); the compiler is
     bound to one tokenizer and V, so the key is in effect (constraint,
     tokenizer). A repeated spec returns the same object; a spec that fails
-    is not cached. `compile.cache_info()` counts hits and misses.
+    is not cached. `compile.cache_info()` counts hits and misses (with
+    background=False).
 
     A regex, choice or JSON schema becomes a `Grammar` (device tables,
     outlines-core), unless its tables would take more than max_table_bytes:
@@ -236,20 +244,101 @@ class GrammarCompiler:
         first); 64 by default.
       max_table_bytes: the most device memory one automaton's tables may
         take; 0: every constraint is masked on the host (no automaton is built).
+      background: `compile` of a regex, choice or schema whose tables are
+        not built yet returns its `HostGrammar` (llguidance, about a
+        millisecond) and builds the tables on a thread; once built (or
+        refused: over max_table_bytes, or rejected by outlines-core),
+        `compile` returns that result. `wait_built()` joins the builds.
     Raises (compile):
       ValueError: an invalid regex, schema or grammar, or one the libraries
-        reject, naming the problem.
+        reject, naming the problem (with background=True, one llguidance
+        accepts and outlines-core rejects stays on the host instead).
     """
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64,
-                 max_table_bytes: int = MAX_TABLE_BYTES):
+                 max_table_bytes: int = MAX_TABLE_BYTES, background: bool = False):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.max_table_bytes = int(max_table_bytes)
         self.eos_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._vocabulary = None
         self._host_tokenizer = None
         self._lock = threading.Lock()
-        self.compile = functools.lru_cache(cache_size)(self._compile)
+        self.cache_size = int(cache_size)
+        self._lru = functools.lru_cache(cache_size)(self._compile)
+        self._done: collections.OrderedDict = collections.OrderedDict()   # background results, LRU
+        self._building: dict[StructuredOutput, tuple[HostGrammar, threading.Thread]] = {}
+        self._building_lock = threading.Lock()
+        self.background = background
+
+    @property
+    def background(self) -> bool:
+        """Whether `compile` builds device tables on a thread (settable)."""
+        return self.compile == self._compile_soon
+
+    @background.setter
+    def background(self, on: bool) -> None:
+        self.compile = self._compile_soon if on else self._lru
+
+    def _compile_soon(self, spec: StructuredOutput) -> CompiledConstraint:
+        """`compile` with background=True (class docstring)."""
+        if spec.grammar is not None or self.max_table_bytes <= 0:
+            return self._host_cached(spec)
+        with self._building_lock:
+            if spec in self._done:
+                self._done.move_to_end(spec)
+                return self._done[spec]
+            if spec in self._building:
+                return self._building[spec][0]
+            try:
+                host = self._host(spec, "its device tables are being built")
+            except ValueError:      # llguidance rejects it: outlines-core decides below
+                host = None
+            if host is not None:
+                thread = threading.Thread(target=self._build, args=(spec, host), daemon=True,
+                                          name="jaxinfer-grammar")
+                self._building[spec] = (host, thread)
+        if host is None:
+            return self._keep(spec, self._compile(spec))    # ValueError: outlines-core's message
+        thread.start()
+        return host
+
+    def _host_cached(self, spec: StructuredOutput) -> CompiledConstraint:
+        with self._building_lock:
+            if spec in self._done:
+                self._done.move_to_end(spec)
+                return self._done[spec]
+        return self._keep(spec, self._compile(spec))
+
+    def _build(self, spec: StructuredOutput, host: HostGrammar) -> None:
+        try:
+            result = self._compile(spec)
+        except ValueError as e:     # outlines-core rejects what llguidance takes: stay on the host
+            result = dataclasses.replace(host, reason=str(e))
+        with self._building_lock:
+            del self._building[spec]
+        self._keep(spec, result)
+
+    def _keep(self, spec: StructuredOutput, result: CompiledConstraint) -> CompiledConstraint:
+        with self._building_lock:
+            self._done[spec] = result
+            while len(self._done) > self.cache_size:
+                self._done.popitem(last=False)
+        return result
+
+    def prepare(self) -> None:
+        """Build what every constraint needs once per tokenizer (the
+        vocabulary's bytes for outlines-core, llguidance's tokenizer)."""
+        self.vocabulary()
+        self.host_tokenizer()
+
+    def wait_built(self, timeout_s: Optional[float] = None) -> bool:
+        """Join the background builds under way; True when none is left."""
+        with self._building_lock:
+            threads = [t for _, t in self._building.values()]
+        for t in threads:
+            t.join(timeout_s)
+        with self._building_lock:
+            return not self._building
 
     def vocabulary(self):
         with self._lock:

@@ -45,6 +45,9 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     if max_num_seqs < 1 or max_request_bytes < 1:
         raise ValueError(f"max_num_seqs and max_request_bytes must be >= 1, got {max_num_seqs} "
                          f"and {max_request_bytes}")
+    if llm.grammars is not None:    # a new schema starts on the host while its tables build
+        llm.grammars.background = True
+        threading.Thread(target=llm.grammars.prepare, name="jaxinfer-grammar", daemon=True).start()
     scheduler = llm.scheduler(max_num_seqs, decode_chunk=1,
                               long_prefill_chunk_size=long_prefill_chunk_size)
     if warmup:

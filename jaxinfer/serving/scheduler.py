@@ -296,12 +296,22 @@ class Scheduler(StepOutputs):
                            len(decoding))
         if not segments:
             return None
-        self.runner.admit(admits)
+        self._admit_rows(admits)
         if self._host_seen:
             self.runner.sync_host_rows({s.slot for s in self._running() if s.host})
         num_logprobs = self._num_logprobs(rid for rid, *_ in owners)
         out = self.runner.step(segments, self.pages.tables, num_logprobs)
         return out, owners
+
+    def _admit_rows(self, admits: list[Admission]) -> None:
+        """Seat `admits` in the runner, which decides as it seats a
+        constrained row whether it is masked on the host (its automaton's
+        tables may have been built since the request was added)."""
+        self.runner.admit(admits)
+        for x in admits:
+            seq = self.seqs[self.slots[x.slot]]
+            seq.host = x.slot in self.runner.host_rows
+            self._host_seen |= seq.host
 
     def _prompt_budget(self, num_decoding: int) -> int:
         """Prompt tokens this step: what the decoding rows leave of the token

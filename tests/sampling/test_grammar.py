@@ -270,3 +270,36 @@ def test_closed_objects_closes_objects_that_list_properties_only():
     assert p["a"]["additionalProperties"] is False and p["b"]["additionalProperties"] is True
     assert p["c"]["anyOf"][0]["additionalProperties"] is False and p["c"]["anyOf"][1] == {"type": "null"}
     assert "additionalProperties" not in p["d"] and out["$defs"]["e"]["additionalProperties"] is False
+
+
+def test_background_compile_masks_on_the_host_until_the_tables_are_built():
+    compiler = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size, background=True)
+    blocking = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size)
+    assert compiler.background and not blocking.background
+    spec = StructuredOutput(regex="(yes|no) [0-9]{2}")
+    first = compiler.compile(spec)
+    assert isinstance(first, G.HostGrammar) and first.reason == "its device tables are being built"
+    assert compiler.wait_built(timeout_s=60)
+    built = compiler.compile(spec)
+    want = blocking.compile(spec)
+    assert isinstance(built, G.Grammar) and compiler.compile(spec) is built
+    np.testing.assert_array_equal(built.mask, want.mask)
+    np.testing.assert_array_equal(built.next, want.next)
+    # a context-free grammar is never built: its HostGrammar comes back at once, kept
+    cfg = StructuredOutput(grammar='root ::= "a" root | "b"')
+    assert isinstance(compiler.compile(cfg), G.HostGrammar)
+    assert compiler.compile(cfg) is compiler.compile(cfg) and compiler.wait_built(timeout_s=0)
+
+
+def test_background_compile_refuses_bad_input_at_once_and_keeps_a_cache_size():
+    compiler = G.GrammarCompiler(ascii_tokenizer(), CONFIG.vocab_size, cache_size=2,
+                                 background=True)
+    with pytest.raises(ValueError, match="structured output"):
+        compiler.compile(StructuredOutput(regex="(a"))
+    specs = [StructuredOutput(choice=(w,)) for w in ("a", "b", "c")]
+    for spec in specs:
+        compiler.compile(spec)
+        assert compiler.wait_built(timeout_s=60)
+    assert isinstance(compiler.compile(specs[2]), G.Grammar)
+    assert isinstance(compiler.compile(specs[0]), G.HostGrammar)   # dropped: built again
+    assert compiler.wait_built(timeout_s=60) and isinstance(compiler.compile(specs[0]), G.Grammar)

@@ -169,3 +169,35 @@ def test_a_token_its_parser_rejects_fails_that_request_alone():
     assert isinstance(failed, FailedOutput) and "injected refusal" in failed.error, failed
     assert ok.finished and not isinstance(ok, FailedOutput) and with_fault == alone
     assert all(s is None for s in sched.slots)
+
+
+def test_rows_seated_after_the_background_build_run_on_the_device(llm):
+    """A new regex while its tables build (held here until released): the
+    first rows are masked on the host, rows seated after the build on the
+    device, and every row gives the device tables' tokens."""
+    import threading
+
+    from jaxinfer.serving.request import Request
+
+    spec = StructuredOutput(regex="(cat|dog)-[0-9]{2,3}")
+    rows = _rows(spec, 4)
+    want = [o.token_ids for o in llm.generate(PROMPTS[:4], rows, max_new_tokens=30)]
+    bg = tiny_llm()
+    gate, build = threading.Event(), bg.grammars._compile
+    bg.grammars._compile = lambda s: gate.wait(60) and build(s)
+    bg.grammars.background = True
+    sched = bg.scheduler(2)
+    rids = [sched.add_request(Request(tuple(bg.tokenizer.encode(p)), r, max_new_tokens=30))
+            for p, r in zip(PROMPTS, rows)]
+    tokens, seated = {rid: [] for rid in rids}, {}
+    while sched.has_unfinished():
+        for event in sched.step():
+            tokens[event.request_id] += event.token_ids
+        for rid in rids:
+            if rid not in seated and rid in sched.seqs and sched.seqs[rid].slot is not None:
+                seated[rid] = sched.seqs[rid].host
+        if len(seated) == 2 and not gate.is_set():
+            gate.set()
+            assert bg.grammars.wait_built(timeout_s=60)
+    assert [seated[rid] for rid in rids] == [True, True, False, False]
+    assert [tokens[rid] for rid in rids] == want

@@ -277,7 +277,7 @@ class DisaggScheduler(Scheduler):
             self.pages.release(slot)
             raise
         admission = self._take_slot(seq, slot, tuple(request.prompt_ids) + (token,), n)
-        self.runner.admit([admission])
+        self._admit_rows([admission])
         seq.state.add(token, logprob if request.logprobs is not None else None)
         self._events += self._emit(seq)
         return True
