@@ -56,6 +56,7 @@ class FakeRunner:
         self.rows = [None] * max_num_seqs
         self.written = []
         self.resets = 0
+        self.host_rows = {}     # slot -> live row of a host-masked request: none here
 
     def reset(self):
         """Fresh device state after a failed shared step (`serving.faults.fail_step`)."""

@@ -40,6 +40,7 @@ class FakeRunner:
         self.rows = [None] * max_num_seqs
         self.log = []
         self.decode_steps = 0
+        self.host_rows = {}     # slot -> live row of a host-masked request: none here
 
     def step_shape(self, num_tokens):
         """(T, R): power-of-two token buckets from 4, as ModelRunner's."""
