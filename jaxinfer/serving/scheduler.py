@@ -28,13 +28,16 @@ in the step already dispatched, and is freed when its last token is read.
 A request whose constraint is masked on the host (`ModelRunner.host_constrained`:
 a context-free grammar) needs its last token before its next mask: while
 one holds a slot, each iteration reads the dispatched step before
-dispatching the next, runs one step per dispatch, and that row drafts
-nothing.
+dispatching the next, that row runs one step per dispatch, and it drafts
+nothing. The runner decides whether a row is masked on the host as it
+seats it (`_admit_rows`).
 
 When nothing waits and no request streams, running rows decode
 `decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`) once that
 program is compiled: k = 1 while requests arrive or a stream wants each
-token as it comes, k = decode_chunk in steady state.
+token as it comes, k = decode_chunk in steady state. Host-masked rows stay
+out of the loop: dispatches alternate between the loop of the others and
+one step of the host-masked rows alone.
 
 Pages (`serving.pages.KVPageManager`, owned here): a request gets its
 prefix-cache hit and the pages of each chunk as it is scheduled, a decoding
@@ -154,6 +157,7 @@ class Scheduler(StepOutputs):
         self.num_preempted = 0
         self.streaming: set[int] = set()  # requests that want each token as it comes
         self._host_seen = False           # a host-masked request was added (its rows sync)
+        self._host_turn = False           # host-masked rows step next (they alternate with loops)
 
     @property
     def states(self) -> dict[int, RequestState]:
@@ -284,8 +288,15 @@ class Scheduler(StepOutputs):
         width = self.runner.width
         if decoding and not self._make_room(decoding, width):
             decoding = [s for s in self._running() if not s.prefilling and not s.state.finished]
-        loop = self._loop_steps(decoding)
-        if loop > 1:
+        hosted = [s for s in decoding if s.host]
+        rows = [s for s in decoding if not s.host]
+        loop = self._loop_steps(decoding, rows)
+        if loop > 1 and hosted:     # host-masked rows step alone, the others run the loop
+            self._host_turn = not self._host_turn
+            if not self._host_turn:
+                return self._dispatch_loop(rows, loop)
+            decoding = hosted
+        elif loop > 1:
             return self._dispatch_loop(decoding, loop)
         segments, owners, admits = [], [], []
         for seq in decoding:
@@ -321,18 +332,20 @@ class Scheduler(StepOutputs):
             budget = min(budget, self.prefill_chunk_size)
         return budget
 
-    def _loop_steps(self, decoding: list[_Seq]) -> int:
-        """Decoding steps for one dispatch: decode_chunk when nothing waits,
-        nothing is prefilled, no row streams and the loop is compiled; else 1."""
-        if (not decoding or self.waiting or len(decoding) != self.num_running or self.decode_chunk < 2
-                or any(s.state.request_id in self.streaming or s.host for s in decoding)):
+    def _loop_steps(self, decoding: list[_Seq], rows: list[_Seq]) -> int:
+        """Decoding steps for one dispatch of `rows`, the decoding rows not
+        masked on the host: decode_chunk when nothing waits, nothing is
+        prefilled (every running row is in `decoding`), none of `decoding`
+        streams and the loop is compiled; else 1."""
+        if (not rows or self.waiting or len(decoding) != self.num_running or self.decode_chunk < 2
+                or any(s.state.request_id in self.streaming for s in decoding)):
             return 1
-        rows = min(1 << (len(decoding) - 1).bit_length(), self.runner.max_num_seqs)
+        padded = min(1 << (len(rows) - 1).bit_length(), self.runner.max_num_seqs)
         more = self.decode_chunk * self.runner.width
-        if self.pages.shortfall({s.slot: self._length_bound(s) + more for s in decoding}):
+        if self.pages.shortfall({s.slot: self._length_bound(s) + more for s in rows}):
             return 1
-        logprobs = self._num_logprobs(s.state.request_id for s in decoding)
-        ready = self.compile_loops or self.runner.has_decode_loop(rows, self.decode_chunk, logprobs)
+        logprobs = self._num_logprobs(s.state.request_id for s in rows)
+        ready = self.compile_loops or self.runner.has_decode_loop(padded, self.decode_chunk, logprobs)
         return self.decode_chunk if ready else 1
 
     def _dispatch_loop(self, decoding: list[_Seq], steps: int):

@@ -201,3 +201,31 @@ def test_rows_seated_after_the_background_build_run_on_the_device(llm):
             assert bg.grammars.wait_built(timeout_s=60)
     assert [seated[rid] for rid in rids] == [True, True, False, False]
     assert [tokens[rid] for rid in rids] == want
+
+
+def test_only_host_masked_rows_leave_the_decode_loop(monkeypatch):
+    """Offline generate with decode_chunk 4: the unconstrained rows still
+    decode in loops (without the host-masked row's slot), the host-masked row
+    steps alone, and every row keeps the tokens it has without the other."""
+    llm = tiny_llm(decode_chunk=4)
+    rows = [SamplingParams(), SamplingParams(temperature=1.2, seed=3)]
+    cfg = SamplingParams(structured=StructuredOutput(grammar=PARENS_GBNF), temperature=1.5, seed=9)
+    alone = llm.generate(PROMPTS[:2], rows, max_new_tokens=24, ignore_eos=True)
+    [held] = llm.generate(["("], [cfg], max_new_tokens=24)
+    loops = []
+    from jaxinfer.serving.runner import ModelRunner
+    decode = ModelRunner.decode
+
+    def spy(self, slots, *args, **kwargs):
+        loops.append((tuple(slots), dict(self.host_rows)))
+        return decode(self, slots, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "decode", spy)
+    mixed = llm.generate(PROMPTS[:2] + ["("], rows + [cfg], max_new_tokens=24,
+                         ignore_eos=[True, True, False])
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+    assert mixed[2].token_ids == held.token_ids
+    assert _parens(mixed[2].text) or mixed[2].finish_reason == "length", mixed[2]
+    assert any(host_rows for _, host_rows in loops), "no decode loop beside the host-masked row"
+    for slots, host_rows in loops:
+        assert not set(slots) & set(host_rows), (slots, host_rows)

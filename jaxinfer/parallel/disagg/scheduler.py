@@ -166,11 +166,11 @@ class DisaggScheduler(Scheduler):
         self._send()
         return super()._dispatch()
 
-    def _loop_steps(self, decoding) -> int:
+    def _loop_steps(self, decoding, rows) -> int:
         """One step per dispatch while requests wait or are out at workers
         (as the colocated scheduler while requests wait), so an arriving one
         is seated at the next step."""
-        return 1 if self._to_prefill or self._in_flight() else super()._loop_steps(decoding)
+        return 1 if self._to_prefill or self._in_flight() else super()._loop_steps(decoding, rows)
 
     def _send(self) -> None:
         """Requests go to the prefill workers while fewer are out than slots are free."""
