@@ -24,7 +24,9 @@ next token's mask on the host, one step at a time. That is every
 regex, choice or JSON schema whose tables would exceed `max_table_bytes`.
 A host-masked row reads its mask from `GrammarTables.live` (`GrammarPool`),
 which the runner rewrites before each step; while such a row runs, the
-scheduler dispatches one step at a time and the row drafts no tokens.
+scheduler reads each step before dispatching the next, the row runs one
+step per dispatch (the other rows keep their decode loop) and drafts no
+tokens.
 
 Building an automaton's tables takes seconds for a JSON schema (its Index
 walks every token through every state). With `background=True` (what

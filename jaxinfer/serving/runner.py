@@ -309,9 +309,9 @@ class ModelRunner(WarmUp):
             self.grammars.compile(request.sampling.structured)
 
     def host_constrained(self, request: Request) -> bool:
-        """Whether the request's constraint is masked on the host
-        (`grammar.HostGrammar`): its rows run one step per dispatch, after
-        the previous step's token is read, and draft nothing."""
+        """Whether the request's constraint compiles to a host mask now
+        (`grammar.HostGrammar`); `_grammar_states` decides again as it seats
+        the row (`GrammarCompiler.background`: the tables may be built by then)."""
         spec = request.sampling.structured
         return spec is not None and isinstance(self.grammars.compile(spec), HostGrammar)
 
