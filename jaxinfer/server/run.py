@@ -38,6 +38,8 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     is computed and a new request joins the very next step; a prompt longer
     than the token budget takes long_prefill_chunk_size tokens per step while
     others decode (`serving.scheduler`). With warmup, `warm_up` runs first.
+    Structured output compiles in the background (`GrammarCompiler.background`:
+    a new schema is masked on the host until its device tables are built).
 
     Raises:
       ValueError: max_num_seqs or max_request_bytes < 1.
@@ -47,13 +49,14 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
                          f"and {max_request_bytes}")
     if llm.grammars is not None:    # a new schema starts on the host while its tables build
         llm.grammars.background = True
-        threading.Thread(target=llm.grammars.prepare, name="jaxinfer-grammar", daemon=True).start()
     scheduler = llm.scheduler(max_num_seqs, decode_chunk=1,
                               long_prefill_chunk_size=long_prefill_chunk_size)
     if warmup:
         seconds, n = warm_up(llm, scheduler, log=log)
         log(f"ready after {seconds:.1f} s: {n} programs compiled now, the other token buckets "
             "compile in the background")
+    if llm.grammars is not None:    # after the warm-up, so that it does not delay the start
+        threading.Thread(target=llm.grammars.prepare, name="jaxinfer-grammar", daemon=True).start()
     engine = EngineThread(scheduler, max_waiting_requests=max_waiting_requests)
     return build_engine_server(llm, engine, model_name=model_name, defaults=defaults,
                                api_key=api_key, max_request_bytes=max_request_bytes)
