@@ -316,16 +316,20 @@ class GrammarCompiler:
             result = self._compile(spec)
         except ValueError as e:     # outlines-core rejects what llguidance takes: stay on the host
             result = dataclasses.replace(host, reason=str(e))
-        with self._building_lock:
+        with self._building_lock:   # one step: a compile in between would build it again
             del self._building[spec]
-        self._keep(spec, result)
+            self._remember(spec, result)
 
     def _keep(self, spec: StructuredOutput, result: CompiledConstraint) -> CompiledConstraint:
         with self._building_lock:
-            self._done[spec] = result
-            while len(self._done) > self.cache_size:
-                self._done.popitem(last=False)
+            self._remember(spec, result)
         return result
+
+    def _remember(self, spec: StructuredOutput, result: CompiledConstraint) -> None:
+        """Keep a finished result (the caller holds `_building_lock`)."""
+        self._done[spec] = result
+        while len(self._done) > self.cache_size:
+            self._done.popitem(last=False)
 
     def prepare(self) -> None:
         """Build what every constraint needs once per tokenizer (the
