@@ -4,7 +4,8 @@ prefix.
 
     jaxinfer bench --config configs/smollm2-135m-instruct.yaml --paged [--quick] [--no-progress]
 
-One process, the config's model in float32, greedy, no stop token:
+One process, the config's model in float32 with the config's `weights`
+format (`weights=q4` and the like apply), greedy, no stop token:
 
 * decode step at batch `step_batch`, context `step_context`, both sides
   with `step_capacity` positions per row: the serving step
@@ -198,7 +199,8 @@ def targets(results: dict) -> list[dict]:
 def format_paged(results: dict) -> str:
     """A Markdown report: the step, the loop, the prefix TTFTs, the targets."""
     step, loop, pre, m = results["step"], results["loop"], results["prefix"], results["machine"]
-    lines = [f"decode step, batch {step['batch']}, context {step['context']}, capacity "
+    lines = [f"float32 activations and KV cache, weights {results.get('weights', 'float32')}", "",
+             f"decode step, batch {step['batch']}, context {step['context']}, capacity "
              f"{step['capacity']} (page size {step['page_size']}), median of "
              f"{len(step['paged_times_s'])}: paged (serving step) {step['paged_step_s'] * 1e3:.2f} ms, "
              f"dense (`phases.decode_step`) {step['dense_step_s'] * 1e3:.2f} ms "
@@ -218,8 +220,9 @@ def format_paged(results: dict) -> str:
 
 def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
     """Every measurement of the module docstring; returns the results dict."""
-    llm = LLM.load(cfg.model, dtype="float32")
-    results = {"sweep": dataclasses.asdict(sweep), "dtype": "float32", "loadavg_start": loadavg()}
+    llm = LLM.load(cfg.model, dtype="float32", weights=cfg.weights)
+    results = {"sweep": dataclasses.asdict(sweep), "dtype": "float32", "weights": cfg.weights,
+               "loadavg_start": loadavg()}
     log("machine: bandwidth and FLOP/s probes")
     results["machine"] = measure_machine(sweep, llm.config)
     results["step"], slots = step_cost(llm, sweep, log)
