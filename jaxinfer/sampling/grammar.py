@@ -287,8 +287,7 @@ class GrammarCompiler:
             return self._host_cached(spec)
         with self._building_lock:
             if spec in self._done:
-                self._done.move_to_end(spec)
-                return self._done[spec]
+                return self._recall(spec)
             if spec in self._building:
                 return self._building[spec][0]
             try:
@@ -307,9 +306,13 @@ class GrammarCompiler:
     def _host_cached(self, spec: StructuredOutput) -> CompiledConstraint:
         with self._building_lock:
             if spec in self._done:
-                self._done.move_to_end(spec)
-                return self._done[spec]
+                return self._recall(spec)
         return self._keep(spec, self._compile(spec))
+
+    def _recall(self, spec: StructuredOutput) -> CompiledConstraint:
+        """A kept result, now the most recently used (the caller holds `_building_lock`)."""
+        self._done.move_to_end(spec)
+        return self._done[spec]
 
     def _build(self, spec: StructuredOutput, host: HostGrammar) -> None:
         try:
