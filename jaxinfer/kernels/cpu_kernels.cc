@@ -1280,16 +1280,15 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, Matrix2 x, Bf16Panels3 packed,
         "packed_matmul: expected x [M,I], bfloat16 packed [ceil(O/panel),ceil(I/2),2*panel], "
         "out [M,O]");
   const auto* w = reinterpret_cast<const uint32_t*>(packed.untyped_data());
+  const int64_t n = computed_rows(rows, out->typed_data(), M, O);
   if (dot) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    const int64_t n = computed_rows(rows, out->typed_data(), M, O);
     if (n > 0) bf16_dot_matmul(pool, x.typed_data(), w, out->typed_data(), n, I, O, P);
     return ffi::Error::Success();
 #else
     return ffi::Error::InvalidArgument("packed_matmul: this build has no AVX512-BF16 dot product");
 #endif
   }
-  const int64_t n = computed_rows(rows, out->typed_data(), M, O);
   if (n > 0)
     packed_matmul<Bf16WidenPanel>(pool, x.typed_data(), w, out->typed_data(), n, I, O, P,
                                   (I + 1) / 2);
