@@ -45,6 +45,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -175,6 +176,29 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
   }
 }
 
+// Software prefetch of the weight codes `prefetch_distance` bytes ahead of the read, into
+// every cache level (T0): on Intel the hardware prefetcher alone left the code stream
+// latency-bound (benchmarks/README.md, "Software prefetch of the codes"). On by default on
+// Intel CPUs only: an earlier try on an AMD EPYC was slower. JAXINFER_KERNEL_PREFETCH=<bytes>
+// sets the distance on any CPU (0: off); it is read once, when the library loads.
+constexpr int64_t kDefaultPrefetchBytes = 2048;
+const int64_t prefetch_distance = [] {
+  if (const char* e = std::getenv("JAXINFER_KERNEL_PREFETCH")) return std::max<int64_t>(0, std::atoll(e));
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? kDefaultPrefetchBytes : int64_t{0};
+#else
+  return int64_t{0};
+#endif
+}();
+
+// Prefetches the cache lines of [p, p + bytes) moved `prefetch_distance` bytes ahead.
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  if (prefetch_distance == 0) return;
+  const char* q = static_cast<const char*>(p) + prefetch_distance;
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(q + o, 0, 3);
+}
+
 // --- Weight formats: one step of `kStep` rows of a 48-column panel as float vectors ---
 
 constexpr int kPanel = 48;
@@ -263,13 +287,15 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
   if constexpr (R == 1) {
     v16 p[2][S][NV] = {};
     int64_t k = 0;
-    for (; k + 2 * S <= bs; k += 2 * S, c += 2 * kPanel)
+    for (; k + 2 * S <= bs; k += 2 * S, c += 2 * kPanel) {
+      prefetch_ahead(c, 2 * kPanel * sizeof(*c));
       for (int u = 0; u < 2; ++u) {
         v16 w[S][NV];
         load_step<Fmt>(c + u * kPanel, w);
         for (int s = 0; s < S; ++s)
           for (int j = 0; j < NV; ++j) p[u][s][j] += xb[k + u * S + s] * w[s][j];
       }
+    }
     for (; k < bs; k += S, c += kPanel) {
       v16 w[S][NV];
       load_step<Fmt>(c, w);
@@ -285,6 +311,7 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) part[r][j] = v16{};
   for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
+    prefetch_ahead(c, kPanel * sizeof(*c));
     v16 w[S][NV];
     load_step<Fmt>(c, w);
     for (int s = 0; s < S; ++s)
@@ -297,6 +324,7 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) part[r][j] = v16{};
   for (int64_t k = 0; k < bs; k += S, c += kPanel) {
+    prefetch_ahead(c, kPanel * sizeof(*c));
     float xr[R][S];
     for (int r = 0; r < R; ++r)
       for (int s = 0; s < S; ++s) xr[r][s] = xb[r * K + k + s];
@@ -372,6 +400,7 @@ void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Sca
     if (scale != nullptr) load_scales(scale + k0 / bs * kPanel, sc);
     if (min != nullptr) load_scales(min + k0 / bs * kPanel, mn);
     for (int64_t k = k0; k < k0 + bs; k += S, c += kPanel) {
+      prefetch_ahead(c, kPanel * sizeof(*c));
       v16 w[S][NV];
       load_step<Fmt>(c, w);
       for (int s = 0; s < S; ++s)
