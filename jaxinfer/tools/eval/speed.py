@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -194,13 +195,61 @@ def _llamacpp_worker(spec: dict) -> dict:
             "threads": spec["threads"], "loadavg_1m": os.getloadavg()[0]}
 
 
+def llama_server_speed(gguf_path: str, vocab_size: int, prompt_len: int = 128, steps: int = 64,
+                       repeats: int = 3, threads: Optional[int] = None, setup: bool = False,
+                       log_dir: str = "/tmp") -> dict:
+    """llama.cpp's `llama-server` (one slot, `threads` threads) on the GGUF
+    file, batch 1, greedy: `repeats` + 1 requests to /completion, each a
+    fresh random prompt of `prompt_len` token ids below `vocab_size`
+    (`cache_prompt` off) and `steps` new tokens with EOS ignored; the first
+    is a warm-up. Decode
+    tokens/s from the server's own `timings`, as the structured row counts
+    it (`structured_peer.decode_from_timings`: tokens after each response's
+    first over the seconds from its first token to its end), so HTTP time is
+    not in it. Returns {"tpot_s", "tokens_per_s", "threads", "loadavg_1m"},
+    or {"skipped": why} when llama-server is not built (it is built only
+    with `setup`)."""
+    import httpx
+
+    from jaxinfer.tools.bench.serve_compare import free_port
+    from jaxinfer.tools.bench.serve_peers import PeerUnavailable, server_command
+    from jaxinfer.tools.bench.serve_workloads import ServerProcess
+    from jaxinfer.tools.bench.structured_peer import decode_from_timings
+
+    threads = threads or os.cpu_count() or 1
+    port = free_port()
+    try:
+        cmd, env = server_command("llamacpp", port, config="", overrides=(), gguf=gguf_path,
+                                  max_seq_len=prompt_len + steps + 1, max_num_seqs=1,
+                                  threads=threads, setup=setup)
+    except PeerUnavailable as e:
+        return {"skipped": str(e)}
+    url = f"http://127.0.0.1:{port}"
+    rng = np.random.default_rng(0)
+    responses = []
+    with ServerProcess(cmd, url, pathlib.Path(log_dir) / "llama-server-speed.log", 300.0, env), \
+            httpx.Client(timeout=600.0) as client:
+        for i in range(repeats + 1):
+            prompt = rng.integers(0, vocab_size, prompt_len).tolist()
+            body = {"prompt": prompt, "n_predict": steps, "ignore_eos": True, "temperature": 0.0,
+                    "cache_prompt": False}
+            reply = client.post(url + "/completion", json=body)
+            reply.raise_for_status()
+            if i:
+                responses.append(reply.json())
+    tokens, seconds = decode_from_timings(responses)
+    return {"tpot_s": seconds / tokens, "tokens_per_s": tokens / seconds, "threads": threads,
+            "loadavg_1m": os.getloadavg()[0]}
+
+
 def _bandwidth() -> float:
     """The bench's read-bandwidth probe (`machine.measure_bandwidth`), bytes/s."""
     return measure_bandwidth()["bandwidth"]
 
 
-def format_rows(rows: Sequence[dict], peer: Optional[dict]) -> str:
-    """Markdown: one line per variant and batch."""
+def format_rows(rows: Sequence[dict], peers: dict) -> str:
+    """Markdown: one line per variant and batch, then one per peer
+    (name -> `llamacpp_speed` / `llama_server_speed` result)."""
     lines = ["| config | weights MB | batch | TPOT ms | tokens/s | MB/step | % memory roofline | "
              "prefill T=512 ms |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -212,12 +261,16 @@ def format_rows(rows: Sequence[dict], peer: Optional[dict]) -> str:
                          f"{d['bytes_per_step'] / 1e6:.1f} | "
                          f"{'-' if frac is None else f'{100 * frac:.0f}%'} | "
                          f"{'' if pre is None else f'{pre * 1e3:.0f}'} |")
-    if peer and "tokens_per_s" in peer:
-        lines.append(f"| llama.cpp (same file) | - | 1 | {peer['tpot_s'] * 1e3:.2f} | "
-                     f"{peer['tokens_per_s']:.1f} | - | - | {peer['prefill_ttft_s'] * 1e3:.0f} |")
-    elif peer:
-        lines.append(f"llama.cpp: skipped ({peer['skipped']})")
-    return "\n".join(lines)
+    skipped = []
+    for name, peer in peers.items():
+        if "tokens_per_s" in peer:
+            pre = peer.get("prefill_ttft_s")
+            lines.append(f"| {name} (same file) | - | 1 | {peer['tpot_s'] * 1e3:.2f} | "
+                         f"{peer['tokens_per_s']:.1f} | - | - | "
+                         f"{'' if pre is None else f'{pre * 1e3:.0f}'} |")
+        else:
+            skipped.append(f"{name}: skipped ({peer['skipped']})")
+    return "\n".join(lines + skipped)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -230,7 +283,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prefill", type=int, default=512, help="prefill length (0: none)")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per cell")
-    p.add_argument("--llamacpp", action="store_true", help="also time llama.cpp on the GGUF file")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also time llama.cpp on the GGUF file at batch 1: llama-cpp-python, and "
+                        "llama-server where it is built (jaxinfer bench --setup-peers llamacpp)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth probe")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--llamacpp-worker", help=argparse.SUPPRESS)
@@ -252,15 +307,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out:  # the rows survive a failing peer
         with open(args.out, "w") as f:
             json.dump({"model": model, "rows": rows}, f, indent=1)
-    peer = llamacpp_speed(str(gguf_path), prefill_len=args.prefill or 512) if (
-        args.llamacpp and gguf_path) else None
+    peers = {}
+    if args.llamacpp and gguf_path:
+        peers["llama-cpp-python"] = llamacpp_speed(str(gguf_path), prefill_len=args.prefill or 512)
+        peers["llama-server"] = llama_server_speed(str(gguf_path), config.vocab_size,
+                                                   steps=args.steps)
     probe = "not run" if bandwidth is None else f"{bandwidth / 1e9:.1f} GB/s"
     print(f"{model}: load average at start {load_start}, at end {os.getloadavg()}; "
           f"bandwidth probe {probe}; {time.strftime('%Y-%m-%d %H:%M')}")
-    print(format_rows(rows, peer))
+    print(format_rows(rows, peers))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": model, "rows": rows, "llamacpp": peer, "bandwidth_bps": bandwidth,
+            json.dump({"model": model, "rows": rows, "peers": peers, "bandwidth_bps": bandwidth,
                        "loadavg_start": load_start, "loadavg_end": os.getloadavg()}, f, indent=1)
     return 0
 
