@@ -154,3 +154,27 @@ def test_llamacpp_worker_failures_say_why():
         "skipped": "Traceback\nValueError: bad gguf"}
     assert speed._worker_result(3, "", "") == {
         "skipped": "the llama.cpp worker exited 3 with no output"}
+
+
+def test_speed_table_lists_both_llamacpp_peers_and_says_why_one_is_missing(tmp_path, monkeypatch):
+    """`--llamacpp` rows: one per measured peer, with its TPOT and tokens/s;
+    a peer that was not measured is a line saying why. llama-server is never
+    built by the speed tool: not built means skipped."""
+    from jaxinfer.tools.eval import speed
+
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    peer = speed.llama_server_speed("model.gguf", 100)
+    assert peer == {"skipped": f"llama-server is not built ({tmp_path}/peers/llama-server/build/bin/"
+                               f"llama-server missing)"}
+    row = {"config": "q4", "weight_bytes": 96.6e6,
+           "decode": [{"batch": 1, "tpot_s": 0.0062, "tokens_per_s": 161.3, "bytes_per_step": 104.7e6,
+                       "memory_roofline_fraction": 0.47}]}
+    table = speed.format_rows([row], {
+        "llama-cpp-python": {"tpot_s": 0.0085, "tokens_per_s": 117.6, "prefill_ttft_s": 1.611},
+        "llama-server": {"tpot_s": 0.0084, "tokens_per_s": 119.0}})
+    assert table.splitlines()[2:] == [
+        "| q4 | 96.6 | 1 | 6.20 | 161.3 | 104.7 | 47% |  |",
+        "| llama-cpp-python (same file) | - | 1 | 8.50 | 117.6 | - | - | 1611 |",
+        "| llama-server (same file) | - | 1 | 8.40 | 119.0 | - | - |  |"]
+    assert speed.format_rows([row], {"llama-server": peer}).splitlines()[-1] == (
+        f"llama-server: skipped ({peer['skipped']})")

@@ -208,7 +208,8 @@ def llama_server_speed(gguf_path: str, vocab_size: int, prompt_len: int = 128, s
     first over the seconds from its first token to its end), so HTTP time is
     not in it. Returns {"tpot_s", "tokens_per_s", "threads", "loadavg_1m"},
     or {"skipped": why} when llama-server is not built (it is built only
-    with `setup`)."""
+    with `setup`), does not start, or answers an error (the log is
+    `log_dir`/llama-server-speed.log)."""
     import httpx
 
     from jaxinfer.tools.bench.serve_compare import free_port
@@ -227,16 +228,19 @@ def llama_server_speed(gguf_path: str, vocab_size: int, prompt_len: int = 128, s
     url = f"http://127.0.0.1:{port}"
     rng = np.random.default_rng(0)
     responses = []
-    with ServerProcess(cmd, url, pathlib.Path(log_dir) / "llama-server-speed.log", 300.0, env), \
-            httpx.Client(timeout=600.0) as client:
-        for i in range(repeats + 1):
-            prompt = rng.integers(0, vocab_size, prompt_len).tolist()
-            body = {"prompt": prompt, "n_predict": steps, "ignore_eos": True, "temperature": 0.0,
-                    "cache_prompt": False}
-            reply = client.post(url + "/completion", json=body)
-            reply.raise_for_status()
-            if i:
-                responses.append(reply.json())
+    try:
+        with ServerProcess(cmd, url, pathlib.Path(log_dir) / "llama-server-speed.log", 300.0, env), \
+                httpx.Client(timeout=600.0) as client:
+            for i in range(repeats + 1):
+                prompt = rng.integers(0, vocab_size, prompt_len).tolist()
+                body = {"prompt": prompt, "n_predict": steps, "ignore_eos": True, "temperature": 0.0,
+                        "cache_prompt": False}
+                reply = client.post(url + "/completion", json=body)
+                reply.raise_for_status()
+                if i:
+                    responses.append(reply.json())
+    except (RuntimeError, httpx.HTTPError) as e:  # did not start, or refused a request
+        return {"skipped": str(e)[-300:]}
     tokens, seconds = decode_from_timings(responses)
     return {"tpot_s": seconds / tokens, "tokens_per_s": tokens / seconds, "threads": threads,
             "loadavg_1m": os.getloadavg()[0]}
