@@ -214,6 +214,14 @@ def test_report_formats_partial_and_unmeasured_results(capsys):
     assert "NaN" in json.dumps({"x": math.nan})
 
 
+def test_report_names_the_weights_format_it_measured():
+    from jaxinfer.tools.bench import report
+
+    text = report.format_report({"model": "m", "load_s": 1.0, "weights": "q4", "weight_bytes": 92 * 2**20})
+    assert "model load 1.00 s | weights q4 92 MiB" in text
+    assert "weights float32 92 MiB" in report.format_report({"model": "m", "weight_bytes": 92 * 2**20})
+
+
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     from jaxinfer.tools.bench import plots

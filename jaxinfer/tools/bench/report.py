@@ -92,7 +92,7 @@ def format_report(results: dict) -> str:
     if "peak_rss_bytes" in results:
         misc.append(f"peak host memory {results['peak_rss_bytes'] / 2**20:.0f} MiB")
     if "weight_bytes" in results:
-        misc.append(f"weights {results['weight_bytes'] / 2**20:.0f} MiB")
+        misc.append(f"weights {results.get('weights') or 'float32'} {results['weight_bytes'] / 2**20:.0f} MiB")
     if results.get("kv_cache"):
         kv = results["kv_cache"]
         misc.append(f"KV cache {kv['bytes_per_token'] / 1024:.1f} KiB/token, "

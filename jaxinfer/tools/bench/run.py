@@ -118,13 +118,13 @@ def run_bench(args) -> dict:
     sweep = _sweep_from_args(args)
     if args.persistent_cache:
         enable_persistent_cache()
-    results = {"model": cfg.model, "dtype": cfg.dtype, "env": _env(args.quick),
+    results = {"model": cfg.model, "dtype": cfg.dtype, "weights": cfg.weights, "env": _env(args.quick),
                "sweep": dataclasses.asdict(sweep), "chunk": cfg.decode_chunk}
     if args.peers == "vllm":
         raise ValueError("--peers vllm is for --serve-load; this bench's peers are hf and llamacpp")
     peer_names = {"none": [], "all": ["hf", "llamacpp"]}.get(args.peers, [args.peers])
     t0 = time.perf_counter()
-    llm = LLM.load(cfg.model, dtype=cfg.dtype, max_seq_len=cfg.max_seq_len,
+    llm = LLM.load(cfg.model, dtype=cfg.dtype, weights=cfg.weights, max_seq_len=cfg.max_seq_len,
                    decode_chunk=cfg.decode_chunk)
     results["load_s"] = time.perf_counter() - t0
     max_len = min(cfg.max_seq_len, llm.config.max_position_embeddings)
