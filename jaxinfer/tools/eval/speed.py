@@ -38,6 +38,10 @@ from jaxinfer.serving.loading import enable_compilation_cache
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.tools.bench.common import random_prompts
 from jaxinfer.tools.bench.machine import measure_bandwidth
+from jaxinfer.tools.bench.serve_compare import free_port
+from jaxinfer.tools.bench.serve_peers import PeerUnavailable, server_command
+from jaxinfer.tools.bench.serve_workloads import ServerProcess
+from jaxinfer.tools.bench.structured_peer import decode_from_timings
 from jaxinfer.tools.bench.steps import fill_slots, new_runner, run_prompts, slot_tables, timed
 from jaxinfer.tools.eval.run import load_variants
 
@@ -211,11 +215,6 @@ def llama_server_speed(gguf_path: str, vocab_size: int, prompt_len: int = 128, s
     with `setup`), does not start, or answers an error (the log is
     `log_dir`/llama-server-speed.log)."""
     import httpx
-
-    from jaxinfer.tools.bench.serve_compare import free_port
-    from jaxinfer.tools.bench.serve_peers import PeerUnavailable, server_command
-    from jaxinfer.tools.bench.serve_workloads import ServerProcess
-    from jaxinfer.tools.bench.structured_peer import decode_from_timings
 
     threads = threads or os.cpu_count() or 1
     port = free_port()
