@@ -178,12 +178,14 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
 
 // Software prefetch of the weight codes `prefetch_distance` bytes ahead of the read, into
 // every cache level (T0): on Intel the hardware prefetcher alone left the code stream
-// latency-bound (benchmarks/README.md, "Software prefetch of the codes"). On by default on
-// Intel CPUs only: an earlier try on an AMD EPYC was slower. JAXINFER_KERNEL_PREFETCH=<bytes>
-// sets the distance on any CPU (0: off); it is read once, when the library loads.
+// latency-bound (benchmarks/README.md, "Software prefetch of the quantized codes"). On by
+// default on Intel CPUs only: an earlier try on an AMD EPYC was slower.
+// JAXINFER_KERNEL_PREFETCH=<bytes> sets the distance on any CPU (0: off); it is read once,
+// when the library loads.
 constexpr int64_t kDefaultPrefetchBytes = 2048;
 const int64_t prefetch_distance = [] {
-  if (const char* e = std::getenv("JAXINFER_KERNEL_PREFETCH")) return std::max<int64_t>(0, std::atoll(e));
+  if (const char* e = std::getenv("JAXINFER_KERNEL_PREFETCH"))
+    return std::max<int64_t>(0, std::atoll(e));
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   return __builtin_cpu_is("intel") ? kDefaultPrefetchBytes : int64_t{0};

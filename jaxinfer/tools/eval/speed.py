@@ -27,6 +27,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -201,19 +202,21 @@ def _llamacpp_worker(spec: dict) -> dict:
 
 def llama_server_speed(gguf_path: str, vocab_size: int, prompt_len: int = 128, steps: int = 64,
                        repeats: int = 3, threads: Optional[int] = None, setup: bool = False,
-                       log_dir: str = "/tmp") -> dict:
+                       log_dir: Optional[str] = None) -> dict:
     """llama.cpp's `llama-server` (one slot, `threads` threads) on the GGUF
     file, batch 1, greedy: `repeats` + 1 requests to /completion, each a
     fresh random prompt of `prompt_len` token ids below `vocab_size`
     (`cache_prompt` off) and `steps` new tokens with EOS ignored; the first
-    is a warm-up. Decode
-    tokens/s from the server's own `timings`, as the structured row counts
-    it (`structured_peer.decode_from_timings`: tokens after each response's
-    first over the seconds from its first token to its end), so HTTP time is
-    not in it. Returns {"tpot_s", "tokens_per_s", "threads", "loadavg_1m"},
-    or {"skipped": why} when llama-server is not built (it is built only
-    with `setup`), does not start, or answers an error (the log is
-    `log_dir`/llama-server-speed.log)."""
+    is a warm-up. Decode tokens/s comes from the server's own `timings`, as
+    the structured row counts it (`structured_peer.decode_from_timings`:
+    tokens after each response's first over the seconds from its first
+    token to its end), so HTTP time is not in it.
+
+    Returns:
+      {"tpot_s", "tokens_per_s", "threads", "loadavg_1m"}, or {"skipped": why}
+      when llama-server is not built (it is built only with `setup`), does
+      not start, or answers an error (its log: `log_dir`/llama-server-speed.log,
+      default the temporary directory)."""
     import httpx
 
     threads = threads or os.cpu_count() or 1
@@ -228,7 +231,8 @@ def llama_server_speed(gguf_path: str, vocab_size: int, prompt_len: int = 128, s
     rng = np.random.default_rng(0)
     responses = []
     try:
-        with ServerProcess(cmd, url, pathlib.Path(log_dir) / "llama-server-speed.log", 300.0, env), \
+        log = pathlib.Path(log_dir or tempfile.gettempdir()) / "llama-server-speed.log"
+        with ServerProcess(cmd, url, log, 300.0, env), \
                 httpx.Client(timeout=600.0) as client:
             for i in range(repeats + 1):
                 prompt = rng.integers(0, vocab_size, prompt_len).tolist()
@@ -288,7 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per cell")
     p.add_argument("--llamacpp", action="store_true",
                    help="also time llama.cpp on the GGUF file at batch 1: llama-cpp-python, and "
-                        "llama-server where it is built (jaxinfer bench --setup-peers llamacpp)")
+                        "llama-server where it is built (python -m jaxinfer.tools.bench "
+                        "--setup-peers llamacpp)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth probe")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--llamacpp-worker", help=argparse.SUPPRESS)
