@@ -5,12 +5,14 @@ step (`place` lays a step's segments out, `paged_forward` runs them)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Protocol
+from typing import Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxinfer import models
 from jaxinfer.cache import paged
@@ -19,6 +21,7 @@ from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine.ragged import AttentionBackend, Segments, attend
 from jaxinfer.nn import rope_cos_sin, rope_inv_freq
+from jaxinfer.weights.matmul import computed_rows, current_rows
 
 
 class Attend(Protocol):
@@ -58,16 +61,36 @@ def run_layers(params: dict, layers: tuple, tokens: jax.Array, config: ModelConf
     buffers (`layers`: a dense cache's `LayerKV`s, or a paged cache's pools;
     whatever `attend` takes). Returns (final hidden states [B, T, D] before
     the final norm, the new per-layer buffers). Not jitted itself: the
-    phases, the serving step and `jaxinfer trace` (with its own `attend`) call it."""
+    phases, the serving step and `jaxinfer trace` (with its own `attend`) call it.
+
+    Where `attend` is a pytree (`PagedAttend`), the layer is traced once per
+    layer type and that trace called for every layer of the type
+    (`_layer_traced_once`; XLA inlines the calls), so tracing and lowering a
+    serving program cost about one layer's work instead of num_layers'."""
     family = models.family(config.arch)
     ropes = rope_tables(config, rope_positions)
     x = family.embed(params, tokens, config)
-    out = []
+    out, rows = [], current_rows()
     for p, layer_type, kv in zip(params["layers"], config.attention_types, layers):
-        x, kv = family.layer(p, x, kv, ropes[layer_type], functools.partial(attend, layer_type),
-                             config)
+        if isinstance(attend, PagedAttend):
+            x, kv = _layer_traced_once(p, x, kv, ropes[layer_type], attend, rows,
+                                       layer=family.layer, layer_type=layer_type, config=config)
+        else:
+            x, kv = family.layer(p, x, kv, ropes[layer_type],
+                                 functools.partial(attend, layer_type), config)
         out.append(kv)
     return x, tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "layer_type", "config"), inline=False)
+def _layer_traced_once(p, x, kv, rope, attend, rows, *, layer, layer_type: str,
+                       config: ModelConfig):
+    """`layer` with `attend` (a pytree) for `layer_type`, under jit so that its
+    trace is cached by shapes and reused by every program that runs it.
+    Everything the trace reads is an argument: `rows`, the caller's
+    `computed_rows` (None: none), too."""
+    with contextlib.nullcontext() if rows is None else computed_rows(rows):
+        return layer(p, x, kv, rope, functools.partial(attend, layer_type), config)
 
 
 def logits_at(params: dict, x: jax.Array, lengths: jax.Array, config: ModelConfig,
@@ -98,29 +121,47 @@ def place(lengths: jax.Array, slot: jax.Array, start: jax.Array, count: jax.Arra
     return segments, jnp.where(valid, ids, 0)
 
 
-def _attend_paged(cache: PagedKVCache, block_tables: jax.Array, seg: Segments,
-                  config: ModelConfig, backend: AttentionBackend):
-    """The engine's `attend` for a paged step: write the tokens' K/V into
+@struct.dataclass
+class PagedAttend:
+    """The engine's `attend` for a paged step (a pytree, so that
+    `run_layers` traces each layer type once): write the tokens' K/V into
     their pages, then ragged attention over the pages. Each layer type reads
     and writes through the block tables the cache gives it
-    (`cache.layer_tables`: the host's, or a sliding layer's own)."""
-    places = {}
-    for layer_type in dict.fromkeys(config.attention_types):
-        tables = cache.layer_tables(layer_type, block_tables)
-        places[layer_type] = (tables, *paged.token_pages(cache, tables, seg.token_slot, seg.token_pos,
-                                                         seg.token_valid, layer_type))
+    (`cache.layer_tables`: the host's, or a sliding layer's own).
 
-    def layer_attend(layer_type, q, k, v, kv):
-        tables, page, offset = places[layer_type]
+    Attributes:
+      places: {layer type: (its block tables [S, M], each token's page [T]
+        and offset [T])}.
+      seg: the step's `Segments`.
+      backend, window (a sliding layer's, 0: none), softcap: static.
+    """
+
+    places: dict
+    seg: Segments
+    backend: AttentionBackend = struct.field(pytree_node=False)
+    window: int = struct.field(pytree_node=False)
+    softcap: Optional[float] = struct.field(pytree_node=False)
+
+    @classmethod
+    def make(cls, cache: PagedKVCache, block_tables: jax.Array, seg: Segments,
+             config: ModelConfig, backend: AttentionBackend) -> "PagedAttend":
+        places = {}
+        for layer_type in dict.fromkeys(config.attention_types):
+            tables = cache.layer_tables(layer_type, block_tables)
+            places[layer_type] = (tables, *paged.token_pages(cache, tables, seg.token_slot,
+                                                             seg.token_pos, seg.token_valid,
+                                                             layer_type))
+        return cls(places, seg, backend, cache.window, config.attn_logit_softcapping)
+
+    def __call__(self, layer_type: str, q, k, v, kv):
+        tables, page, offset = self.places[layer_type]
         kv = paged.write(kv, k[0], v[0], page, offset)
         t, n, h = q.shape[1:]
         kh = k.shape[2]
-        window = cache.window if layer_type == SLIDING_ATTENTION else 0
-        out = attend(backend, q[0].reshape(t, kh, n // kh, h), kv, tables, seg, window,
-                     config.attn_logit_softcapping)
+        window = self.window if layer_type == SLIDING_ATTENTION else 0
+        out = attend(self.backend, q[0].reshape(t, kh, n // kh, h), kv, tables, self.seg, window,
+                     self.softcap)
         return out.reshape(1, t, n, h), kv
-
-    return layer_attend
 
 
 def paged_forward(params, cache: PagedKVCache, tokens, seg: Segments, block_tables: jax.Array,
@@ -129,5 +170,5 @@ def paged_forward(params, cache: PagedKVCache, tokens, seg: Segments, block_tabl
     first, then ragged attention over the pages), and return (final hidden
     states [T, D] before the final norm, the cache with the new pools)."""
     x, layers = run_layers(params, cache.layers, tokens[None], config, seg.token_pos[None],
-                           _attend_paged(cache, block_tables, seg, config, backend))
+                           PagedAttend.make(cache, block_tables, seg, config, backend))
     return x[0], cache.replace(layers=layers)

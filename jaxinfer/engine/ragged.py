@@ -26,6 +26,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxinfer.cache import paged
 from jaxinfer.cache.kv import LayerKV
@@ -111,9 +112,9 @@ def choose_backend(dtype=jnp.float32) -> AttentionBackend:
     return CPU_KERNELS
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Segments:
-    """A step's segments and its tokens' places (all traced arrays).
+    """A step's segments and its tokens' places (all traced arrays; a pytree).
 
     Attributes:
       slot, start, length, position: int32 [R]: each segment's slot, first

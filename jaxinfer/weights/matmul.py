@@ -39,6 +39,14 @@ def computed_rows(n: jax.Array) -> Iterator[None]:
         _ROWS.reset(token)
 
 
+def current_rows() -> Optional[jax.Array]:
+    """The row count of the innermost `computed_rows` being traced (None:
+    outside any). A function traced once and reused (`jax.jit` inside a
+    trace) must take it as an argument and enter `computed_rows` itself:
+    read here, it would be the tracer of the trace that first ran it."""
+    return _ROWS.get()
+
+
 def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
            preferred_element_type=None) -> jax.Array:
     """x [..., I] @ w [I, O] -> [..., O] (I input features, O output features:

@@ -8,10 +8,12 @@ greedy tokens are asserted equal, on prompts whose top two logits are not
 near-ties (checked against the float64 reference).
 """
 
+import jax
 import numpy as np
 import pytest
 
 import reference
+from jaxinfer.engine import forward, step as engine_step
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.llm import LLM
 from jaxinfer.speculative import SpecConfig
@@ -52,6 +54,30 @@ def test_greedy_tokens_and_logprobs_equal_the_float64_reference(name):
         tokens, logprobs = reference_greedy(config, params, prompt, 6)
         assert out.token_ids == tokens
         np.testing.assert_allclose([lp for _, lp, _ in out.logprobs], logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_step_traces_each_layer_type_once_and_every_program_keeps_its_own_rows(name, monkeypatch):
+    """Tracing a step program runs the layer once per layer type (jit's trace
+    cache gives the others), not once per layer; the step and decode-loop
+    programs that then reuse those traces, in one process, give the float64
+    reference's greedy tokens (each passes its own `computed_rows`)."""
+    config = CONFIGS[name]
+    traced = []
+    call = forward.PagedAttend.__call__
+    monkeypatch.setattr(forward.PagedAttend, "__call__",
+                        lambda self, layer_type, *args: traced.append(layer_type) or call(
+                            self, layer_type, *args))
+    jax.clear_caches()      # traces cached by earlier tests would record nothing
+    llm = make_llm(config)
+    plan = llm.scheduler(2).runner.compile_plan((-1,))
+    fn, args, static = next(item for item in plan if item[0] is engine_step.step)
+    fn.lower(*args, **static)
+    assert sorted(traced) == sorted(set(config.attention_types)) and config.num_layers > len(traced)
+    outs = llm.generate(PROMPTS[:3], max_new_tokens=6, ignore_eos=True)
+    params = random_params(config)
+    assert [o.token_ids for o in outs] == [reference_greedy(config, params, p, 6)[0]
+                                          for p in PROMPTS[:3]]
 
 
 @pytest.mark.slow
