@@ -34,7 +34,7 @@ import dataclasses
 import hmac
 import json
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
@@ -164,13 +164,16 @@ class OpenAIServer:
       engine: the `AsyncEngine` over an EngineThread of `llm`'s scheduler;
         started by the app's startup and stopped by its shutdown.
       settings: `ServerSettings`.
+      on_start: called once the app has started the engine (None: nothing).
     Attributes:
       app: the FastAPI app (an ASGI application for uvicorn).
       metrics: the `ServerMetrics`.
     """
 
-    def __init__(self, llm, engine: AsyncEngine, settings: ServerSettings):
+    def __init__(self, llm, engine: AsyncEngine, settings: ServerSettings,
+                 on_start: Optional[Callable[[], None]] = None):
         self.llm, self.engine, self.settings = llm, engine, settings
+        self.on_start = on_start
         self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
         dtype_bytes = np.dtype(llm.cache_dtype).itemsize
         self.metrics = ServerMetrics(settings.model_name,
@@ -184,6 +187,8 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app):
             self.engine.start()
+            if self.on_start is not None:
+                self.on_start()
             try:
                 yield
             finally:

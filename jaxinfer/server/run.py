@@ -11,6 +11,7 @@ aborts the rest, stops the engine thread and exits with status 0.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import signal
 import socket
@@ -37,9 +38,11 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     per dispatch (decode_chunk 1), so every token is streamed as soon as it
     is computed and a new request joins the very next step; a prompt longer
     than the token budget takes long_prefill_chunk_size tokens per step while
-    others decode (`serving.scheduler`). With warmup, `warm_up` runs first.
-    Structured output compiles in the background (`GrammarCompiler.background`:
-    a new schema is masked on the host until its device tables are built).
+    others decode (`serving.scheduler`). With warmup, `warm_up` runs first
+    (the app is built meanwhile), and the token buckets it leaves compile in
+    the background once the app has started. Structured output compiles in
+    the background (`GrammarCompiler.background`: a new schema is masked on
+    the host until its device tables are built), from the app's start too.
 
     Raises:
       ValueError: max_num_seqs or max_request_bytes < 1.
@@ -51,35 +54,48 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
         llm.grammars.background = True
     scheduler = llm.scheduler(max_num_seqs, decode_chunk=1,
                               long_prefill_chunk_size=long_prefill_chunk_size)
-    if warmup:
-        seconds, n = warm_up(llm, scheduler, log=log)
-        log(f"ready after {seconds:.1f} s: {n} programs compiled now, the other token buckets "
-            "compile in the background")
-    if llm.grammars is not None:    # after the warm-up, so that it does not delay the start
-        threading.Thread(target=llm.grammars.prepare, name="jaxinfer-grammar", daemon=True).start()
     engine = EngineThread(scheduler, max_waiting_requests=max_waiting_requests)
-    return build_engine_server(llm, engine, model_name=model_name, defaults=defaults,
-                               api_key=api_key, max_request_bytes=max_request_bytes)
+
+    def on_start():     # once the app starts: the work that would slow its start down
+        scheduler.runner.compile_behind(log)
+        if llm.grammars is not None:
+            threading.Thread(target=llm.grammars.prepare, name="jaxinfer-grammar",
+                             daemon=True).start()
+
+    # The app is built on a thread while the warm-up compiles (XLA's compiles and the
+    # warm-up request leave the interpreter free for it).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-app") as pool:
+        server = pool.submit(build_engine_server, llm, engine, model_name=model_name,
+                             defaults=defaults, api_key=api_key,
+                             max_request_bytes=max_request_bytes, on_start=on_start)
+        if warmup:
+            seconds, n = warm_up(llm, scheduler, log=log, behind=False)
+            log(f"ready after {seconds:.1f} s: {n} programs compiled now, the other token "
+                "buckets compile in the background once the server has started")
+        return server.result()
 
 
 def build_engine_server(llm, engine, *, model_name: str, defaults: SamplingParams = SamplingParams(),
-                        api_key: Optional[str] = None, max_request_bytes: int = 1 << 20):
+                        api_key: Optional[str] = None, max_request_bytes: int = 1 << 20,
+                        on_start: Optional[Callable[[], None]] = None):
     """An `OpenAIServer` of `llm` over an engine thread that is already built
     (an `EngineThread`, or the disaggregated engine of
-    `parallel.disagg.engine`); the app starts it."""
+    `parallel.disagg.engine`); the app starts it, then calls `on_start`."""
     settings = ServerSettings(model_name=model_name, api_key=api_key,
                               max_request_bytes=max_request_bytes, defaults=defaults)
-    return OpenAIServer(llm, AsyncEngine(engine), settings)
+    return OpenAIServer(llm, AsyncEngine(engine), settings, on_start=on_start)
 
 
-def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tuple[float, int]:
+def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None,
+            behind: bool = True) -> tuple[float, int]:
     """Compile what serving needs before it answers (`ModelRunner.warmup` in
     the background mode: admission and the largest and smallest token
     buckets now), run one short request through `scheduler` (in the smallest
     bucket) so the first request does not pay the first-execution costs,
-    then compile the other buckets on a thread while requests are served
-    (`ModelRunner.compile_behind`; it starts after the request, so it does
-    not slow it). Programs for log-probs still compile on first use.
+    then, with `behind`, compile the other buckets on a thread while requests
+    are served (`ModelRunner.compile_behind`; it starts after the request, so
+    it does not slow it; without, the caller starts it). Programs for
+    log-probs still compile on first use.
 
     Returns (seconds, programs compiled).
     Raises:
@@ -94,7 +110,8 @@ def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None) -> tu
         scheduler.step()
     else:
         raise RuntimeError(f"warm-up did not finish within {max_steps} scheduler steps")
-    scheduler.runner.compile_behind(log)
+    if behind:
+        scheduler.runner.compile_behind(log)
     return time.perf_counter() - t0, compiled
 
 

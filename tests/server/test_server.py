@@ -93,6 +93,22 @@ SEEDED = dict(temperature=1.0, top_p=0.9, seed=11)
 # --- protocol and equality with the library -------------------------------------------------
 
 
+def test_the_other_token_buckets_compile_once_the_app_has_started(llm):
+    """With warmup, `build_server` returns with the smallest and largest token
+    buckets ready (and the app built); the others compile only after the app
+    starts, so that they do not slow the start down."""
+    built = build_server(llm, model_name=MODEL, max_num_seqs=SLOTS, max_waiting_requests=8,
+                         warmup=True)
+    runner = built.engine.engine.scheduler.runner
+    time.sleep(0.5)
+    assert runner.ready_buckets == [runner.token_buckets[0], runner.token_buckets[-1]]
+    assert len(runner.token_buckets) > 2
+    with ServerThread(built.app) as url:
+        assert runner.wait_compiled(timeout_s=300)
+        assert runner.ready_buckets == list(runner.token_buckets)
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+
 def test_chat_and_completion_equal_the_library(client, llm):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "你好"}],
                                           max_tokens=6)
