@@ -72,6 +72,11 @@ def test_serve_load_traces_have_the_sweeps_lengths():
     assert all(32 <= n <= 256 for n in t.rates.output_tokens)
     again = make_traces(_WordTokenizer(), sweep)
     assert again.rates == t.rates and again.rates != t.warmup
+    # the warm-up sends none of the timed prompts (a prefix-cache hit would skew the timed run)
+    assert (len(t.warmup_short), len(t.warmup_long), len(t.warmup_chat)) == (16, 2, 32)
+    assert t.warmup_long.prompt_tokens == (2048, 2048)
+    for timed, warm in [(t.short, t.warmup_short), (t.long, t.warmup_long), (t.chat, t.warmup_chat)]:
+        assert not set(timed.prompts) & set(warm.prompts)
     assert t.rates.arrivals(2.0)[0] == 0.0
 
 

@@ -16,9 +16,10 @@ not start is reported as skipped, with the reason). Per server, in order:
    JAXINFER_XLA_CACHE_DIR pointing at a compilation cache made for this
    run: empty (cold; stopped after its first request), then warm.
 2. warm-up, untimed: a trace of another seed at the highest rate, a few
-   short requests and a long-prompt run with two long prompts (jaxinfer
-   compiles a program for each new shape; the programs it compiles during
-   each timed workload are recorded).
+   short requests and a long-prompt run with two long prompts, all of
+   seeds the timed workloads do not use (no server starts one with its
+   prompts in its prefix cache). jaxinfer compiles a program for each new
+   shape; the programs it compiles during each timed workload are recorded.
 3. Poisson rates in increasing order, `num_requests` completion requests
    each (`serve_load`: prompts of random words, log-uniform lengths, greedy,
    min_tokens = max_tokens and ignore_eos, streamed). Once a server
@@ -107,13 +108,18 @@ class Traces:
     short: object
     long: object
     chat: object
+    warmup_short: object
+    warmup_long: object
+    warmup_chat: object
 
 
 def make_traces(tok, sweep: LoadSweep) -> Traces:
     """The sweep's traces from the model's tokenizer: the Poisson trace
     (seed), warm-up (seed + 1), short chat prompts (seed + 2), long
-    prompts of exactly long_prompt_tokens (seed + 3), and the long-prompt
-    run's chat prompts (seed + 4, short_prompt_len)."""
+    prompts of exactly long_prompt_tokens (seed + 3), the long-prompt
+    run's chat prompts (seed + 4, short_prompt_len), and the warm-up's own
+    short requests, long prompts and chat prompts (seeds + 5, 6, 7), so no
+    timed prompt is in a server's prefix cache from the warm-up."""
     s = sweep
     short_out = (s.short_tokens, s.short_tokens)
     long_len = (s.long_prompt_tokens, s.long_prompt_tokens)
@@ -122,7 +128,11 @@ def make_traces(tok, sweep: LoadSweep) -> Traces:
                   warmup=make_trace(tok, s.warmup_requests, s.prompt_len, s.output_len, s.seed + 1),
                   short=make_trace(tok, s.short_requests, s.short_prompt_len, short_out, s.seed + 2),
                   long=make_trace(tok, s.long_prompts, long_len, long_out, s.seed + 3),
-                  chat=make_trace(tok, 4 * s.long_streams, s.short_prompt_len, long_out, s.seed + 4))
+                  chat=make_trace(tok, 4 * s.long_streams, s.short_prompt_len, long_out, s.seed + 4),
+                  warmup_short=make_trace(tok, 2 * s.short_concurrency, s.short_prompt_len, short_out,
+                                          s.seed + 5),
+                  warmup_long=make_trace(tok, 2, long_len, long_out, s.seed + 6),
+                  warmup_chat=make_trace(tok, 4 * s.long_streams, s.short_prompt_len, long_out, s.seed + 7))
 
 
 def saturated(summary: dict, rate: float, slo_ttft_s: float) -> bool:
@@ -165,16 +175,17 @@ class _Runner:
 
     def warmup(self, url: str) -> dict:
         """Untimed: the warm-up trace at the highest rate, 2 x short_concurrency
-        short requests and a long-prompt run with 2 long prompts; returns
-        {"failed": requests that failed}."""
+        short requests and a long-prompt run with 2 long prompts, all of
+        them prompts that no timed workload sends; returns {"failed":
+        requests that failed}."""
         s, t = self.sweep, self.traces
         runs = [run_load(url, MODEL_NAME, t.warmup, max(s.rates), max_concurrency=s.max_concurrency,
                          **self.kwargs),
-                run_load(url, MODEL_NAME, t.short.head(2 * s.short_concurrency), math.inf, chat=True,
+                run_load(url, MODEL_NAME, t.warmup_short, math.inf, chat=True,
                          max_concurrency=s.short_concurrency, **self.kwargs)]
         failed = sum(not r.ok for run in runs for r in asyncio.run(run)[0])
         chat, longs, _ = asyncio.run(run_long_prompts(
-            url, MODEL_NAME, t.chat, t.long.head(2), streams=s.long_streams,
+            url, MODEL_NAME, t.warmup_chat, t.warmup_long, streams=s.long_streams,
             chat_tokens=s.long_chat_tokens, every_s=s.long_every_s, **self.kwargs))
         return {"failed": failed + sum(not r.ok for r in [*chat, *longs])}
 
