@@ -191,6 +191,21 @@ def prefill_cost(config: ModelConfig, batch: int, prompt_len: int, dtype_bytes: 
     return Cost(float(flops), float(nbytes), b * t)
 
 
+def chunk_flops(config: ModelConfig, start: int, length: int) -> tuple[int, int]:
+    """FLOPs of prefilling positions [start, start + length) of one row whose
+    earlier positions are cached, no LM head, as (matmuls, attention):
+    (length * 2 * L * P_layer, 4*N*H * (causal_keys(start + length) - causal_keys(start))).
+
+    Raises:
+      ValueError: start < 0 or length < 0.
+    """
+    if start < 0 or length < 0:
+        raise ValueError(f"chunk_flops needs start >= 0 and length >= 0, got {start}, {length}")
+    c = config
+    keys = causal_keys(c, start + length) - causal_keys(c, start)
+    return length * 2 * c.num_layers * layer_matmul_params(c), 4 * c.num_heads * c.head_dim * keys
+
+
 def decode_cost(config: ModelConfig, batch: int, context: float, dtype_bytes: int = 4,
                 cache_len: Optional[int] = None) -> Cost:
     """One decode step: each of `batch` rows appends one token after `context`

@@ -34,6 +34,7 @@ from jaxinfer.cache.paged_ring import init_ring_cache
 from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
+from jaxinfer.models import roofline
 from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool, HostGrammar
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
@@ -56,6 +57,12 @@ _ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinf
 
 # Rows one admission program writes (more admissions take several calls).
 ADMIT_ROWS = 8
+
+# What an attention FLOP of a prompt chunk costs in matmul FLOPs
+# (`chunk_cost`): the matmuls run at about 2.5x the FLOP/s of the ragged
+# attention kernel, with its softmax, on the CPUs measured (benchmarks/README.md,
+# "A long prompt's chunks by their cost").
+ATTENTION_FLOP_COST = 2.5
 
 # Log-prob counts are compiled for these values only (a request asking for
 # n alternatives runs with the next one and keeps its n).
@@ -278,6 +285,15 @@ class ModelRunner(WarmUp):
     def segment_width(self, segment: Segment) -> int:
         """Tokens `segment` takes in a step: its prompt chunk, or 1 + k."""
         return self.width if segment.decode else len(segment.tokens)
+
+    def chunk_cost(self, start: int, length: int) -> float:
+        """The cost of a prompt chunk at positions [start, start + length) of
+        one row, in matmul FLOPs: its matmul FLOPs plus ATTENTION_FLOP_COST
+        times its attention FLOPs (`models.roofline.chunk_flops`). It grows
+        with the chunk's position; the scheduler keeps long prompts' chunks
+        within a budget of it."""
+        matmuls, attention = roofline.chunk_flops(self.config, start, length)
+        return matmuls + ATTENTION_FLOP_COST * attention
 
     # --- dispatch ------------------------------------------------------------------------
 

@@ -70,6 +70,18 @@ def test_prefill_cost_by_hand():
     assert c2.flops == 2 * 2000 and c2.bytes == 1392 + 2 * 144
 
 
+def test_chunk_flops_by_hand():
+    # positions 1 and 2: matmuls 2 tokens * 2*L*144 = 1152; keys (2 + 3) per
+    # full layer, (2 + 2) on the sliding one (window 2); 4*N*H = 16 FLOPs a key
+    assert metrics.chunk_flops(TINY, 1, 2) == (1152, 16 * 2 * 5)
+    assert metrics.chunk_flops(TINY_SLIDING, 1, 2) == (1152, 16 * (4 + 5))
+    # a prompt's chunks add up to its prefill without the LM head
+    assert sum(metrics.chunk_flops(TINY, 0, 1) + metrics.chunk_flops(TINY, 1, 2)) == 2000 - 80
+    assert metrics.chunk_flops(TINY, 5, 0) == (0, 0)
+    with pytest.raises(ValueError, match="start >= 0 and length >= 0, got -1, 2"):
+        metrics.chunk_flops(TINY, -1, 2)
+
+
 def test_decode_cost_by_hand():
     c = metrics.decode_cost(TINY, batch=2, context=3)
     # per row: matmuls 2*L*144 = 576, LM head 80, attention 4*N*H * 8 keys = 128

@@ -31,8 +31,9 @@ class FakeRunner:
     each segment's tokens at the row's length and samples `nxt(last)`."""
 
     def __init__(self, max_num_seqs=3, max_seq_len=64, page_size=4, num_pages=None,
-                 token_budget=64, loops=False):
+                 token_budget=64, loops=False, position_cost=False):
         self.max_num_seqs, self.max_seq_len, self.page_size = max_num_seqs, max_seq_len, page_size
+        self.position_cost = position_cost
         self.pages_per_seq = -(-max_seq_len // page_size)
         self.num_pages = num_pages or max_num_seqs * self.pages_per_seq
         self.token_budget, self.width, self.speculative = token_budget, 1, None
@@ -49,6 +50,11 @@ class FakeRunner:
             t *= 2
         assert t <= self.token_budget
         return t, min(t, self.max_num_seqs)
+
+    def chunk_cost(self, start, length):
+        """The fake's chunk cost: `length`, times 1 + start // 8 with
+        position_cost (a later chunk costs more per token)."""
+        return length * (1 + start // 8) if self.position_cost else length
 
     def segment_width(self, segment):
         return 1 if segment.decode else len(segment.tokens)
@@ -280,6 +286,28 @@ def test_a_prompt_longer_than_the_budget_takes_small_pieces_while_rows_decode():
     assert tokens_of(events[mid]) == chain(40, 2)
     with pytest.raises(ValueError, match="long_prefill_chunk_size"):
         sched(FakeRunner(), long_prefill_chunk_size=0)
+
+
+def test_a_long_prompt_s_later_chunks_shrink_to_the_cost_of_its_first():
+    """Beside a decoding row, a long prompt's chunk costs no more
+    (`runner.chunk_cost`) than the same tokens at the prompt's start. The
+    fake's cost is tokens x (1 + start // 8) and bucket(1 + 6) = 8 holds 7
+    prompt tokens: 7 from 0 and 7 from 7 (factor 1), 3 from 14 (factor 2:
+    2 x 3 <= 7), 2 from 17, 19, 21 and 23 (factor 3: 3 x 2 <= 7), then 1 a
+    step from 25 (factor 4)."""
+    runner = FakeRunner(max_num_seqs=2, token_budget=16, position_cost=True)
+    s = sched(runner, long_prefill_chunk_size=6, decode_chunk=1)
+    short = s.add_request(req(13, n_prompt=2, max_new=40, ignore_eos=True))
+    early = s.step()
+    long = s.add_request(req(20, n_prompt=30, max_new=2))
+    events = run(s)
+    events[short] = [e for e in early if e.request_id == short] + events[short]
+    chunks = [seg[1] for step in steps_of(runner) for seg in step if seg[0] == 1 and seg[1] != "decode"]
+    assert chunks == [7, 7, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1]
+    assert sum(chunks) == 30
+    assert all((0, "decode", True) in step for step in steps_of(runner)[1:13])
+    assert tokens_of(events[long]) == chain(20, 2)
+    assert tokens_of(events[short]) == chain(13, 40, ignore_eos=True)
 
 
 def test_with_nothing_decoding_prompts_fill_the_whole_budget():
