@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import time
 from typing import Callable, Optional
@@ -47,6 +46,7 @@ from jaxinfer.serving.request import Request, Timings
 from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.guard import Guard, json_error
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, TokenizeRequest, check_messages,
@@ -87,73 +87,8 @@ def _constraint_param(body) -> str:
                 if getattr(body, n, None) is not None)
 
 
-def _json_error(status: int, message: str, type: str = "invalid_request_error",
-                param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _Guard:
-    """ASGI middleware: counts responses by route and status, checks the API
-    key on /v1/ routes (constant-time compare) and bounds the body size."""
-
-    def __init__(self, app, server: "OpenAIServer"):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = path if path in ROUTES else "other"
-        metrics = self.server.metrics
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                metrics.count_http(route, message["status"])
-            await send(message)
-
-        settings = self.server.settings
-        if settings.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            return await _json_error(401, "invalid or missing API key: send 'Authorization: Bearer "
-                                     "<key>'", code="invalid_api_key")(scope, receive, counted_send)
-        replay = await self._read_limited(scope, receive, settings.max_request_bytes)
-        if replay is None:
-            return await _json_error(413, f"request body exceeds {settings.max_request_bytes} bytes",
-                                     code="request_too_large")(scope, receive, counted_send)
-        await self.app(scope, replay, counted_send)
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        expected = self.server.settings.api_key.encode()
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
-
-    @staticmethod
-    async def _read_limited(scope, receive, limit: int):
-        """A receive() that replays the body read here, or None when the body
-        exceeds `limit` bytes (by Content-Length or by what arrived)."""
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return None
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > limit:
-                return None
-            if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-        return replay
 
 
 class OpenAIServer:
@@ -195,7 +130,7 @@ class OpenAIServer:
                 await asyncio.to_thread(self.engine.stop)
 
         app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
-        app.add_middleware(_Guard, server=self)
+        app.add_middleware(Guard, server=self, routes=ROUTES)
         app.add_exception_handler(APIError, self._on_api_error)
         app.add_exception_handler(RequestValidationError, self._on_validation_error)
         app.add_exception_handler(HTTPException, self._on_http_error)
@@ -218,21 +153,21 @@ class OpenAIServer:
         err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
-            return _json_error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
+            return json_error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
         if not loc:
-            return _json_error(400, "the request body must be a JSON object (Content-Type: "
+            return json_error(400, "the request body must be a JSON object (Content-Type: "
                                f"application/json): {err['msg']}")
         where = ".".join(loc) if loc else "body"
-        return _json_error(400, f"{where}: {err['msg']}", param=loc[0] if loc else None)
+        return json_error(400, f"{where}: {err['msg']}", param=loc[0] if loc else None)
 
     @staticmethod
     async def _on_http_error(request, exc: HTTPException):
-        return _json_error(exc.status_code, str(exc.detail),
+        return json_error(exc.status_code, str(exc.detail),
                            code="not_found" if exc.status_code == 404 else None)
 
     @staticmethod
     async def _on_exception(request, exc: Exception):
-        return _json_error(500, f"internal error: {exc!r}", type="server_error")
+        return json_error(500, f"internal error: {exc!r}", type="server_error")
 
     # --- plain routes --------------------------------------------------------------------
 
@@ -243,7 +178,7 @@ class OpenAIServer:
 
     async def health(self):
         if not self.engine.running:
-            return _json_error(503, "the engine is not running", type="server_error")
+            return json_error(503, "the engine is not running", type="server_error")
         health = getattr(self.engine.engine, "health", None)   # disaggregated: every worker
         if health is None:
             return {"status": "ok"}

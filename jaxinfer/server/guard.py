@@ -1,0 +1,84 @@
+"""The HTTP edge in front of the OpenAI app: OpenAI's JSON errors, and the
+middleware that counts responses, checks the API key and bounds the body."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+
+from jaxinfer.server.protocol import error_body
+
+
+def json_error(status: int, message: str, type: str = "invalid_request_error",
+               param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    """An OpenAI error response: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+class Guard:
+    """ASGI middleware: counts responses by route and status, checks the API
+    key on /v1/ routes (constant-time compare) and bounds the body size.
+
+    Args:
+      app: the ASGI app it guards.
+      server: the `app.OpenAIServer`; its `settings` (api_key,
+        max_request_bytes) and `metrics` are read on each request.
+      routes: the paths counted by name (any other path counts as "other").
+    """
+
+    def __init__(self, app, server, routes: tuple[str, ...]):
+        self.app, self.server, self.routes = app, server, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+        metrics = self.server.metrics
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                metrics.count_http(route, message["status"])
+            await send(message)
+
+        settings = self.server.settings
+        if settings.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            return await json_error(401, "invalid or missing API key: send 'Authorization: Bearer "
+                                     "<key>'", code="invalid_api_key")(scope, receive, counted_send)
+        replay = await self._read_limited(scope, receive, settings.max_request_bytes)
+        if replay is None:
+            return await json_error(413, f"request body exceeds {settings.max_request_bytes} bytes",
+                                     code="request_too_large")(scope, receive, counted_send)
+        await self.app(scope, replay, counted_send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        expected = self.server.settings.api_key.encode()
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+
+    @staticmethod
+    async def _read_limited(scope, receive, limit: int):
+        """A receive() that replays the body read here, or None when the body
+        exceeds `limit` bytes (by Content-Length or by what arrived)."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return None
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > limit:
+                return None
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+        return replay
