@@ -77,8 +77,8 @@ class GenerationConfig:
       long_prefill_chunk_size: in `jaxinfer serve`, while requests decode,
         a prompt longer than the token budget fills a step only up to the
         token bucket of the decode tokens plus this many, after the other
-        prompts, and later in the prompt only to what those tokens cost at
-        its start (it takes several steps anyway; small pieces keep the
+        prompts, and later in the prompt only to 1.5 times what those
+        tokens cost at its start (it takes several steps anyway; small pieces keep the
         running streams' gaps near one decode step's, at some cost to its
         own TTFT); null: as any prompt (prefill_chunk_size).
       max_num_batched_tokens: the most tokens one serving step runs (its

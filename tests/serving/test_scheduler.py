@@ -15,7 +15,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.serving.request import Request
 from jaxinfer.serving.runner import Dispatched
-from jaxinfer.serving.scheduler import QueueFullError, Scheduler
+from jaxinfer.serving.scheduler import LONG_CHUNK_GROWTH, QueueFullError, Scheduler
 
 V = 50
 STOP = 0
@@ -288,13 +288,14 @@ def test_a_prompt_longer_than_the_budget_takes_small_pieces_while_rows_decode():
         sched(FakeRunner(), long_prefill_chunk_size=0)
 
 
-def test_a_long_prompt_s_later_chunks_shrink_to_the_cost_of_its_first():
-    """Beside a decoding row, a long prompt's chunk costs no more
-    (`runner.chunk_cost`) than the same tokens at the prompt's start. The
-    fake's cost is tokens x (1 + start // 8) and bucket(1 + 6) = 8 holds 7
-    prompt tokens: 7 from 0 and 7 from 7 (factor 1), 3 from 14 (factor 2:
-    2 x 3 <= 7), 2 from 17, 19, 21 and 23 (factor 3: 3 x 2 <= 7), then 1 a
-    step from 25 (factor 4)."""
+def test_a_long_prompt_s_later_chunks_cost_at_most_1_5_times_its_first():
+    """Beside a decoding row, a long prompt's chunk costs
+    (`runner.chunk_cost`) at most LONG_CHUNK_GROWTH = 1.5 times its first.
+    The fake's cost is tokens x (1 + start // 8) and bucket(1 + 6) = 8 holds
+    7 prompt tokens, so the limit is 1.5 x 7 = 10.5: 7 from 0 and 7 from 7
+    (factor 1, capped by the bucket), 5 from 14 (factor 2), 3 from 19 and
+    22 (factor 3), 2 from 25 and 27 (factor 4), and the last token."""
+    assert LONG_CHUNK_GROWTH == 1.5
     runner = FakeRunner(max_num_seqs=2, token_budget=16, position_cost=True)
     s = sched(runner, long_prefill_chunk_size=6, decode_chunk=1)
     short = s.add_request(req(13, n_prompt=2, max_new=40, ignore_eos=True))
@@ -303,9 +304,8 @@ def test_a_long_prompt_s_later_chunks_shrink_to_the_cost_of_its_first():
     events = run(s)
     events[short] = [e for e in early if e.request_id == short] + events[short]
     chunks = [seg[1] for step in steps_of(runner) for seg in step if seg[0] == 1 and seg[1] != "decode"]
-    assert chunks == [7, 7, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1]
-    assert sum(chunks) == 30
-    assert all((0, "decode", True) in step for step in steps_of(runner)[1:13])
+    assert chunks == [7, 7, 5, 3, 3, 2, 2, 1]
+    assert all((0, "decode", True) in step for step in steps_of(runner)[1:9])
     assert tokens_of(events[long]) == chain(20, 2)
     assert tokens_of(events[short]) == chain(13, 40, ignore_eos=True)
 
