@@ -63,21 +63,28 @@ def test_serve_load_traces_have_the_sweeps_lengths():
 
     sweep = LoadSweep(num_requests=12, short_requests=5, long_prompts=3)
     t = make_traces(_WordTokenizer(), sweep)
-    assert (len(t.rates), len(t.warmup), len(t.short), len(t.long), len(t.chat)) == (12, 16, 5, 3, 32)
+    assert len(t.rates) == len(sweep.rates)
+    assert (len(t.rates[0]), len(t.warmup), len(t.short), len(t.long), len(t.chat)) == (12, 16, 5, 3, 32)
     assert t.long.prompt_tokens == (2048, 2048, 2048)
     assert t.long.output_tokens == (16, 16, 16)
     assert t.short.output_tokens == (8, 8, 8, 8, 8)
     assert all(16 <= n <= 64 for n in t.short.prompt_tokens)
-    assert all(32 <= n <= 512 for n in t.rates.prompt_tokens)
-    assert all(32 <= n <= 256 for n in t.rates.output_tokens)
+    assert all(32 <= n <= 512 for n in t.rates[0].prompt_tokens)
+    assert all(32 <= n <= 256 for n in t.rates[0].output_tokens)
     again = make_traces(_WordTokenizer(), sweep)
-    assert again.rates == t.rates and again.rates != t.warmup
+    assert again.rates == t.rates and again.rates[0] != t.warmup
+    # every rate: the same lengths, outputs and arrivals, prompts of its own
+    first = t.rates[0]
+    for other in t.rates[1:]:
+        assert other.output_tokens == first.output_tokens and other.unit_gaps == first.unit_gaps
+        assert [len(p.split()) for p in other.prompts] == [len(p.split()) for p in first.prompts]
+        assert not set(other.prompts) & set(first.prompts)
     # the warm-up sends none of the timed prompts (a prefix-cache hit would skew the timed run)
     assert (len(t.warmup_short), len(t.warmup_long), len(t.warmup_chat)) == (16, 2, 32)
     assert t.warmup_long.prompt_tokens == (2048, 2048)
     for timed, warm in [(t.short, t.warmup_short), (t.long, t.warmup_long), (t.chat, t.warmup_chat)]:
         assert not set(timed.prompts) & set(warm.prompts)
-    assert t.rates.arrivals(2.0)[0] == 0.0
+    assert t.rates[0].arrivals(2.0)[0] == 0.0
 
 
 def test_serve_load_request_bodies():
@@ -278,7 +285,8 @@ def test_serve_load_harness_against_a_fake_server(tmp_path):
     assert out["start"]["first_request_s"] > out["start"]["healthy_s"] > 0
     assert out["warmup"]["failed"] == 0
     run = out["rates"]["50"]
-    assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, sum(traces.rates.output_tokens))
+    assert (run["completed"], run["failed"]) == (4, 0)
+    assert run["output_tokens"] == sum(traces.rates[0].output_tokens)
     assert run["tokens_per_chunk"]["max"] == 1
     assert (out["short"]["completed"], out["short"]["output_tokens"]) == (4, 4 * sweep.short_tokens)
     long = out["long_prompts"]

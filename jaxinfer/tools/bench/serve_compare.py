@@ -21,7 +21,8 @@ not start is reported as skipped, with the reason). Per server, in order:
    prompts in its prefix cache). jaxinfer compiles a program for each new
    shape; the programs it compiles during each timed workload are recorded.
 3. Poisson rates in increasing order, `num_requests` completion requests
-   each (`serve_load`: prompts of random words, log-uniform lengths, greedy,
+   each, every rate with prompts of its own (the same lengths, outputs and
+   arrivals; `serve_load`: prompts of random words, log-uniform lengths, greedy,
    min_tokens = max_tokens and ignore_eos, streamed). Once a server
    completes under 70% of the offered rate with a p99 TTFT over 5x the SLO,
    its higher rates are skipped (saturated).
@@ -101,9 +102,10 @@ QUICK_LOAD = LoadSweep(rates=(1.0, 4.0), num_requests=8, prompt_len=(16, 128), o
 
 @dataclasses.dataclass(frozen=True)
 class Traces:
-    """Every server's requests (`serve_load.LoadTrace`s, seeded by the sweep)."""
+    """Every server's requests (`serve_load.LoadTrace`s, seeded by the sweep);
+    `rates` holds one trace per rate of the sweep."""
 
-    rates: object
+    rates: tuple
     warmup: object
     short: object
     long: object
@@ -114,8 +116,11 @@ class Traces:
 
 
 def make_traces(tok, sweep: LoadSweep) -> Traces:
-    """The sweep's traces from the model's tokenizer: the Poisson trace
-    (seed), warm-up (seed + 1), short chat prompts (seed + 2), long
+    """The sweep's traces from the model's tokenizer: the Poisson traces,
+    one per rate, of one shape (seed: the same lengths, outputs and
+    arrivals) and text seeds 1000 * (seed + 1) + the rate's index, so no
+    rate's prompts are in a server's prefix cache from an earlier rate;
+    warm-up (seed + 1), short chat prompts (seed + 2), long
     prompts of exactly long_prompt_tokens (seed + 3), the long-prompt
     run's chat prompts (seed + 4, short_prompt_len), and the warm-up's own
     short requests, long prompts and chat prompts (seeds + 5, 6, 7), so no
@@ -124,7 +129,9 @@ def make_traces(tok, sweep: LoadSweep) -> Traces:
     short_out = (s.short_tokens, s.short_tokens)
     long_len = (s.long_prompt_tokens, s.long_prompt_tokens)
     long_out = (s.long_output_tokens, s.long_output_tokens)
-    return Traces(rates=make_trace(tok, s.num_requests, s.prompt_len, s.output_len, s.seed),
+    rates = tuple(make_trace(tok, s.num_requests, s.prompt_len, s.output_len, s.seed,
+                             text_seed=1000 * (s.seed + 1) + i) for i in range(len(s.rates)))
+    return Traces(rates=rates,
                   warmup=make_trace(tok, s.warmup_requests, s.prompt_len, s.output_len, s.seed + 1),
                   short=make_trace(tok, s.short_requests, s.short_prompt_len, short_out, s.seed + 2),
                   long=make_trace(tok, s.long_prompts, long_len, long_out, s.seed + 3),
@@ -195,8 +202,8 @@ class _Runner:
         s = self.sweep
         self.phase(out, "warmup", url, lambda: self.warmup(url))
         out["rates"] = {}
-        for rate in s.rates:
-            summary = self.phase(out["rates"], f"{rate:g}", url, lambda: self._rate(url, rate))
+        for trace, rate in zip(self.traces.rates, s.rates):
+            summary = self.phase(out["rates"], f"{rate:g}", url, lambda: self._rate(url, trace, rate))
             self.log(f"{self.name}: rate {rate:g}/s: {summary.get('request_throughput', 0):.2f} req/s, "
                      f"{summary.get('output_tokens_per_s', 0):.0f} tok/s, {summary.get('failed')} failed")
             if "error" in summary or saturated(summary, rate, s.slo_ttft_s):
@@ -205,9 +212,9 @@ class _Runner:
         self.phase(out, "short", url, lambda: self.short(url))
         self.phase(out, "long_prompts", url, lambda: self.long(url))
 
-    def _rate(self, url: str, rate: float) -> dict:
+    def _rate(self, url: str, trace, rate: float) -> dict:
         s = self.sweep
-        results, wall = asyncio.run(run_load(url, MODEL_NAME, self.traces.rates, rate,
+        results, wall = asyncio.run(run_load(url, MODEL_NAME, trace, rate,
                                              max_concurrency=s.max_concurrency, **self.kwargs))
         return dict(summarize_load(results, wall, s.slo_ttft_s, s.slo_gap_s), rate=rate)
 
@@ -351,8 +358,8 @@ def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
     logs = pathlib.Path(args.out) / f"serve-load-logs-{time.strftime('%Y%m%d-%H%M%S')}"
     results = {"gguf": gguf, "sweep": dataclasses.asdict(sweep), "cpu_count": os.cpu_count(),
                "loadavg_start": loadavg(), "logs": str(logs),
-               "trace": {"prompt_tokens": list(traces.rates.prompt_tokens),
-                         "output_tokens": list(traces.rates.output_tokens)}}
+               "trace": {"prompt_tokens": [list(t.prompt_tokens) for t in traces.rates],
+                         "output_tokens": list(traces.rates[0].output_tokens)}}
     results["servers"] = run_servers(names, config=args.config, overrides=tuple(args.overrides),
                                      gguf=gguf, traces=traces, sweep=sweep, count_tokens=count,
                                      logs=logs, log=log, setup=not args.no_peer_setup)

@@ -98,8 +98,12 @@ def _log_uniform(rng, lo: int, hi: int, n: int) -> np.ndarray:
 
 
 def make_trace(tokenizer, num_requests: int, prompt_len: tuple[int, int],
-               output_len: tuple[int, int], seed: int = 0) -> LoadTrace:
-    """A seeded trace (see the module docstring).
+               output_len: tuple[int, int], seed: int = 0,
+               text_seed: Optional[int] = None) -> LoadTrace:
+    """A seeded trace (see the module docstring). With `text_seed`, the
+    prompts' words come from a generator of that seed, and the lengths,
+    outputs and arrival gaps from `seed` alone: traces of one seed and
+    different text seeds have the same shape and share no prompt.
 
     Raises:
       ValueError: a length range with lo < 1 or lo > hi, or num_requests < 1.
@@ -110,10 +114,11 @@ def make_trace(tokenizer, num_requests: int, prompt_len: tuple[int, int],
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
+    text_rng = rng if text_seed is None else np.random.default_rng(text_seed)
     words = word_token_ids(tokenizer)
     prompts, counts = [], []
     for n in _log_uniform(rng, *prompt_len, num_requests):
-        text = tokenizer.decode([int(i) for i in rng.choice(words, int(n))])
+        text = tokenizer.decode([int(i) for i in text_rng.choice(words, int(n))])
         prompts.append(text)
         counts.append(len(tokenizer.encode(text, add_special_tokens=False)))
     outputs = _log_uniform(rng, *output_len, num_requests)
