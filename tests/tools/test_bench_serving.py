@@ -446,6 +446,18 @@ def test_paged_targets_from_hand_made_figures():
 
 
 @pytest.mark.slow
+def test_paged_sweep_takes_the_config_s_page_size():
+    import dataclasses
+
+    from jaxinfer.config import GenerationConfig
+    from jaxinfer.tools.bench import paged
+
+    cfg = GenerationConfig(model="smollm2-135m-instruct")
+    assert paged.for_config(paged.PagedSweep(), cfg).page_size == cfg.page_size == 16
+    sweep = paged.for_config(paged.QUICK_PAGED, dataclasses.replace(cfg, page_size=32))
+    assert (sweep.page_size, sweep.step_repeats) == (32, paged.QUICK_PAGED.step_repeats)
+
+
 def test_paged_measurements_on_a_tiny_model():
     """The --paged sweep's three measurements end to end on a tiny random
     model (no machine probe): shapes of the figures and the prefix-cache hits."""

@@ -31,8 +31,9 @@ format (`weights=q4` and the like apply), greedy, no stop token:
   best-of FLOP/s probe of `machine.measure_machine`: the fraction of the peak.
 * TTFT (arrival to first token on the host, compilation excluded:
   `RunStats.ttft_s`) of a request whose `prefix_len`-token prefix is cached
-  against a miss, through `LLM.generate` in the LLM's default config (page
-  size 16, prefix caching on; `generate` keeps its scheduler, and so its
+  against a miss, through `LLM.generate` in the LLM's default config but
+  the config's `page_size` (16 unless set; the step cost uses it too),
+  with prefix caching on (`generate` keeps its scheduler, and so its
   prefix cache, between calls): each of `prefix_repeats` repeats draws a
   new prefix, then generates for prefix + suffix A (a miss) and prefix +
   suffix B (random suffixes of `suffix_len` tokens), one call each, after a
@@ -220,7 +221,7 @@ def format_paged(results: dict) -> str:
 
 def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
     """Every measurement of the module docstring; returns the results dict."""
-    llm = LLM.load(cfg.model, dtype="float32", weights=cfg.weights)
+    llm = LLM.load(cfg.model, dtype="float32", weights=cfg.weights, page_size=sweep.page_size)
     results = {"sweep": dataclasses.asdict(sweep), "dtype": "float32", "weights": cfg.weights,
                "loadavg_start": loadavg()}
     log("machine: bandwidth and FLOP/s probes")
@@ -234,8 +235,14 @@ def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
     return results
 
 
+def for_config(sweep: PagedSweep, cfg) -> PagedSweep:
+    """`sweep` with the config's page_size (16 unless the config or a
+    key=value override sets it)."""
+    return dataclasses.replace(sweep, page_size=cfg.page_size)
+
+
 def cmd_paged(args, cfg, sweep: PagedSweep) -> int:
     """`jaxinfer bench --paged`: run, print the report, write JSON / Markdown."""
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[paged] {msg}", file=sys.stderr, flush=True))
-    return publish(run_paged(cfg, sweep, log), cfg, args.out, "paged", format_paged)
+    return publish(run_paged(cfg, for_config(sweep, cfg), log), cfg, args.out, "paged", format_paged)
