@@ -27,21 +27,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sampling
 from jaxinfer.cache import paged
 from jaxinfer.cache.paged import init_paged_cache
 from jaxinfer.cache.paged_ring import init_ring_cache
 from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
-from jaxinfer.models import roofline
 from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool, HostGrammar
-from jaxinfer.sampling.rows import NO_TOKEN, StepOutput, StopTokens
+from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
+from jaxinfer.serving import chunking
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.rows import row_inputs, stop_tokens
 from jaxinfer.serving.warmup import WarmUp
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
@@ -58,12 +58,6 @@ _ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinf
 # Rows one admission program writes (more admissions take several calls).
 ADMIT_ROWS = 8
 
-# What an attention FLOP of a prompt chunk costs in matmul FLOPs
-# (`chunk_cost`): the matmuls run at about 2.5x the FLOP/s of the ragged
-# attention kernel, with its softmax, on the CPUs measured (benchmarks/README.md,
-# "A long prompt's chunks by their cost").
-ATTENTION_FLOP_COST = 2.5
-
 # Log-prob counts are compiled for these values only (a request asking for
 # n alternatives runs with the next one and keeps its n).
 LOGPROB_BUCKETS = (0, 1, 2, 4, 8, 20)
@@ -72,47 +66,6 @@ LOGPROB_BUCKETS = (0, 1, 2, 4, 8, 20)
 def logprob_bucket(n: Optional[int]) -> int:
     """The static `num_logprobs` for a request wanting n alternatives (-1: none)."""
     return -1 if n is None else bucket_for(n, LOGPROB_BUCKETS)
-
-
-def row_inputs(requests: Sequence[Request], vocab_size: int, history: int,
-               generated: Optional[Sequence[Sequence[int]]] = None,
-               grammar: Optional[Sequence[int]] = None) -> engine_step.RowInputs:
-    """`step.admit`'s per-row inputs for requests (one row each): budgets,
-    min_tokens, ignore_eos, the prompt's token set and ids (in a history of
-    `history` positions, >= each prompt + max_new_tokens), PRNG keys,
-    sampling arrays. `generated`: per request, the tokens it generated before
-    it was preempted (its row resumes after them; default none). `grammar`:
-    per request, its structured-output state (default -1, none)."""
-    generated = generated or [()] * len(requests)
-    seen = np.zeros((len(requests), vocab_size), bool)
-    counts = np.zeros((len(requests), vocab_size), np.int32)
-    ids = np.zeros((len(requests), history), np.int32)
-    lengths = []
-    for row, (r, done) in enumerate(zip(requests, generated)):
-        seq = list(r.prompt_ids) + list(done)
-        seen[row, seq] = True
-        np.add.at(counts[row], list(done), 1)
-        ids[row, :len(seq)] = seq
-        lengths.append(len(seq))
-    return engine_step.RowInputs(
-        max_new_tokens=to_device([r.max_new_tokens for r in requests], np.int32),
-        min_tokens=to_device([r.min_tokens for r in requests], np.int32),
-        ignore_eos=to_device([r.ignore_eos for r in requests], bool), seen=to_device(seen),
-        history=to_device(ids), history_len=to_device(lengths, np.int32),
-        keys=sampling.row_keys([r.sampling.seed for r in requests]),
-        sampling=sampling.stack_params([r.sampling for r in requests]),
-        num_generated=to_device([len(d) for d in generated], np.int32), counts=to_device(counts),
-        grammar=to_device(grammar if grammar is not None else [-1] * len(requests), np.int32))
-
-
-def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
-                num_ids: int = 0) -> StopTokens:
-    """The device's stop rule: every id in either set ends a row, EOS ones
-    unless the row has ignore_eos (-1 pads an empty set); ids from num_ids
-    on (0: none) are never drawn."""
-    ids = sorted(set(stop_token_ids) | set(eos_token_ids)) or [-1]
-    return StopTokens(to_device(ids, np.int32), to_device(np.isin(ids, list(eos_token_ids))),
-                      num_ids=int(num_ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,13 +240,8 @@ class ModelRunner(WarmUp):
         return self.width if segment.decode else len(segment.tokens)
 
     def chunk_cost(self, start: int, length: int) -> float:
-        """The cost of a prompt chunk at positions [start, start + length) of
-        one row, in matmul FLOPs: its matmul FLOPs plus ATTENTION_FLOP_COST
-        times its attention FLOPs (`models.roofline.chunk_flops`). It grows
-        with the chunk's position; the scheduler keeps long prompts' chunks
-        within a budget of it."""
-        matmuls, attention = roofline.chunk_flops(self.config, start, length)
-        return matmuls + ATTENTION_FLOP_COST * attention
+        """`serving.chunking.chunk_cost` of this runner's model."""
+        return chunking.chunk_cost(self.config, start, length)
 
     # --- dispatch ------------------------------------------------------------------------
 
@@ -513,4 +461,4 @@ class ModelRunner(WarmUp):
 
 
 __all__ = ["Admission", "Dispatched", "LOGPROB_BUCKETS", "ModelRunner", "NO_TOKEN", "Segment",
-           "logprob_bucket", "row_inputs", "stop_tokens"]
+           "logprob_bucket"]

@@ -17,10 +17,8 @@ decode, prompts take at most `prefill_chunk_size` tokens per step (it bounds
 a running stream's gap between tokens), and a prompt longer than the token
 budget goes after the others, filling the step only up to the token bucket
 of the decode tokens plus `long_prefill_chunk_size` (it takes several steps
-anyway; Sarathi-Serve's stall-free batching), and later in the prompt, where
-each token attends more keys, only to 1.5 times what those tokens cost at
-the prompt's start (`runner.chunk_cost`); with nothing decoding, the whole
-budget.
+anyway; Sarathi-Serve's stall-free batching; later chunks take fewer tokens,
+by their cost: `serving.chunking`); with nothing decoding, the whole budget.
 
 The step is dispatched before the previous step's tokens are read (decoding
 rows take their tokens from the device), so the host detokenizes and matches
@@ -67,6 +65,7 @@ import time
 from typing import Callable, Optional
 
 from jaxinfer.serving import faults
+from jaxinfer.serving.chunking import long_chunk
 from jaxinfer.serving.outputs import StepOutputs
 from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import (QueueFullError, Request, RequestOutput, RequestState,
@@ -74,12 +73,6 @@ from jaxinfer.serving.request import (QueueFullError, Request, RequestOutput, Re
 from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
 
 POLICIES = ("continuous", "static")
-
-# A long prompt's chunk beside decoding rows costs at most this many times
-# its first chunk (`Scheduler._long_chunk`): a 2,048-token prompt's late
-# chunks are cut from 56 tokens to about 32, and a longer prompt's steps
-# stay bounded instead of growing with its position.
-LONG_CHUNK_GROWTH = 1.5
 
 
 @dataclasses.dataclass
@@ -426,7 +419,7 @@ class Scheduler(StepOutputs):
         first), then new admissions; while rows decode, long prompts go last
         and fill the step only up to the token bucket of the decoding rows
         plus long_prefill_chunk_size (the bucket is computed anyway), a
-        later chunk fewer tokens (`_long_chunk`)."""
+        later chunk fewer tokens (`chunking.long_chunk`)."""
         long_cap, decode, start = bool(num_decoding and self.long_prefill_chunk_size), 0, budget
         if long_cap:      # prompt tokens that bucket holds beside the decode tokens
             decode = self.runner.width * num_decoding
@@ -434,9 +427,8 @@ class Scheduler(StepOutputs):
                                              self.runner.token_budget))[0] - decode
 
         def chunk(seq: _Seq) -> int:
-            n = budget
-            if long_cap and seq.long_prompt:
-                n = self._long_chunk(seq, min(budget, top - (start - budget)))
+            n = budget if not (long_cap and seq.long_prompt) else long_chunk(
+                self.runner.chunk_cost, seq.computed, min(budget, top - (start - budget)))
             return self._chunk(seq, n, segments, owners) if n > 0 else 0
 
         deferred = []
@@ -456,23 +448,6 @@ class Scheduler(StepOutputs):
             budget -= chunk(seq)
         for seq in deferred:
             budget -= chunk(seq)
-
-    def _long_chunk(self, seq: _Seq, tokens: int) -> int:
-        """Tokens of a long prompt's next chunk beside decoding rows: at most
-        `tokens`, and costing (`runner.chunk_cost`) at most LONG_CHUNK_GROWTH
-        times `tokens` tokens at the prompt's start, so the steps stay bounded
-        while the prompt's later tokens attend more keys; at least 1 when
-        tokens >= 1."""
-        if tokens <= 1:
-            return max(tokens, 0)
-        limit, lo, hi = LONG_CHUNK_GROWTH * self.runner.chunk_cost(0, tokens), 1, tokens
-        while lo < hi:     # the largest length within the limit (the cost grows with it)
-            mid = (lo + hi + 1) // 2
-            if self.runner.chunk_cost(seq.computed, mid) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def _admit(self, seq: _Seq, budget: int) -> Optional[Admission]:
         """Give the first waiting request a slot, its prefix-cache hit and the

@@ -43,7 +43,7 @@ from jaxinfer.cache import kv as dense, paged
 from jaxinfer.engine import step as engine_step
 from jaxinfer.parallel import sharding
 from jaxinfer.serving.request import Request
-from jaxinfer.serving.runner import row_inputs
+from jaxinfer.serving.rows import row_inputs
 from multidevice import run_case
 from cache_cases import (CONFIG, DRAFT, DTYPES, bits, dense_cache, fields, paged_cache, random_layer,
                          visible_pages)

@@ -82,6 +82,17 @@ def test_chunk_flops_by_hand():
         metrics.chunk_flops(TINY, -1, 2)
 
 
+def test_chunk_cost_and_the_long_chunk_it_allows_by_hand():
+    from jaxinfer.serving import chunking
+
+    assert chunking.ATTENTION_FLOP_COST == 2.5 and chunking.LONG_CHUNK_GROWTH == 1.5
+    assert chunking.chunk_cost(TINY, 1, 2) == 1152 + 2.5 * 160
+    # cost = length * (1 + start): the limit is 1.5 * 4 = 6 for tokens = 4
+    cost = lambda start, length: length * (1 + start)  # noqa: E731
+    assert [chunking.long_chunk(cost, s, 4) for s in (0, 1, 2, 5, 9)] == [4, 3, 2, 1, 1]
+    assert (chunking.long_chunk(cost, 9, 1), chunking.long_chunk(cost, 9, 0)) == (1, 0)
+
+
 def test_decode_cost_by_hand():
     c = metrics.decode_cost(TINY, batch=2, context=3)
     # per row: matmuls 2*L*144 = 576, LM head 80, attention 4*N*H * 8 keys = 128

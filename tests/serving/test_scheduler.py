@@ -15,7 +15,8 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.serving.request import Request
 from jaxinfer.serving.runner import Dispatched
-from jaxinfer.serving.scheduler import LONG_CHUNK_GROWTH, QueueFullError, Scheduler
+from jaxinfer.serving.chunking import LONG_CHUNK_GROWTH
+from jaxinfer.serving.scheduler import QueueFullError, Scheduler
 
 V = 50
 STOP = 0

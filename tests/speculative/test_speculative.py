@@ -13,7 +13,7 @@ from jaxinfer.engine import phases
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, RowState, accept_drafts
 from jaxinfer.serving.request import Request, RequestState
-from jaxinfer.serving.runner import row_inputs, stop_tokens
+from jaxinfer.serving.rows import row_inputs, stop_tokens
 from jaxinfer.speculative import ngram_propose
 from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_LLAMA, random_params
