@@ -78,9 +78,9 @@ class GenerationConfig:
         a prompt longer than the token budget fills a step only up to the
         token bucket of the decode tokens plus this many, after the other
         prompts, and later in the prompt only to 1.5 times what those
-        tokens cost at its start (it takes several steps anyway; small pieces keep the
-        running streams' gaps near one decode step's, at some cost to its
-        own TTFT); null: as any prompt (prefill_chunk_size).
+        tokens cost at its start (it takes several steps anyway; small
+        pieces keep the running streams' gaps near one decode step's, at
+        some cost to its own TTFT); null: as any prompt (prefill_chunk_size).
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget and largest compiled token bucket).
       sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed

@@ -156,14 +156,14 @@ class OpenAIServer:
             return json_error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
         if not loc:
             return json_error(400, "the request body must be a JSON object (Content-Type: "
-                               f"application/json): {err['msg']}")
+                              f"application/json): {err['msg']}")
         where = ".".join(loc) if loc else "body"
         return json_error(400, f"{where}: {err['msg']}", param=loc[0] if loc else None)
 
     @staticmethod
     async def _on_http_error(request, exc: HTTPException):
         return json_error(exc.status_code, str(exc.detail),
-                           code="not_found" if exc.status_code == 404 else None)
+                          code="not_found" if exc.status_code == 404 else None)
 
     @staticmethod
     async def _on_exception(request, exc: Exception):

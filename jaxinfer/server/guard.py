@@ -46,11 +46,11 @@ class Guard:
         settings = self.server.settings
         if settings.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
             return await json_error(401, "invalid or missing API key: send 'Authorization: Bearer "
-                                     "<key>'", code="invalid_api_key")(scope, receive, counted_send)
+                                    "<key>'", code="invalid_api_key")(scope, receive, counted_send)
         replay = await self._read_limited(scope, receive, settings.max_request_bytes)
         if replay is None:
             return await json_error(413, f"request body exceeds {settings.max_request_bytes} bytes",
-                                     code="request_too_large")(scope, receive, counted_send)
+                                    code="request_too_large")(scope, receive, counted_send)
         await self.app(scope, replay, counted_send)
 
     def _authorized(self, scope) -> bool:
