@@ -1,7 +1,9 @@
 """FFI wrappers of the quantized CPU kernels (`jaxinfer/kernels/quant_kernels.cc`).
 
 - `quant_matmul`: x @ W for a `quant.QuantizedWeight` (int8, 4-bit or bfloat16
-  codes in column panels), the codes turned into float32 in registers;
+  codes in column panels), the codes turned into float32 in registers, or,
+  for 4-bit codes with int8 activations, x rounded to int8 and the products
+  summed in int32 (AVX512-VNNI);
 - `decode_attention_int8`: one new token per row attends over an int8 K/V
   cache buffer with one scale per token per kv head.
 
@@ -31,12 +33,22 @@ _TARGETS = {"jaxinfer_int8_matmul": "JaxinferInt8Matmul",
 
 
 @functools.cache
+def _library():
+    return ctypes.cdll.LoadLibrary(str(cpu_kernels.build()))
+
+
+@functools.cache
 def _register() -> bool:
-    library = ctypes.cdll.LoadLibrary(str(cpu_kernels.build()))
     for target, symbol in _TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(_library(), symbol)),
                                     platform="cpu")
     return True
+
+
+def has_q4_x8() -> bool:
+    """Whether q4 matmuls with int8 activations run here: the kernels are
+    `enabled()` and were built with AVX512-VNNI, BW and VBMI."""
+    return enabled() and bool(_library().jaxinfer_has_q4_x8())
 
 
 def enabled() -> bool:
@@ -58,9 +70,15 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     computed row equals the call without `rows` up to float32 summation
     order (a lone row in the last register block keeps two partial sums).
 
+    A "q4" W with activations "int8" multiplies `quant.round_activations(x)`
+    on the VNNI path (int32 sums of int8 x times the codes); the result is
+    float64 (rounded x) @ W up to float32 summation order.
+
     Raises:
-      ValueError: x is not float32 or its last axis is not K (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
+      ValueError: x is not float32 or its last axis is not K, or int8
+        activations with a block size that 16 does not divide (at trace time).
+      RuntimeError: the kernels are not `enabled()`, or W wants int8
+        activations and `has_q4_x8()` is False.
     """
     k, n = w.shape
     if x.dtype != jnp.float32 or x.shape[-1] != k:
@@ -69,8 +87,16 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     flat = x.reshape(-1, k)
     count = cpu_kernels.row_count(rows, flat.shape[0])
     out = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
+    if w.format == "q4" and w.activations == "int8":
+        if not has_q4_x8():
+            raise RuntimeError("int8 activations need the AVX512-VNNI kernel, which this "
+                               "build lacks (the CPU has no AVX512-VNNI/VBMI)")
+        if (k // w.scale.shape[1]) % 16:
+            raise ValueError(f"quant_matmul: int8 activations need a block size that 16 "
+                             f"divides, got {k // w.scale.shape[1]}")
     if w.format == "q4":
-        y = jax.ffi.ffi_call("jaxinfer_q4_matmul", out)(flat, w.codes, w.scale, w.min, count)
+        y = jax.ffi.ffi_call("jaxinfer_q4_matmul", out)(
+            flat, w.codes, w.scale, w.min, count, int8_activations=w.activations == "int8")
     elif w.format == "int8" and w.min is None:
         y = jax.ffi.ffi_call("jaxinfer_int8_matmul", out)(flat, w.codes, w.scale, count)
     elif w.format == "int8":

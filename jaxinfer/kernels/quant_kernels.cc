@@ -1,7 +1,8 @@
 // Quantized CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.quant_kernels):
 //   JaxinferInt8Matmul           x @ W, W int8 codes with a scale per block of rows
 //   JaxinferInt8MinMatmul        the same with a min per block too
-//   JaxinferQ4Matmul             x @ W, W 4-bit codes with a scale and a min per block of rows
+//   JaxinferQ4Matmul             x @ W, W 4-bit codes with a scale and a min per block of rows;
+//                                with int8_activations, x rounded to int8 first (AVX512-VNNI)
 //   JaxinferBf16Matmul           x @ W, W bfloat16
 //   JaxinferDecodeAttentionInt8  decode attention over an int8 K/V cache buffer
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
@@ -553,19 +554,6 @@ ffi::Error Int8MinMatmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes,
-                    ffi::AnyBuffer scale, ffi::AnyBuffer min, Rows rows,
-                    ffi::Result<Matrix2> out) {
-  MatmulShape d;
-  if (auto err = check_matmul("q4_matmul", x, codes.dimensions(), 2, &scale, &min, rows, out,
-                              d);
-      !err.success())
-    return err;
-  dispatch_scale<Q4Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
-                          out->typed_data());
-  return ffi::Error::Success();
-}
-
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes, Rows rows,
                       ffi::Result<Matrix2> out) {
   MatmulShape d;
@@ -576,6 +564,221 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes, Rows ro
   quant_matmul<Bf16Codes, float>(pool, d, x.typed_data(),
                                  reinterpret_cast<const uint16_t*>(codes.typed_data()), nullptr,
                                  nullptr, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// --- q4 weights x int8 activations (AVX512-VNNI) ---
+// JaxinferQ4Matmul with int8_activations: x @ W for q4 W with x rounded to int8 per row and weight block (the
+// scheme of llama.cpp's Q8_1): d[m, b] = max_k |x[m, k]| * float32(1 / 127),
+// q[m, k] = round(x[m, k] * (1 / d)) (ties to even; q = 0 where d = 0), then
+//   out[m, n] = sum_b d[m, b] * (scale[b, n] * sum_{k in b} q[m, k] codes[k, n]
+//                                + min[b, n] * sum_{k in b} q[m, k]),
+// which is (d * q) @ W up to float32 summation order. The integer sums run on VPDPBUSD
+// (unsigned codes times signed q, four products a lane). Codes are turned into bytes in
+// registers: one 64-byte load at row pair 2g holds, for 16 columns, rows 4g, 4g + 1 (pair 2g)
+// and, 48 bytes on, rows 4g + 2, 4g + 3; a byte permute puts each column's two pairs in one
+// 32-bit lane and the nibbles are split in place, giving rows (4g, 4g + 2, 4g + 1, 4g + 3) per
+// lane, the order q is stored in. From kTileRows rows a unit first writes its panel's bytes
+// as a K x 48 tile, as the float path does.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+constexpr bool kHasQ4X8 = true;
+
+// q4 bytes of one group of 4 rows for the 16 columns of vector j: p points at row pair 2g.
+inline __m512i unpack_q4_group(const uint8_t* p, int j) {
+  static const __m512i pick = [] {
+    alignas(64) uint8_t idx[64];
+    for (int c = 0; c < 16; ++c) {
+      idx[4 * c] = idx[4 * c + 2] = uint8_t(c);
+      idx[4 * c + 1] = idx[4 * c + 3] = uint8_t(48 + c);
+    }
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i both = _mm512_permutexvar_epi8(pick, _mm512_loadu_si512(p + 16 * j));
+  // Bytes 0, 1 keep their low nibble, bytes 2, 3 take their high one.
+  const __m512i split = _mm512_ternarylogic_epi32(_mm512_set1_epi32(int32_t(0xFFFF0000u)),
+                                                  _mm512_srli_epi32(both, 4), both, 0xCA);
+  return _mm512_and_si512(split, _mm512_set1_epi8(15));
+}
+
+// Reads a group's three weight vectors straight from the q4 codes (few rows) ...
+struct Q4Bytes {
+  const uint8_t* c;
+  void load(int64_t g, __m512i w[3]) const {
+    for (int j = 0; j < 3; ++j) w[j] = unpack_q4_group(c + 2 * g * kPanel, j);
+  }
+};
+// ... or from a tile of them made by `unpack_q4_panel`.
+struct TileBytes {
+  const uint8_t* t;  // [K / 4, 3, 64]
+  void load(int64_t g, __m512i w[3]) const {
+    for (int j = 0; j < 3; ++j) w[j] = _mm512_loadu_si512(t + (3 * g + j) * 64);
+  }
+};
+
+void unpack_q4_panel(const uint8_t* c, int64_t K, uint8_t* tile) {
+  for (int64_t g = 0; g < K / 4; ++g)
+    for (int j = 0; j < 3; ++j)
+      _mm512_storeu_si512(tile + (3 * g + j) * 64, unpack_q4_group(c + 2 * g * kPanel, j));
+}
+
+// x rows [m0, m1) to q (int8 [M, K], each group of 4 in the order 0, 2, 1, 3), d and
+// qsum = d * sum q ([M, nb]); bs is a multiple of 16.
+void quantize_x8(const float* x, int64_t K, int64_t bs, int64_t m0, int64_t m1, int8_t* q,
+                 float* d, float* qsum) {
+  const int64_t nb = K / bs;
+  const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * bs;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < bs; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+      const float dm = _mm512_reduce_max_ps(amax) * (1.0f / 127.0f);  // as XLA computes it
+      const __m512 inv = _mm512_set1_ps(dm != 0.0f ? 1.0f / dm : 0.0f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = 0; k < bs; k += 16) {
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));
+        sum = _mm512_add_epi32(sum, qi);
+        _mm_storeu_si128((__m128i*)(q + m * K + b * bs + k),
+                         _mm_shuffle_epi8(_mm512_cvtepi32_epi8(qi), order));
+      }
+      d[m * nb + b] = dm;
+      qsum[m * nb + b] = dm * float(_mm512_reduce_add_epi32(sum));
+    }
+}
+
+struct X8Args {
+  const int8_t* q;  // row m0's
+  const float* d;
+  const float* qsum;
+  int64_t K, bs, nb;
+};
+
+// out[0:R, 0:cols] for one panel over R rows of quantized x.
+template <class Src, typename Scale, int R>
+void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const Scale* min,
+                    float* out, int64_t N, int64_t cols) {
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m512i dot[R][3];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 3; ++j) dot[r][j] = _mm512_setzero_si512();
+    for (int64_t g = b * x.bs / 4; g < (b + 1) * x.bs / 4; ++g) {
+      __m512i w[3];
+      src.load(g, w);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x.q + r * x.K + 4 * g, 4);
+        const __m512i xr = _mm512_set1_epi32(four);
+        for (int j = 0; j < 3; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], w[j], xr);
+      }
+    }
+    v16 sc[NV], mn[NV];
+    load_scales(scale + b * kPanel, sc);
+    load_scales(min + b * kPanel, mn);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dr = _mm512_set1_ps(x.d[r * x.nb + b]);
+      const __m512 sr = _mm512_set1_ps(x.qsum[r * x.nb + b]);
+      for (int j = 0; j < 3; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]), _mm512_mul_ps(dr, (__m512)sc[j]),
+                                    acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(sr, (__m512)mn[j], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kPanel];
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(row + 16 * j, acc[r][j]);
+    std::memcpy(out + r * N, row, cols * sizeof(float));
+  }
+}
+
+template <class Src, typename Scale, int R>
+void x8_panel_rows(int64_t rows, const X8Args& x, const Src& src, const Scale* scale,
+                   const Scale* min, float* out, int64_t N, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return x8_panel_rows<Src, Scale, R - 1>(rows, x, src, scale, min, out, N, cols);
+  }
+  x8_panel_block<Src, Scale, R>(x, src, scale, min, out, N, cols);
+}
+
+constexpr int kX8Rows = 4;          // rows per register block: 2 x 12 accumulators
+constexpr int64_t kX8QuantRows = 16;  // rows of x per quantization unit
+
+template <typename Scale>
+void q4_x8_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
+                  const uint8_t* codes, const Scale* scale, const Scale* min, float* out) {
+  const int64_t bs = d.K / d.nb, M = d.rows;
+  std::fill(out + M * d.N, out + d.M * d.N, 0.0f);
+  if (M == 0) return;
+  std::vector<int8_t> q(M * d.K);
+  std::vector<float> xd(M * d.nb), qsum(M * d.nb);
+  parallel_units(pool, (M + kX8QuantRows - 1) / kX8QuantRows, [&](int64_t u) {
+    quantize_x8(x, d.K, bs, u * kX8QuantRows, std::min(M, (u + 1) * kX8QuantRows), q.data(),
+                xd.data(), qsum.data());
+  });
+  const int64_t panel_codes = d.K * kPanel / 2;
+  const int64_t row_units = (M + kRowsPerUnit - 1) / kRowsPerUnit;
+  const auto rows_of = [&](int64_t p, int64_t m0, int64_t m1, const auto& src) {
+    const int64_t cols = std::min<int64_t>(kPanel, d.N - p * kPanel);
+    for (int64_t m = m0; m < m1; m += kX8Rows) {
+      const X8Args a{q.data() + m * d.K, xd.data() + m * d.nb, qsum.data() + m * d.nb, d.K, bs,
+                     d.nb};
+      x8_panel_rows<std::decay_t<decltype(src)>, Scale, kX8Rows>(
+          std::min<int64_t>(kX8Rows, m1 - m), a, src, scale + p * d.nb * kPanel,
+          min + p * d.nb * kPanel, out + m * d.N + p * kPanel, d.N, cols);
+    }
+  };
+  if (d.M >= kTileRows) {
+    return parallel_units(pool, d.P * row_units, [&](int64_t u) {
+      const int64_t p = u / row_units, m0 = (u % row_units) * kRowsPerUnit;
+      thread_local std::vector<uint8_t> tile;
+      tile.resize(d.K * kPanel);
+      unpack_q4_panel(codes + p * panel_codes, d.K, tile.data());
+      rows_of(p, m0, std::min(M, m0 + kRowsPerUnit), TileBytes{tile.data()});
+    });
+  }
+  const int64_t panel_bytes = panel_codes + 2 * d.nb * kPanel * sizeof(Scale);
+  const int64_t group = std::max<int64_t>(
+      1, std::min(d.P / (kUnitsPerThread * pool.num_threads()), kUnitBytes / panel_bytes));
+  parallel_units(pool, (d.P + group - 1) / group, [&](int64_t g) {
+    for (int64_t p = g * group; p < std::min(d.P, (g + 1) * group); ++p)
+      rows_of(p, 0, M, Q4Bytes{codes + p * panel_codes});
+  });
+}
+#else
+constexpr bool kHasQ4X8 = false;
+#endif
+
+// int8_activations: the path above (an error where it is not built), else float32 x.
+ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuffer scale,
+                    ffi::AnyBuffer min, Rows rows, ffi::Result<Matrix2> out,
+                    bool int8_activations) {
+  MatmulShape d;
+  if (auto err = check_matmul("q4_matmul", x, codes.dimensions(), 2, &scale, &min, rows, out,
+                              d);
+      !err.success())
+    return err;
+  if (!int8_activations) {
+    dispatch_scale<Q4Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
+                            out->typed_data());
+    return ffi::Error::Success();
+  }
+  if (!kHasQ4X8)
+    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need AVX512-VNNI/BW/VBMI");
+  if ((d.K / d.nb) % 16 != 0)
+    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need a block size that 16 divides");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+  if (scale.element_type() == ffi::DataType::F32)
+    q4_x8_matmul<float>(pool, d, x.typed_data(), codes.typed_data(),
+                        static_cast<const float*>(scale.untyped_data()),
+                        static_cast<const float*>(min.untyped_data()), out->typed_data());
+  else
+    q4_x8_matmul<_Float16>(pool, d, x.typed_data(), codes.typed_data(),
+                           static_cast<const _Float16*>(scale.untyped_data()),
+                           static_cast<const _Float16*>(min.untyped_data()), out->typed_data());
+#endif
   return ffi::Error::Success();
 }
 
@@ -798,7 +1001,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Rows>()
-                                  .Ret<Matrix2>());
+                                  .Ret<Matrix2>()
+                                  .Attr<bool>("int8_activations"));
+
+extern "C" int jaxinfer_has_q4_x8() { return kHasQ4X8 ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
                               ffi::Ffi::Bind()

@@ -215,9 +215,9 @@ class LLM:
         """
         progress = Progress.resolve(progress)
         dtype, weights = serving_dtypes(cfg.dtype, cfg.weights)
-        config, params, tokenizer = load_model(cfg.model, jnp.dtype(dtype), prepared=True,
-                                               progress=progress, weights=weights,
-                                               before_weights=before_weights)
+        config, params, tokenizer = load_model(
+            cfg.model, jnp.dtype(dtype), prepared=True, progress=progress, weights=weights,
+            activations=cfg.activations, before_weights=before_weights)
         draft_weights = serving_dtypes(cfg.dtype, cfg.draft_weights, notice=False)[1]
         spec = speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
                                         cfg.ngram_max, cfg.draft_model, config, tokenizer, dtype,

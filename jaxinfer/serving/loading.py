@@ -35,9 +35,11 @@ from jaxinfer import models
 from jaxinfer.checkpoint.loading import gguf_reader, load_params
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.config import ModelConfig, cache_dir
+from jaxinfer.kernels import quant as quant_kernels
 from jaxinfer.progress import Progress
 from jaxinfer.speculative import DraftModel, SpecConfig, check_draft
 from jaxinfer.tokenizer.tokenizer import Tokenizer
+from jaxinfer.weights import quant
 
 
 XLA_CACHE_ENV = "JAXINFER_XLA_CACHE_DIR"
@@ -140,7 +142,7 @@ def load_python_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
 def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
                cache: Optional[bool] = None, progress: Optional[Progress] = None,
                before_weights: Optional[Callable[[object], None]] = None,
-               weights: str = "float32"):
+               weights: str = "float32", activations: str = "float32"):
     """(ModelConfig, params, Tokenizer) for a named model, .gguf file, HF
     folder or Python factory.
 
@@ -150,17 +152,22 @@ def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
       `before_weights(tokenizer)` runs once the tokenizer is loaded and
       before any weight is read (after the factory ran, for a Python
       source), e.g. to check prompt lengths; what it raises propagates.
+      `activations`: "float32" or "int8", set on every 4-bit weight
+      (`weights.quant.with_activations`).
     Raises:
       ModelSourceError: the source cannot be found or fetched.
       CheckpointError: a tensor is missing or has the wrong shape.
       ValueError / FileNotFoundError: see `load_python_model`.
+      RuntimeError: activations "int8" where the CPU kernels run but lack
+        the AVX512-VNNI path (`kernels.quant.has_q4_x8`); raised first.
     """
+    check_activations(activations)
     if isinstance(source, str) and source.startswith(PYTHON_SOURCE):
         config, params, tokenizer = load_python_model(source, dtype, prepared=prepared,
                                                       weights=weights)
         if before_weights is not None:
             before_weights(tokenizer)
-        return config, params, tokenizer
+        return config, quant.with_activations(params, activations), tokenizer
     progress = Progress.resolve(progress)
     path = resolve_model(source, progress)
     reader = gguf_reader(path, progress) if path.is_file() else None
@@ -169,7 +176,16 @@ def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
         before_weights(tokenizer)
     config, params = load_params(path, dtype, prepared=prepared, cache=cache, progress=progress,
                                  reader=reader, weights=weights)
-    return config, params, tokenizer
+    return config, quant.with_activations(params, activations), tokenizer
+
+
+def check_activations(activations: str) -> None:
+    """Raise RuntimeError where int8 activations cannot run: the CPU kernels
+    are on but built without the AVX512-VNNI path. (With the kernels off,
+    XLA computes the same rounding, `weights.quant.round_activations`.)"""
+    if activations == "int8" and quant_kernels.enabled() and not quant_kernels.has_q4_x8():
+        raise RuntimeError("activations=int8 needs AVX512-VNNI, BW and VBMI, which this CPU "
+                           "(or the kernel build) lacks; use activations=float32")
 
 
 def load_draft(source: str, target_config: ModelConfig, target_tokenizer=None, dtype=jnp.float32,

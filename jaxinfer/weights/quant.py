@@ -212,6 +212,9 @@ class QuantizedWeight:
       min: like scale, or None.
       n: N (static).
       format: "int8", "q4" or "bf16" (static).
+      activations: "float32" (x as it is) or "int8" ("q4" only: x rounded to
+        int8 per row and block before the product, `round_activations`;
+        static).
     """
 
     codes: jax.Array
@@ -219,6 +222,7 @@ class QuantizedWeight:
     min: Optional[jax.Array]
     n: int = struct.field(pytree_node=False)
     format: str = struct.field(pytree_node=False)
+    activations: str = struct.field(pytree_node=False, default="float32")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -286,12 +290,47 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     return panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :w.n]
 
 
+ACTIVATIONS = ("float32", "int8")  # QuantizedWeight.activations
+
+
+def with_activations(params, activations: str):
+    """params with every "q4" `QuantizedWeight` set to `activations` ("float32"
+    or "int8"); other leaves as they are (no copy of any array).
+
+    Raises:
+      ValueError: activations is not one of ACTIVATIONS.
+    """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    def one(w):
+        if isinstance(w, QuantizedWeight) and w.format == "q4":
+            return w.replace(activations=activations)
+        return w
+    return jax.tree.map(one, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+
+
+def round_activations(x: jax.Array, bs: int) -> jax.Array:
+    """x float32 [..., K] rounded to int8 per block of bs along K and back
+    (llama.cpp's Q8_1 activations): d = max |x| * float32(1 / 127) over
+    the block, q = round(x * (1 / d)) (ties to even; 0 where d = 0), returns
+    d * q. The x that an "int8"-activation `matmul` multiplies, bit for bit
+    as the kernel rounds it (float32 throughout; a multiply, not a division
+    by 127, which XLA would turn into one anyway)."""
+    k = x.shape[-1]
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], k // bs, bs)
+    d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) * jnp.float32(1 / 127)
+    inv = jnp.where(d != 0, jnp.float32(1) / jnp.where(d != 0, d, 1), 0)
+    return (jnp.round(blocks * inv) * d).reshape(x.shape)
+
+
 def matmul(x: jax.Array, w: QuantizedWeight, rows: Optional[jax.Array] = None) -> jax.Array:
     """x [..., K] float32 @ W [K, N] -> float32 [..., N].
 
     With the CPU kernels enabled, `quant_kernels.quant_matmul` (codes
     dequantized in registers; `rows`: as there); otherwise XLA on
-    `dequantize(w)`, every row computed.
+    `dequantize(w)`, every row computed. With `w.activations` "int8", x is
+    first rounded as in `round_activations` (the kernel: int8 products on
+    AVX512-VNNI).
 
     Raises:
       ValueError: x's last axis is not K.
@@ -302,6 +341,8 @@ def matmul(x: jax.Array, w: QuantizedWeight, rows: Optional[jax.Array] = None) -
         raise ValueError(f"quant matmul: x is {x.dtype}{list(x.shape)}, expected [..., {k}]")
     if quant_kernels.enabled():
         return quant_kernels.quant_matmul(x.astype(jnp.float32), w, rows)
+    if w.activations == "int8":
+        x = round_activations(x, k // w.scale.shape[1])
     return jnp.einsum("...K,KN->...N", x.astype(jnp.float32), dequantize(w))
 
 

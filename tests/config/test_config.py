@@ -44,6 +44,26 @@ def test_bad_values_rejected(override, error, message):
         GenerationConfig.load(None, (override,))
 
 
+def test_int8_activations_need_q4_weights():
+    with pytest.raises(ValueError, match=re.escape("activations=int8 needs weights=q4 (int8 "
+                                                   "activations multiply 4-bit weights), got "
+                                                   "weights='int8'")):
+        GenerationConfig.load(None, ("weights=int8", "activations=int8"))
+    with pytest.raises(ValueError, match=re.escape("activations must be float32 or int8, got 'int4'")):
+        GenerationConfig.load(None, ("weights=q4", "activations=int4"))
+    assert GenerationConfig.load(None, ("weights=q4", "activations=int8")).activations == "int8"
+
+
+def test_int8_activations_without_the_vnni_kernel_fail_before_loading(monkeypatch):
+    from jaxinfer.kernels import quant as quant_kernels
+    from jaxinfer.serving import loading
+
+    monkeypatch.setattr(quant_kernels, "enabled", lambda: True)
+    monkeypatch.setattr(quant_kernels, "has_q4_x8", lambda: False)
+    with pytest.raises(RuntimeError, match="activations=int8 needs AVX512-VNNI"):
+        loading.load_model("/nonexistent/model.gguf", activations="int8")
+
+
 def test_sampling_keys_build_one_sampling_params():
     cfg = GenerationConfig.load(None, ("temperature=0.7", "top_k=-1", "seed=5"))
     assert cfg.sampling == SamplingParams(temperature=0.7, top_k=-1, seed=5)

@@ -282,3 +282,99 @@ def test_switch_turns_quant_kernels_off(monkeypatch):
     packed = quant.pack(quant.quantize_q8(np.ones((32, 4), np.float32)))
     with pytest.raises(RuntimeError, match="CPU kernels are not enabled"):
         quant_kernels.quant_matmul(jnp.ones((1, 32), jnp.float32), packed)
+
+
+# --- q4 with int8 activations ------------------------------------------------------------
+
+needs_x8 = pytest.mark.skipif(not quant_kernels.has_q4_x8(),
+                              reason="no AVX512-VNNI q4 kernel on this CPU")
+
+
+def test_round_activations_by_hand():
+    """d = max |x| * float32(1 / 127) per block of 16, q = round(x * (1 / d))
+    with ties to even, an all-zero block stays zero."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :4] = [1.0, -0.5, 0.25, 0.1]  # block 0; block 1 all zeros
+    d = np.float32(1.0) * np.float32(1 / 127)
+    inv = np.float32(1) / d
+    got = np.asarray(quant.round_activations(jnp.asarray(x), 16))
+    q = np.round(x[0, :4] * inv)  # 127, -63.5 -> -64, 31.75 -> 32, 12.7 -> 13
+    np.testing.assert_array_equal(q, [127, -64, 32, 13])
+    np.testing.assert_array_equal(got[0, :4], q * d)
+    np.testing.assert_array_equal(got[0, 4:], 0)
+
+
+def test_round_activations_jitted_equals_numpy_bit_for_bit():
+    """The rounding under jit is the numpy float32 formula exactly (XLA must
+    not turn it into another one: a d one ulp off flips some q by one)."""
+    x = np.random.default_rng(0).standard_normal((512, 576)).astype(np.float32)
+    blocks = x.reshape(512, 18, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) * np.float32(1 / 127)
+    want = (np.rint(blocks * (np.float32(1) / d)) * d).reshape(x.shape)
+    got = np.asarray(jax.jit(quant.round_activations, static_argnums=1)(jnp.asarray(x), 32))
+    np.testing.assert_array_equal(got, want)
+
+
+def _q4_case(m: int, k: int, n: int, seed: int, type_name: str = ""):
+    """x float32 [m, k] and a q4 `BlockCodes` W [k, n]: quantize_q4 (float16
+    scales), or a GGUF tensor's blocks (Q4_K: float32 scales and mins)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+    if type_name:
+        return x, gguf_block_codes(_gguf_tensor(type_name, n, k, seed=seed))
+    return x, quant.quantize_q4((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
+
+
+@needs_x8
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 33, 70, 512])  # register path; tile path
+@pytest.mark.parametrize("k, n, type_name", [(576, 960, ""), (64, 100, ""), (32, 1, ""),
+                                             (256, 100, "Q4_K"), (256, 14458, "")])
+def test_q4_int8_activations_kernel_matches_float64(m, k, n, type_name):
+    """The VNNI kernel equals float64 (round_activations(x) @ W) within the
+    float32 summation bound: the integer products are exact, only the
+    per-block scaling and the sums round."""
+    x, w = _q4_case(m, k, n, seed=m + n, type_name=type_name)
+    packed = quant.pack(w).replace(activations="int8")
+    got = np.asarray(jax.jit(quant_kernels.quant_matmul)(jnp.asarray(x), packed))
+    xr = np.asarray(quant.round_activations(jnp.asarray(x), w.block))
+    want = xr.astype(np.float64) @ w.dequantize().astype(np.float64)
+    assert got.shape == (m, n)
+    assert np.all(np.abs(got - want) <= summation_bound(xr, w)), np.abs(got - want).max()
+    # and the rounding is a real change: about 5e-3 relative RMS against float32 x
+    exact = x.astype(np.float64) @ w.dequantize().astype(np.float64)
+    rel = np.sqrt(((got - exact) ** 2).mean() / (exact ** 2).mean())
+    assert 1e-3 < rel < 2e-2
+
+
+@needs_x8
+def test_q4_int8_activations_kernel_computes_only_the_given_rows():
+    x, w = _q4_case(20, 64, 100, seed=3)
+    packed = quant.pack(w).replace(activations="int8")
+    full = np.asarray(quant_kernels.quant_matmul(jnp.asarray(x), packed))
+    part = np.asarray(quant_kernels.quant_matmul(jnp.asarray(x), packed, jnp.int32(13)))
+    np.testing.assert_array_equal(part[13:], 0)
+    np.testing.assert_allclose(part[:13], full[:13], rtol=0, atol=1e-6 * np.abs(full).max())
+
+
+def test_q4_int8_activations_on_xla_match_float64(monkeypatch):
+    """Where the kernels are off, `quant.matmul` rounds x the same way, then
+    dots with the dequantized weight."""
+    monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
+    x, w = _q4_case(9, 64, 100, seed=4)
+    packed = quant.pack(w).replace(activations="int8")
+    got = np.asarray(jax.jit(quant.matmul)(jnp.asarray(x), packed))
+    xr = np.asarray(quant.round_activations(jnp.asarray(x), 32))
+    want = xr.astype(np.float64) @ w.dequantize().astype(np.float64)
+    assert np.all(np.abs(got - want) <= summation_bound(xr, w))
+    assert not np.allclose(got, x.astype(np.float64) @ w.dequantize(), rtol=0, atol=1e-5)
+
+
+def test_with_activations_sets_only_4_bit_weights():
+    q4 = quant.pack(quant.quantize_q4(np.ones((32, 4), np.float32)))
+    q8 = quant.pack(quant.quantize_q8(np.ones((32, 4), np.float32)))
+    params = {"a": q4, "b": [q8, jnp.ones(3)]}
+    out = quant.with_activations(params, "int8")
+    assert (out["a"].activations, out["b"][0].activations) == ("int8", "float32")
+    assert out["a"].codes is q4.codes and out["b"][1] is params["b"][1]
+    with pytest.raises(ValueError, match=r"activations must be one of \('float32', 'int8'\), got 'int4'"):
+        quant.with_activations(params, "int4")

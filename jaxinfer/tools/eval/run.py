@@ -36,10 +36,13 @@ from jaxinfer.tools.eval import accuracy
 from jaxinfer.checkpoint.gguf import load_gguf
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.serving.loading import load_model
+from jaxinfer.weights import quant
 from jaxinfer.weights.prepare import WEIGHT_FORMATS, prepare_params
 from jaxinfer.config import GenerationConfig
 from jaxinfer.serving.loading import enable_compilation_cache
 
+# The weight formats, and "q4-a8": q4 weights with int8 activations (`activations=int8`).
+VARIANTS = (*WEIGHT_FORMATS, "q4-a8")
 TEXT = pathlib.Path(__file__).with_name("pride-and-prejudice-ch1-2.txt")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")
 TEXT_SOURCE = ("Jane Austen, Pride and Prejudice (1813), chapters 1-2: Project Gutenberg's "
@@ -53,22 +56,25 @@ def load_variants(source: str, weights: Sequence[str]):
     head); everything else from the float32 load.
 
     Raises:
-      ValueError: an unknown weight format (see `weights.prepare.WEIGHT_FORMATS`).
+      ValueError: an unknown weight format (see `VARIANTS`).
     """
 
-    bad = [w for w in weights if w not in WEIGHT_FORMATS]
+    bad = [w for w in weights if w not in VARIANTS]
     if bad:
-        raise ValueError(f"unknown weight formats {bad}; expected some of {WEIGHT_FORMATS}")
+        raise ValueError(f"unknown weight formats {bad}; expected some of {VARIANTS}")
     path = resolve_model(source)
     config, raw, tokenizer = load_model(source)
     prepared = {"float32": prepare_params(raw, config)}
     blocks = None
     for w in weights:
-        if w in ("q4", "int8") and path.suffix == ".gguf":
+        base = "q4" if w == "q4-a8" else w
+        if base in ("q4", "int8") and path.suffix == ".gguf":
             blocks = blocks or load_gguf(path, keep_quantized=True)[1]
-            prepared[w] = prepare_params(blocks, config, weights=w)
+            prepared[w] = prepare_params(blocks, config, weights=base)
         elif w != "float32":
-            prepared[w] = prepare_params(raw, config, weights=w)
+            prepared[w] = prepare_params(raw, config, weights=base)
+        if w == "q4-a8":
+            prepared[w] = quant.with_activations(prepared[w], "int8")
     return config, tokenizer, (path if path.suffix == ".gguf" else None), prepared
 
 
@@ -205,7 +211,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="generation YAML naming the model")
     p.add_argument("--model", help="override the config's model (name, .gguf or folder)")
     p.add_argument("--weights", default="int8,q4",
-                   help="weight formats to compare with float32 (float32,bfloat16,int8,q4)")
+                   help="weight formats to compare with float32 (float32,bfloat16,int8,q4; "
+                        "q4-a8: q4 with int8 activations)")
     p.add_argument("--kv-cache-dtypes", default="float32",
                    help="KV cache dtypes to run each format with (float32, and int8 where the "
                         "engine has it)")
