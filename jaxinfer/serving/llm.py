@@ -36,6 +36,7 @@ from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving.request import Request, RequestOutput, per_row
+from jaxinfer.serving.rows import pad_rows
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative import SpecConfig
 from jaxinfer.serving.scheduler import Scheduler
@@ -169,8 +170,9 @@ class LLM:
         self._scheduler: Optional[Scheduler] = None
 
     @classmethod
-    def load(cls, source: str, *, dtype: str = "float32", weights: str = "float32", progress=None,
-             load_cache: Optional[bool] = None, **kwargs) -> "LLM":
+    def load(cls, source: str, *, dtype: str = "float32", weights: str = "float32",
+             activations: str = "float32", progress=None, load_cache: Optional[bool] = None,
+             **kwargs) -> "LLM":
         """Load a named model, a `.gguf` file or a Hugging Face folder.
 
         Args:
@@ -180,6 +182,8 @@ class LLM:
             where the C++ CPU kernels run, "bfloat16" serves float32 activations
             over bfloat16 weights (`engine.ragged.serving_dtypes`, one logged line).
           weights: matmul weight format, one of `weights.prepare.WEIGHT_FORMATS`.
+          activations: what 4-bit matmuls multiply, "float32" or "int8" (as
+            `config.GenerationConfig.activations`).
           progress: a `jaxinfer.progress.Progress`, or True / False; None shows
             download/load bars and compile lines when stderr is a terminal.
           load_cache: keep prepared params in the load cache
@@ -188,11 +192,13 @@ class LLM:
         Raises:
           ModelSourceError: the model file cannot be found or fetched.
           CheckpointError: a tensor is missing or has the wrong shape.
+          RuntimeError: activations "int8" without the AVX512-VNNI kernel.
         """
         progress = Progress.resolve(progress)
         dtype, weights = serving_dtypes(jnp.dtype(dtype).name, weights)
         config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
-                                               cache=load_cache, progress=progress, weights=weights)
+                                               cache=load_cache, progress=progress, weights=weights,
+                                               activations=activations)
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
         llm = cls(config, params, tokenizer, **kwargs)
         llm.programs.progress = progress
@@ -462,7 +468,7 @@ class LLM:
                 raise ValueError(f"row {row}: prompt {len(p)} + continuation {len(c)} tokens exceed "
                                  f"max_seq_len {self.max_seq_len}")
         full = [p + c for p, c in rows]
-        tokens, lengths = _pad(full, batch_bucket(len(full)),
+        tokens, lengths = pad_rows(full, batch_bucket(len(full)),
                                self.buckets.prompt_bucket(max(map(len, full))))
         cache = init_cache(self.config, tokens.shape[0], tokens.shape[1], self.cache_dtype)
         logp = np.asarray(self.programs(engine.token_logprobs, self.params, cache, tokens, lengths,
@@ -488,13 +494,3 @@ def _params_dtype(params: dict):
     if "norm" in params:
         return params["norm"].dtype
     return next(w.dtype for w in jax.tree.leaves(params) if jnp.issubdtype(w.dtype, jnp.floating))
-
-
-def _pad(ids: Sequence[Sequence[int]], batch: int, length: int):
-    """Right-pad id lists into int32 tokens [batch, length] and lengths [batch]."""
-    tokens = np.zeros((batch, length), np.int32)
-    lengths = np.zeros((batch,), np.int32)
-    for row, p in enumerate(ids):
-        tokens[row, :len(p)] = p
-        lengths[row] = len(p)
-    return sampling.to_device(tokens), sampling.to_device(lengths)

@@ -1,5 +1,6 @@
 """The device-side rows of requests: `step.admit`'s per-row inputs
-(`row_inputs`) and the stop rule every row shares (`stop_tokens`)."""
+(`row_inputs`), the stop rule every row shares (`stop_tokens`) and
+right-padded token rows (`pad_rows`)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,14 @@ def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
 
 
 __all__ = ["row_inputs", "stop_tokens"]
+
+
+def pad_rows(ids: Sequence[Sequence[int]], batch: int, length: int):
+    """Right-pad id lists into device int32 tokens [batch, length] and
+    lengths [batch] (zeros past each list and in rows past len(ids))."""
+    tokens = np.zeros((batch, length), np.int32)
+    lengths = np.zeros((batch,), np.int32)
+    for row, p in enumerate(ids):
+        tokens[row, :len(p)] = p
+        lengths[row] = len(p)
+    return to_device(tokens), to_device(lengths)

@@ -200,7 +200,9 @@ def targets(results: dict) -> list[dict]:
 def format_paged(results: dict) -> str:
     """A Markdown report: the step, the loop, the prefix TTFTs, the targets."""
     step, loop, pre, m = results["step"], results["loop"], results["prefix"], results["machine"]
-    lines = [f"float32 activations and KV cache, weights {results.get('weights', 'float32')}", "",
+    lines = [f"float32 activations and KV cache, weights {results.get('weights', 'float32')}"
+             + (" (int8 activations into the 4-bit matmuls)"
+                if results.get("activations") == "int8" else ""), "",
              f"decode step, batch {step['batch']}, context {step['context']}, capacity "
              f"{step['capacity']} (page size {step['page_size']}), median of "
              f"{len(step['paged_times_s'])}: paged (serving step) {step['paged_step_s'] * 1e3:.2f} ms, "
@@ -221,9 +223,10 @@ def format_paged(results: dict) -> str:
 
 def run_paged(cfg, sweep: PagedSweep, log=print) -> dict:
     """Every measurement of the module docstring; returns the results dict."""
-    llm = LLM.load(cfg.model, dtype="float32", weights=cfg.weights, page_size=sweep.page_size)
+    llm = LLM.load(cfg.model, dtype="float32", weights=cfg.weights, activations=cfg.activations,
+                   page_size=sweep.page_size)
     results = {"sweep": dataclasses.asdict(sweep), "dtype": "float32", "weights": cfg.weights,
-               "loadavg_start": loadavg()}
+               "activations": cfg.activations, "loadavg_start": loadavg()}
     log("machine: bandwidth and FLOP/s probes")
     results["machine"] = measure_machine(sweep, llm.config)
     results["step"], slots = step_cost(llm, sweep, log)

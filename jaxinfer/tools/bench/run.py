@@ -124,8 +124,8 @@ def run_bench(args) -> dict:
         raise ValueError("--peers vllm is for --serve-load; this bench's peers are hf and llamacpp")
     peer_names = {"none": [], "all": ["hf", "llamacpp"]}.get(args.peers, [args.peers])
     t0 = time.perf_counter()
-    llm = LLM.load(cfg.model, dtype=cfg.dtype, weights=cfg.weights, max_seq_len=cfg.max_seq_len,
-                   decode_chunk=cfg.decode_chunk)
+    llm = LLM.load(cfg.model, dtype=cfg.dtype, weights=cfg.weights, activations=cfg.activations,
+                   max_seq_len=cfg.max_seq_len, decode_chunk=cfg.decode_chunk)
     results["load_s"] = time.perf_counter() - t0
     max_len = min(cfg.max_seq_len, llm.config.max_position_embeddings)
     prefill_cells = [(b, t) for b in sweep.prefill_batches for t in sweep.prefill_lengths

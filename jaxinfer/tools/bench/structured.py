@@ -253,8 +253,8 @@ def format_structured(results: dict) -> str:
 def cmd_structured(args, cfg, sweep: StructSweep) -> int:
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[structured] {msg}", file=sys.stderr, flush=True))
-    base = LLM.load(cfg.model, dtype=cfg.dtype, weights=cfg.weights, max_seq_len=sweep.max_seq_len,
-                    decode_chunk=cfg.decode_chunk)
+    base = LLM.load(cfg.model, dtype=cfg.dtype, weights=cfg.weights, activations=cfg.activations,
+                    max_seq_len=sweep.max_seq_len, decode_chunk=cfg.decode_chunk)
     peer = None
     if args.peers in ("all", "llamacpp"):
         gguf, logs = str(resolve_model(cfg.model)), pathlib.Path(args.out)
