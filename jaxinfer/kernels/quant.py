@@ -3,7 +3,7 @@
 - `quant_matmul`: x @ W for a `quant.QuantizedWeight` (int8, 4-bit or bfloat16
   codes in column panels), the codes turned into float32 in registers, or,
   for 4-bit codes with int8 activations, x rounded to int8 and the products
-  summed in int32 (AVX512-VNNI);
+  summed in int32 (AVX512-VNNI, or AVX2);
 - `decode_attention_int8`: one new token per row attends over an int8 K/V
   cache buffer with one scale per token per kv head.
 
@@ -47,7 +47,8 @@ def _register() -> bool:
 
 def has_q4_x8() -> bool:
     """Whether q4 matmuls with int8 activations run here: the kernels are
-    `enabled()` and were built with AVX512-VNNI, BW and VBMI."""
+    `enabled()` and were built with AVX512-VNNI, BW and VBMI, or with AVX2
+    and FMA."""
     return enabled() and bool(_library().jaxinfer_has_q4_x8())
 
 
@@ -71,7 +72,7 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     order (a lone row in the last register block keeps two partial sums).
 
     A "q4" W with activations "int8" multiplies `quant.round_activations(x)`
-    on the VNNI path (int32 sums of int8 x times the codes); the result is
+    (int32 sums of int8 x times the codes); the result is
     float64 (rounded x) @ W up to float32 summation order.
 
     Raises:
@@ -89,8 +90,8 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     out = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
     if w.format == "q4" and w.activations == "int8":
         if not has_q4_x8():
-            raise RuntimeError("int8 activations need the AVX512-VNNI kernel, which this "
-                               "build lacks (the CPU has no AVX512-VNNI/VBMI)")
+            raise RuntimeError("int8 activations need the AVX512-VNNI or AVX2 kernel, which "
+                               "this build lacks (the CPU has neither)")
         if (k // w.scale.shape[1]) % 16:
             raise ValueError(f"quant_matmul: int8 activations need a block size that 16 "
                              f"divides, got {k // w.scale.shape[1]}")

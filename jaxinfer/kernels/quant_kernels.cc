@@ -567,24 +567,33 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes, Rows ro
   return ffi::Error::Success();
 }
 
-// --- q4 weights x int8 activations (AVX512-VNNI) ---
+// --- q4 weights x int8 activations (AVX512-VNNI, or AVX2) ---
 // JaxinferQ4Matmul with int8_activations: x @ W for q4 W with x rounded to int8 per row and weight block (the
 // scheme of llama.cpp's Q8_1): d[m, b] = max_k |x[m, k]| * float32(1 / 127),
 // q[m, k] = round(x[m, k] * (1 / d)) (ties to even; q = 0 where d = 0), then
 //   out[m, n] = sum_b d[m, b] * (scale[b, n] * sum_{k in b} q[m, k] codes[k, n]
 //                                + min[b, n] * sum_{k in b} q[m, k]),
-// which is (d * q) @ W up to float32 summation order. The integer sums run on VPDPBUSD
-// (unsigned codes times signed q, four products a lane). Codes are turned into bytes in
-// registers: one 64-byte load at row pair 2g holds, for 16 columns, rows 4g, 4g + 1 (pair 2g)
-// and, 48 bytes on, rows 4g + 2, 4g + 3; a byte permute puts each column's two pairs in one
-// 32-bit lane and the nibbles are split in place, giving rows (4g, 4g + 2, 4g + 1, 4g + 3) per
-// lane, the order q is stored in. From kTileRows rows a unit first writes its panel's bytes
-// as a K x 48 tile, as the float path does.
+// which is (d * q) @ W up to float32 summation order. The integer sums run on AVX512-VNNI's
+// VPDPBUSD (unsigned codes times signed q, four products a lane), or with AVX2 on VPMADDUBSW
+// (two products into an int16 lane, summed over up to 8 groups of 4 rows: at most
+// 16 * 15 * 127 = 30480, no overflow) and one VPMADDWD per 32 rows into int32.
+// Codes are turned into bytes in registers, 4 rows a 32-bit lane in the order
+// (4g, 4g + 2, 4g + 1, 4g + 3), the order q is stored in:
+// - AVX512-VBMI: one 64-byte load at row pair 2g holds, for 16 columns, rows 4g, 4g + 1 (pair
+//   2g) and, 48 bytes on, rows 4g + 2, 4g + 3; a byte permute puts each column's two pairs in
+//   one lane and the nibbles are split in place;
+// - AVX2: the 8 bytes of pairs 2g and 2g + 1 are interleaved, widened to a 32-bit lane per
+//   column and their nibbles split with a shift and two masks.
+// Either way a group of 4 rows of a 48-column panel is 192 bytes. From kTileRows rows a unit
+// first writes its panel's bytes as a K x 48 tile, as the float path does.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-constexpr bool kHasQ4X8 = true;
+#define JAXINFER_Q4_X8 1
+using X8Vec = __m512i;
+inline X8Vec x8_load(const void* p) { return _mm512_loadu_si512(p); }
+inline void x8_store(void* p, X8Vec v) { _mm512_storeu_si512(p, v); }
 
 // q4 bytes of one group of 4 rows for the 16 columns of vector j: p points at row pair 2g.
-inline __m512i unpack_q4_group(const uint8_t* p, int j) {
+inline X8Vec unpack_q4_group(const uint8_t* p, int j) {
   static const __m512i pick = [] {
     alignas(64) uint8_t idx[64];
     for (int c = 0; c < 16; ++c) {
@@ -599,26 +608,47 @@ inline __m512i unpack_q4_group(const uint8_t* p, int j) {
                                                   _mm512_srli_epi32(both, 4), both, 0xCA);
   return _mm512_and_si512(split, _mm512_set1_epi8(15));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JAXINFER_Q4_X8 1
+using X8Vec = __m256i;
+inline X8Vec x8_load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline void x8_store(void* p, X8Vec v) { _mm256_storeu_si256((__m256i*)p, v); }
 
-// Reads a group's three weight vectors straight from the q4 codes (few rows) ...
+// q4 bytes of one group of 4 rows for the 8 columns of vector j: p points at row pair 2g.
+inline X8Vec unpack_q4_group(const uint8_t* p, int j) {
+  const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)(p + 8 * j)),
+                                          _mm_loadl_epi64((const __m128i*)(p + kPanel + 8 * j)));
+  const __m256i v = _mm256_cvtepu16_epi32(pairs);  // lane: pair 2g's byte | pair 2g + 1's << 8
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0x0F0F)),
+                         _mm256_and_si256(_mm256_slli_epi32(v, 12), _mm256_set1_epi32(0x0F0F0000)));
+}
+#endif
+
+#if defined(JAXINFER_Q4_X8)
+constexpr bool kHasQ4X8 = true;
+constexpr int kX8Vecs = kPanel * 4 / int(sizeof(X8Vec));  // vectors per group of 4 rows
+
+// Reads a group's weight vectors straight from the q4 codes (few rows) ...
 struct Q4Bytes {
   const uint8_t* c;
-  void load(int64_t g, __m512i w[3]) const {
-    for (int j = 0; j < 3; ++j) w[j] = unpack_q4_group(c + 2 * g * kPanel, j);
-  }
+  X8Vec load(int64_t g, int j) const { return unpack_q4_group(c + 2 * g * kPanel, j); }
 };
 // ... or from a tile of them made by `unpack_q4_panel`.
 struct TileBytes {
-  const uint8_t* t;  // [K / 4, 3, 64]
-  void load(int64_t g, __m512i w[3]) const {
-    for (int j = 0; j < 3; ++j) w[j] = _mm512_loadu_si512(t + (3 * g + j) * 64);
-  }
+  const uint8_t* t;  // [K / 4, kX8Vecs, sizeof(X8Vec)]
+  X8Vec load(int64_t g, int j) const { return x8_load(t + (kX8Vecs * g + j) * sizeof(X8Vec)); }
 };
 
 void unpack_q4_panel(const uint8_t* c, int64_t K, uint8_t* tile) {
   for (int64_t g = 0; g < K / 4; ++g)
-    for (int j = 0; j < 3; ++j)
-      _mm512_storeu_si512(tile + (3 * g + j) * 64, unpack_q4_group(c + 2 * g * kPanel, j));
+    for (int j = 0; j < kX8Vecs; ++j)
+      x8_store(tile + (kX8Vecs * g + j) * sizeof(X8Vec), unpack_q4_group(c + 2 * g * kPanel, j));
+}
+
+// Stores 16 rounded values of one row in the order of `unpack_q4_group`'s lanes.
+inline void store_x8_group_order(const int32_t qi[16], int8_t* q) {
+  static constexpr int kOrder[4] = {0, 2, 1, 3};
+  for (int i = 0; i < 16; ++i) q[i] = int8_t(qi[i / 4 * 4 + kOrder[i % 4]]);
 }
 
 // x rows [m0, m1) to q (int8 [M, K], each group of 4 in the order 0, 2, 1, 3), d and
@@ -626,23 +656,35 @@ void unpack_q4_panel(const uint8_t* c, int64_t K, uint8_t* tile) {
 void quantize_x8(const float* x, int64_t K, int64_t bs, int64_t m0, int64_t m1, int8_t* q,
                  float* d, float* qsum) {
   const int64_t nb = K / bs;
-  const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * bs;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < bs; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
-      const float dm = _mm512_reduce_max_ps(amax) * (1.0f / 127.0f);  // as XLA computes it
-      const __m512 inv = _mm512_set1_ps(dm != 0.0f ? 1.0f / dm : 0.0f);
-      __m512i sum = _mm512_setzero_si512();
+      v16 amax = {};
+      for (int64_t k = 0; k < bs; k += kLanes) {
+        const v16 a = load(xb + k), na = -a;
+        amax = amax > a ? amax : a;
+        amax = amax > na ? amax : na;
+      }
+      float top = amax[0];
+      for (int i = 1; i < kLanes; ++i) top = std::max(top, amax[i]);
+      const float dm = top * (1.0f / 127.0f);  // as XLA computes it
+      const v16 inv = splat(dm != 0.0f ? 1.0f / dm : 0.0f);
+      int64_t sum = 0;
       for (int64_t k = 0; k < bs; k += 16) {
-        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv));
-        sum = _mm512_add_epi32(sum, qi);
-        _mm_storeu_si128((__m128i*)(q + m * K + b * bs + k),
-                         _mm_shuffle_epi8(_mm512_cvtepi32_epi8(qi), order));
+        alignas(64) int32_t qi[16];
+        for (int h = 0; h < 16; h += kLanes) {
+          const v16 y = load(xb + k + h) * inv;
+#if defined(__AVX512F__)
+          _mm512_store_si512(qi + h, _mm512_cvtps_epi32((__m512)y));  // ties to even
+#else
+          _mm256_store_si256((__m256i*)(qi + h), _mm256_cvtps_epi32((__m256)y));
+#endif
+        }
+        for (int i = 0; i < 16; ++i) sum += qi[i];
+        store_x8_group_order(qi, q + m * K + b * bs + k);
       }
       d[m * nb + b] = dm;
-      qsum[m * nb + b] = dm * float(_mm512_reduce_add_epi32(sum));
+      qsum[m * nb + b] = dm * float(sum);
     }
 }
 
@@ -653,6 +695,7 @@ struct X8Args {
   int64_t K, bs, nb;
 };
 
+#if defined(__AVX512F__)
 // out[0:R, 0:cols] for one panel over R rows of quantized x.
 template <class Src, typename Scale, int R>
 void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const Scale* min,
@@ -666,7 +709,7 @@ void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const S
       for (int j = 0; j < 3; ++j) dot[r][j] = _mm512_setzero_si512();
     for (int64_t g = b * x.bs / 4; g < (b + 1) * x.bs / 4; ++g) {
       __m512i w[3];
-      src.load(g, w);
+      for (int j = 0; j < 3; ++j) w[j] = src.load(g, j);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, x.q + r * x.K + 4 * g, 4);
@@ -693,6 +736,58 @@ void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const S
     std::memcpy(out + r * N, row, cols * sizeof(float));
   }
 }
+#else
+// The AVX2 block: the panel's 6 vectors in two halves of 3 (R x 3 int16 sums in registers),
+// each over the whole K; the float sums live in `acc` (L1), updated once per 32 rows.
+template <class Src, typename Scale, int R>
+void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const Scale* min,
+                    float* out, int64_t N, int64_t cols) {
+  alignas(32) float acc[R][kPanel] = {};
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    const int j0 = 3 * half;
+    for (int64_t b = 0; b < x.nb; ++b) {
+      v16 sc[NV], mn[NV];
+      load_scales(scale + b * kPanel, sc);
+      load_scales(min + b * kPanel, mn);
+      const int64_t g_end = (b + 1) * x.bs / 4;
+      for (int64_t g0 = b * x.bs / 4; g0 < g_end; g0 += 8) {  // int16 sums over 32 rows at most
+        __m256i dot[R][3];
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 3; ++j) dot[r][j] = _mm256_setzero_si256();
+        for (int64_t g = g0; g < std::min(g_end, g0 + 8); ++g) {
+          __m256i w[3];
+          for (int j = 0; j < 3; ++j) w[j] = src.load(g, j0 + j);
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, x.q + r * x.K + 4 * g, 4);
+            const __m256i xr = _mm256_set1_epi32(four);
+            for (int j = 0; j < 3; ++j)
+              dot[r][j] = _mm256_add_epi16(dot[r][j], _mm256_maddubs_epi16(w[j], xr));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 dr = _mm256_set1_ps(x.d[r * x.nb + b]);
+          for (int j = 0; j < 3; ++j) {
+            float* a = acc[r] + 8 * (j0 + j);
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][j], ones));
+            _mm256_store_ps(a, _mm256_fmadd_ps(s, _mm256_mul_ps(dr, (__m256)sc[j0 + j]),
+                                               _mm256_load_ps(a)));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 sr = _mm256_set1_ps(x.qsum[r * x.nb + b]);
+        for (int j = 0; j < 3; ++j) {
+          float* a = acc[r] + 8 * (j0 + j);
+          _mm256_store_ps(a, _mm256_fmadd_ps(sr, (__m256)mn[j0 + j], _mm256_load_ps(a)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * N, acc[r], cols * sizeof(float));
+}
+#endif
 
 template <class Src, typename Scale, int R>
 void x8_panel_rows(int64_t rows, const X8Args& x, const Src& src, const Scale* scale,
@@ -703,7 +798,7 @@ void x8_panel_rows(int64_t rows, const X8Args& x, const Src& src, const Scale* s
   x8_panel_block<Src, Scale, R>(x, src, scale, min, out, N, cols);
 }
 
-constexpr int kX8Rows = 4;          // rows per register block: 2 x 12 accumulators
+constexpr int kX8Rows = 4;  // rows per register block: 4 x 3 integer sums (of 32 or 16 vectors)
 constexpr int64_t kX8QuantRows = 16;  // rows of x per quantization unit
 
 template <typename Scale>
@@ -749,7 +844,7 @@ void q4_x8_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
 }
 #else
 constexpr bool kHasQ4X8 = false;
-#endif
+#endif  // JAXINFER_Q4_X8
 
 // int8_activations: the path above (an error where it is not built), else float32 x.
 ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuffer scale,
@@ -766,10 +861,10 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuf
     return ffi::Error::Success();
   }
   if (!kHasQ4X8)
-    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need AVX512-VNNI/BW/VBMI");
+    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need AVX512-VNNI/BW/VBMI or AVX2");
   if ((d.K / d.nb) % 16 != 0)
     return ffi::Error::InvalidArgument("q4_matmul: int8 activations need a block size that 16 divides");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#if defined(JAXINFER_Q4_X8)
   if (scale.element_type() == ffi::DataType::F32)
     q4_x8_matmul<float>(pool, d, x.typed_data(), codes.typed_data(),
                         static_cast<const float*>(scale.untyped_data()),

@@ -192,7 +192,7 @@ class LLM:
         Raises:
           ModelSourceError: the model file cannot be found or fetched.
           CheckpointError: a tensor is missing or has the wrong shape.
-          RuntimeError: activations "int8" without the AVX512-VNNI kernel.
+          RuntimeError: activations "int8" without the AVX512-VNNI or AVX2 kernel.
         """
         progress = Progress.resolve(progress)
         dtype, weights = serving_dtypes(jnp.dtype(dtype).name, weights)

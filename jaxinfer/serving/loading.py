@@ -159,7 +159,7 @@ def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
       CheckpointError: a tensor is missing or has the wrong shape.
       ValueError / FileNotFoundError: see `load_python_model`.
       RuntimeError: activations "int8" where the CPU kernels run but lack
-        the AVX512-VNNI path (`kernels.quant.has_q4_x8`); raised first.
+        the AVX512-VNNI and AVX2 paths (`kernels.quant.has_q4_x8`); raised first.
     """
     check_activations(activations)
     if isinstance(source, str) and source.startswith(PYTHON_SOURCE):
@@ -181,10 +181,10 @@ def load_model(source: str, dtype=jnp.float32, *, prepared: bool = False,
 
 def check_activations(activations: str) -> None:
     """Raise RuntimeError where int8 activations cannot run: the CPU kernels
-    are on but built without the AVX512-VNNI path. (With the kernels off,
+    are on but built without the AVX512-VNNI or AVX2 path. (With the kernels off,
     XLA computes the same rounding, `weights.quant.round_activations`.)"""
     if activations == "int8" and quant_kernels.enabled() and not quant_kernels.has_q4_x8():
-        raise RuntimeError("activations=int8 needs AVX512-VNNI, BW and VBMI, which this CPU "
+        raise RuntimeError("activations=int8 needs AVX512-VNNI, BW and VBMI, or AVX2, which this CPU "
                            "(or the kernel build) lacks; use activations=float32")
 
 

@@ -330,7 +330,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, rows: Optional[jax.Array] = None) -
     dequantized in registers; `rows`: as there); otherwise XLA on
     `dequantize(w)`, every row computed. With `w.activations` "int8", x is
     first rounded as in `round_activations` (the kernel: int8 products on
-    AVX512-VNNI).
+    AVX512-VNNI or AVX2).
 
     Raises:
       ValueError: x's last axis is not K.

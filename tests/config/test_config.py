@@ -54,13 +54,13 @@ def test_int8_activations_need_q4_weights():
     assert GenerationConfig.load(None, ("weights=q4", "activations=int8")).activations == "int8"
 
 
-def test_int8_activations_without_the_vnni_kernel_fail_before_loading(monkeypatch):
+def test_int8_activations_without_the_int8_kernel_fail_before_loading(monkeypatch):
     from jaxinfer.kernels import quant as quant_kernels
     from jaxinfer.serving import loading
 
     monkeypatch.setattr(quant_kernels, "enabled", lambda: True)
     monkeypatch.setattr(quant_kernels, "has_q4_x8", lambda: False)
-    with pytest.raises(RuntimeError, match="activations=int8 needs AVX512-VNNI"):
+    with pytest.raises(RuntimeError, match="activations=int8 needs AVX512-VNNI, BW and VBMI, or AVX2"):
         loading.load_model("/nonexistent/model.gguf", activations="int8")
 
 

@@ -287,7 +287,7 @@ def test_switch_turns_quant_kernels_off(monkeypatch):
 # --- q4 with int8 activations ------------------------------------------------------------
 
 needs_x8 = pytest.mark.skipif(not quant_kernels.has_q4_x8(),
-                              reason="no AVX512-VNNI q4 kernel on this CPU")
+                              reason="no int8-activation q4 kernel (AVX512-VNNI or AVX2) here")
 
 
 def test_round_activations_by_hand():
@@ -330,7 +330,7 @@ def _q4_case(m: int, k: int, n: int, seed: int, type_name: str = ""):
 @pytest.mark.parametrize("k, n, type_name", [(576, 960, ""), (64, 100, ""), (32, 1, ""),
                                              (256, 100, "Q4_K"), (256, 14458, "")])
 def test_q4_int8_activations_kernel_matches_float64(m, k, n, type_name):
-    """The VNNI kernel equals float64 (round_activations(x) @ W) within the
+    """The int8 kernel (VNNI or AVX2) equals float64 (round_activations(x) @ W) within the
     float32 summation bound: the integer products are exact, only the
     per-block scaling and the sums round."""
     x, w = _q4_case(m, k, n, seed=m + n, type_name=type_name)

@@ -77,8 +77,8 @@ def test_engine_on_quantized_weights_matches_reference(name, weights, kernels, m
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_engine_with_int8_activations_same_on_kernels_and_xla(name, monkeypatch):
-    """q4 weights with int8 activations: the VNNI kernel (where this CPU has
-    it) and XLA's `round_activations` give the same logits within 1e-4 (the
+    """q4 weights with int8 activations: the int8 kernel (where this CPU has
+    it: AVX512-VNNI or AVX2) and XLA's `round_activations` give the same logits within 1e-4 (the
     rounding of x is the same; float32 sums differ in order), and both
     differ from float32 activations."""
     from jaxinfer.kernels import quant as quant_kernels
@@ -99,7 +99,7 @@ def test_engine_with_int8_activations_same_on_kernels_and_xla(name, monkeypatch)
     xla = logits("0", "int8")
     assert np.abs(xla - logits("0", "float32")).max() > 1e-3
     if kernel is None:
-        pytest.skip("no AVX512-VNNI q4 kernel on this CPU")
+        pytest.skip("no int8-activation q4 kernel (AVX512-VNNI or AVX2) here")
     np.testing.assert_allclose(kernel, xla, atol=ATOL, rtol=0)
 
 
