@@ -49,8 +49,8 @@ class GenerationConfig:
       activations: what the 4-bit ("q4") matmuls multiply: "float32" (the
         activations as they are) or "int8" (rounded to int8 per row and block
         of 32 and multiplied on AVX512-VNNI or AVX2, llama.cpp's scheme for its 4-bit
-        formats: about 2x faster prefill, each product about 5e-3 relative
-        RMS off; see docs/quantization.md). "int8" needs weights "q4".
+        formats; see docs/quantization.md for its speed and accuracy).
+        "int8" needs weights "q4".
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       max_new_tokens: generated tokens per prompt, at most.
       chat: render the prompt as a user turn with the model's chat template.

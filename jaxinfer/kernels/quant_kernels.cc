@@ -588,6 +588,7 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes, Rows ro
 // first writes its panel's bytes as a K x 48 tile, as the float path does.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define JAXINFER_Q4_X8 1
+#define JAXINFER_Q4_X8_VNNI 1
 using X8Vec = __m512i;
 inline X8Vec x8_load(const void* p) { return _mm512_loadu_si512(p); }
 inline void x8_store(void* p, X8Vec v) { _mm512_storeu_si512(p, v); }
@@ -608,7 +609,8 @@ inline X8Vec unpack_q4_group(const uint8_t* p, int j) {
                                                   _mm512_srli_epi32(both, 4), both, 0xCA);
   return _mm512_and_si512(split, _mm512_set1_epi8(15));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// (AVX-512 without VNNI/VBMI has no path: its 16-lane float vectors do not fit this one.)
 #define JAXINFER_Q4_X8 1
 using X8Vec = __m256i;
 inline X8Vec x8_load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -695,7 +697,7 @@ struct X8Args {
   int64_t K, bs, nb;
 };
 
-#if defined(__AVX512F__)
+#if defined(JAXINFER_Q4_X8_VNNI)
 // out[0:R, 0:cols] for one panel over R rows of quantized x.
 template <class Src, typename Scale, int R>
 void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const Scale* min,
