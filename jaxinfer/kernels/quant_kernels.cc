@@ -2,7 +2,7 @@
 //   JaxinferInt8Matmul           x @ W, W int8 codes with a scale per block of rows
 //   JaxinferInt8MinMatmul        the same with a min per block too
 //   JaxinferQ4Matmul             x @ W, W 4-bit codes with a scale and a min per block of rows;
-//                                with int8_activations, x rounded to int8 first (AVX512-VNNI)
+//                                with int8_activations, x rounded to int8 first (AVX512-VNNI or AVX2)
 //   JaxinferBf16Matmul           x @ W, W bfloat16
 //   JaxinferDecodeAttentionInt8  decode attention over an int8 K/V cache buffer
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
