@@ -5,9 +5,21 @@ import pathlib
 import shutil
 import sys
 
-import jax
-import pytest
-from jax.experimental.compilation_cache import compilation_cache
+# XLA:CPU compile options for the test run, set before JAX starts its backend
+# (processes the tests start inherit them): compiling is most of the run's
+# time, and these flags about halve it. `--xla_backend_optimization_level=0`
+# leaves out LLVM's optimisation passes; `--xla_cpu_use_fusion_emitters=false`
+# emits fusions with XLA's loop emitters instead of its MLIR fusion emitters.
+# Both are XLA's own supported paths; the programs run slower, and no test
+# times them. JAXINFER_TEST_XLA_FLAGS=default compiles as `jaxinfer` does.
+TEST_XLA_FLAGS_ENV = "JAXINFER_TEST_XLA_FLAGS"
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if os.environ.get(TEST_XLA_FLAGS_ENV) != "default":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
