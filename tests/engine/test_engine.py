@@ -281,7 +281,8 @@ def test_prepared_params_give_the_same_logits(model):
     LM head: what LLM runs) holds exactly the loaded [L, ...] weights,
     rearranged (packed into column panels where the CPU kernels are
     enabled); packed and unpacked prepared params run the same math: prefill
-    and three decode steps agree within 1e-5 (float32 summation order differs)."""
+    and three decode steps agree within 1e-5 * max(1, max|logit|) (float32
+    summation order differs)."""
     config, np_params, params = model
     prepared = prepare_params(params, config)
     packed = isinstance(prepared["lm_head"], packed_kernels.PackedWeight)
@@ -315,5 +316,5 @@ def test_prepared_params_give_the_same_logits(model):
             step_logits, cache = decode_step(p, cache, jnp.array([tok], jnp.int32), config=config)
             steps.append(np.asarray(step_logits))
         runs.append(steps)
-    for a, b in zip(*runs):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(*runs):      # float32 rounding of the packed products' summation order
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())), rtol=0)
