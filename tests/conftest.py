@@ -3,6 +3,7 @@ import hashlib
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 # XLA:CPU compile options for the test run, set before JAX starts its backend
@@ -12,8 +13,12 @@ import sys
 # emits fusions with XLA's loop emitters instead of its MLIR fusion emitters.
 # Both are XLA's own supported paths; the programs run slower, and no test
 # times them. JAXINFER_TEST_XLA_FLAGS=default compiles as `jaxinfer` does.
+# Tests marked `default_xla_flags` run in a child pytest that compiles as
+# `jaxinfer` does (`pytest_pyfunc_call` below): the deterministic mode's bitwise
+# batch invariance holds for the programs XLA's default emitters write.
 TEST_XLA_FLAGS_ENV = "JAXINFER_TEST_XLA_FLAGS"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+ORIGINAL_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 if os.environ.get(TEST_XLA_FLAGS_ENV) != "default":
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
@@ -44,6 +49,8 @@ def _xla_cache_dir() -> str | None:
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "default_xla_flags: run in a child pytest with XLA's default "
+                                       "compile flags (tests/conftest.py)")
     folder = _xla_cache_dir()
     if folder:
         jax.config.update("jax_compilation_cache_dir", folder)
@@ -195,3 +202,24 @@ def toy_folder(toy_trained, toy_config, tmp_path_factory):
     path = tmp_path_factory.mktemp("toy") / "toy-two-layer"
     toy.save_hf_folder(path, toy_trained, toy_config)
     return path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `default_xla_flags`, in a run with the fast-compile flags,
+    runs instead in a child pytest with XLA's default flags; it passes when
+    the child passes."""
+    if pyfuncitem.get_closest_marker("default_xla_flags") is None or \
+            os.environ.get(TEST_XLA_FLAGS_ENV) == "default":
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env[TEST_XLA_FLAGS_ENV] = "default"
+    if ORIGINAL_XLA_FLAGS is not None:
+        env["XLA_FLAGS"] = ORIGINAL_XLA_FLAGS
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+           pyfuncitem.nodeid]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} (XLA's default flags) exited {done.returncode}:\n"
+                    f"{done.stdout[-6000:]}{done.stderr[-2000:]}", pytrace=False)
+    return True

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.slow
+# the bitwise invariance holds for the programs `jaxinfer` compiles (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.default_xla_flags]
 
 PROMPT = "The history of the printing press begins"
 OTHERS = ["Write a short poem about the sea.", "List three prime numbers and explain why.",

@@ -86,6 +86,7 @@ def _target(vocab):
 
 
 @pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_a_row_is_bitwise_the_same_among_15_neighbours():
     model = (TINY_LLAMA, jax.tree_util.tree_map(jnp.asarray, random_params(TINY_LLAMA, seed=3)))
     llm = _llm(model)
@@ -94,6 +95,7 @@ def test_a_row_is_bitwise_the_same_among_15_neighbours():
 
 
 @pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_without_the_mode_a_neighbour_changes_the_bits():
     """The control for the test above: on this XLA the tiny Llama's RMSNorm
     sums change with the step's width (from 128 rows), so without the mode
@@ -107,6 +109,7 @@ def test_without_the_mode_a_neighbour_changes_the_bits():
 
 
 @pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_a_row_is_bitwise_the_same_whatever_its_batch_chunking_and_prefix_hits(model):
     v = model[0].vocab_size
     llm = _llm(model)
@@ -125,6 +128,7 @@ def test_a_row_is_bitwise_the_same_whatever_its_batch_chunking_and_prefix_hits(m
 
 
 @pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_greedy_speculation_and_preemption_keep_the_bits(model):
     v = model[0].vocab_size
     prompt = (ids(6, v, 7) * 5)[:29]          # repeats: the n-gram proposer finds drafts
