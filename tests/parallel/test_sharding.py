@@ -239,14 +239,14 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
 def test_smollm2_tp3_matches_hf(hf_gguf, real_model_path, tmp_path):
     result = _real("smollm2-135m-instruct", 3, hf_gguf, real_model_path, tmp_path, 2e-3, 0,
                    ["The three primary colors are", "What is the capital of France? " * 6])
     assert "attention split" in result["plan"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
 def test_gemma3_tp2_matches_hf(hf_gguf, real_model_path, tmp_path):
     from gemma3_cases import LONG, LOGIT_ATOL, LOGIT_RTOL
 

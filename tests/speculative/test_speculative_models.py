@@ -10,7 +10,7 @@ from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.loading import load_draft
 from jaxinfer.speculative import SpecConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
 GREEDY = SamplingParams(temperature=0.0)
 
 PASSAGE = ("The river runs past the old mill, under the stone bridge and into the town, where the "
