@@ -173,7 +173,7 @@ def test_continuous_batching_on_pages_equals_the_dense_phases(model, page_size):
     assert sched.kv_pages.num_used == 0
 
 
-@pytest.mark.slow
+@pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
 @pytest.mark.parametrize("source", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_model_paged_greedy_equals_dense(source, real_model_path):
     """SmolLM2 and Gemma 3 (its 512-token window crossed: ~560-token
