@@ -22,6 +22,12 @@ ORIGINAL_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 if os.environ.get(TEST_XLA_FLAGS_ENV) != "default":
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
+# Programs compile (or come from the test run's XLA cache) in every test and in the
+# processes tests start: no executable store (`serving.executables`, on by default),
+# whose entries would carry programs from one test into another. Its own tests pass
+# a store explicitly.
+os.environ["JAXINFER_EXECUTABLE_STORE"] = "0"
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402

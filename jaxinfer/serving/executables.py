@@ -15,10 +15,11 @@ trace instead, and keeps the executable itself
   version, JAX's config values (its cache settings aside), the
   `JAXINFER_*` and `XLA_*` environment variables and the CPU's flags.
 
-Only programs that XLA compiled in this process are stored: an executable
-read back from XLA's own cache serializes without some of its kernels
-(`cache_hits`), so a program that cache already holds is stored only once
-XLA compiles it again (an emptied cache folder, or a new jax). Only
+Only programs that XLA compiled at the time are stored: an executable read
+back from XLA's own cache, or one JAX kept in memory after reading it
+there, serializes without some of its kernels (`xla_compiled`), so a
+program that cache already holds is stored only once XLA compiles it again
+(an emptied cache folder, or a new jax). Only
 programs with a stable key are stored: one device, and static
 arguments made of None, bool, int, float, str, tuples and frozen dataclasses
 of those (a draft model's params, say, are not: such a program compiles as
@@ -27,12 +28,9 @@ compiled again. Each fingerprint has its own folder; the
 `KEEP_FINGERPRINTS` most recently used are kept.
 
 `ExecutableStore.from_jax_config()` is the store under JAX's compilation
-cache folder (`<jax_compilation_cache_dir>/jaxinfer-executables`) when
-`JAXINFER_EXECUTABLE_STORE=1` is set, else None: the store is off by
-default. An entry written by one process (the test suite) has failed in a
-later one at its first run with "Function and_select_fusion.13 not found",
-although that program's XLA-cache entry ran; until the cause is known,
-starts read from XLA's cache only, which traces and lowers every program.
+cache folder (`<jax_compilation_cache_dir>/jaxinfer-executables`), or None
+where `JAXINFER_EXECUTABLE_STORE=0`. A stored program may call the C++
+kernels: their FFI targets are registered before it loads.
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ log = logging.getLogger(__name__)
 
 KEEP_FINGERPRINTS = 4
 FOLDER = "jaxinfer-executables"
-ENABLE_ENV = "JAXINFER_EXECUTABLE_STORE"  # "1": keep executables (off by default)
+ENABLE_ENV = "JAXINFER_EXECUTABLE_STORE"  # "0": do not keep executables (on by default)
 _IGNORED_CONFIG = ("compilation_cache", "persistent_cache", "log", "explain_cache_misses")
 
 
@@ -89,35 +87,51 @@ def static_repr(value) -> str:
 
 
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_hits = threading.local()
+# Timed around JAX's compile-or-read-the-persistent-cache, on the calling thread
+# (jax._src.dispatch.BACKEND_COMPILE_EVENT); absent when JAX reuses an executable
+# it keeps in memory.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_events = threading.local()
 _listener_lock = threading.Lock()
 _listening = False
 
 
 def _on_event(event: str, **kwargs) -> None:
     if event == _CACHE_HIT_EVENT:
-        _hits.count = getattr(_hits, "count", 0) + 1
+        _events.hits = getattr(_events, "hits", 0) + 1
+
+
+def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
+    if event == _COMPILE_EVENT:
+        _events.compiles = getattr(_events, "compiles", 0) + 1
 
 
 @contextlib.contextmanager
-def cache_hits():
-    """Counts the hits of JAX's persistent compilation cache on this thread
-    inside the block (`jax.monitoring` events): yields a list whose one
-    element is set to that count on exit. An executable that cache gave
-    back serializes without some of its kernels (loading it then fails
-    with "Function <name>_fusion not found"), so only programs compiled
-    with no hit are stored."""
+def xla_compiled():
+    """Whether XLA compiled a program on this thread inside the block:
+    yields a list whose one element is set on exit to True when JAX ran
+    its compile step (`jax.monitoring` events) and its persistent cache
+    had no hit, False otherwise.
+
+    Only such an executable is stored. One that XLA's persistent cache
+    gave back serializes without some of its kernels (loading it then fails
+    when run, "Function <name>_fusion not found"), and so does one JAX
+    returns from memory because it compiled the same lowered module before
+    in this process, from that cache (`jax.jit` keeps executables by
+    module: no event at all)."""
     global _listening
     with _listener_lock:
         if not _listening:
             jax.monitoring.register_event_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
             _listening = True
-    before = getattr(_hits, "count", 0)
-    out = [0]
+    hits, compiles = getattr(_events, "hits", 0), getattr(_events, "compiles", 0)
+    out = [False]
     try:
         yield out
     finally:
-        out[0] = getattr(_hits, "count", 0) - before
+        out[0] = (getattr(_events, "compiles", 0) > compiles
+                  and getattr(_events, "hits", 0) == hits)
 
 
 def _leaf_repr(x) -> str:
@@ -182,11 +196,10 @@ class ExecutableStore:
 
     @classmethod
     def from_jax_config(cls) -> Optional["ExecutableStore"]:
-        """The store under JAX's persistent compilation cache folder when
-        $JAXINFER_EXECUTABLE_STORE is "1"; None when it is not (the
-        default: module docstring), when that cache is off or when more
-        than one device is visible."""
-        if os.environ.get(ENABLE_ENV) != "1":
+        """The store under JAX's persistent compilation cache folder; None
+        when $JAXINFER_EXECUTABLE_STORE is "0", when that cache is off or
+        when more than one device is visible."""
+        if os.environ.get(ENABLE_ENV) == "0":
             return None
         path = jax.config.values.get("jax_compilation_cache_dir")
         if not path or not jax.config.values.get("jax_enable_compilation_cache", True):
@@ -221,6 +234,8 @@ class ExecutableStore:
         unreadable: then the file is removed)."""
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        from jaxinfer.kernels import quant
+
         path = self._path(key)
         try:
             blob = path.read_bytes()
@@ -230,6 +245,7 @@ class ExecutableStore:
             entry = pickle.loads(blob)
             if entry["key"] != key:
                 return None
+            quant.enabled()   # registers every kernel FFI target: a program that calls one loads only then
             program = deserialize_and_load(entry["payload"], entry["in_tree"], entry["out_tree"])
             os.utime(self.folder)
             return program

@@ -39,7 +39,7 @@ from typing import Optional
 import jax
 
 from jaxinfer.config.generation import DEFAULT_MAX_PROGRAMS
-from jaxinfer.serving.executables import ExecutableStore, Unkeyable, cache_hits, program_key
+from jaxinfer.serving.executables import ExecutableStore, Unkeyable, program_key, xla_compiled
 from jaxinfer.progress import Progress
 
 
@@ -136,9 +136,9 @@ class ProgramCache:
             return program
         if key is None:
             return fn.lower(*args, **static).compile()
-        with cache_hits() as hits:       # what XLA's cache gave back is not stored (see there)
+        with xla_compiled() as compiled:   # what XLA's cache gave back is not stored (see there)
             program = fn.lower(*args, **static).compile()
-        if not hits[0]:
+        if compiled[0]:
             store.save(key, program)
         return program
 

@@ -7,12 +7,16 @@ import dataclasses
 import functools
 import logging
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.kernels import quant as quant_kernels
 from jaxinfer.kernels.packed import PackedWeight
 from jaxinfer.serving import executables
 from jaxinfer.serving.executables import ExecutableStore, Unkeyable, program_key, static_repr
@@ -129,14 +133,14 @@ def test_old_fingerprints_are_pruned(tmp_path):
     assert kept == sorted(["old5", "old4", "old3"])                # the folder itself is made on save
 
 
-def test_store_follows_jax_compilation_cache_when_asked_for(tmp_path, monkeypatch):
-    monkeypatch.setenv(executables.ENABLE_ENV, "1")
+def test_store_follows_jax_compilation_cache_unless_turned_off(tmp_path, monkeypatch):
+    monkeypatch.delenv(executables.ENABLE_ENV, raising=False)     # on by default
     assert ProgramCache().store is None                            # the cache is off in tests
     before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     try:
         assert ProgramCache().store.root == tmp_path / executables.FOLDER
-        monkeypatch.delenv(executables.ENABLE_ENV)                 # off by default
+        monkeypatch.setenv(executables.ENABLE_ENV, "0")
         assert ProgramCache().store is None
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
@@ -156,6 +160,7 @@ def test_serving_from_stored_programs_equals_a_fresh_run(tmp_path, caplog, monke
         return llm, [(o.token_ids, o.logprobs) for o in outs]
 
     _, fresh = run(None)
+    jax.clear_caches()                # else JAX hands back these executables from memory: not stored
     store = ExecutableStore(tmp_path)
     saving_llm, saved = run(store)
     stored = len(list(store.folder.glob("*.bin")))
@@ -199,3 +204,75 @@ def test_what_is_stored_is_compiled_afresh_not_taken_from_xla_cache(tmp_path):
     assert run(store) == want                             # loaded from the store, and they run
     assert len(list(store.folder.glob("*.bin"))) == stored
 
+
+
+def test_a_program_jax_kept_in_memory_from_xla_cache_is_not_stored(tmp_path):
+    """JAX keeps each executable in memory by its lowered module: compiling
+    a program again in the process that took it from XLA's persistent cache
+    returns that executable with no cache event at all. Serialized, it would
+    fail when run in a later process ("Function and_select_fusion.13 not
+    found"), so only a program whose compile ran XLA in the block is stored."""
+    from jaxinfer.serving.loading import enable_compilation_cache
+
+    enable_compilation_cache(str(tmp_path / "xla"))      # the conftest fixture turns it off after
+    params = random_params(TINY_LLAMA, seed=5)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+
+    def run(store):
+        llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
+        llm.programs = ProgramCache(store=store)
+        return llm, [o.token_ids for o in llm.generate(prompts, max_new_tokens=6)]
+
+    _, want = run(None)                                   # XLA compiles; its cache is filled
+    jax.clear_caches()
+    _, from_xla_cache = run(None)                         # every executable from XLA's cache
+    store = ExecutableStore(tmp_path / "store")
+    llm, got = run(store)                                 # the same executables, from memory
+    assert got == from_xla_cache == want
+    assert llm.programs.num_compiles > 0
+    assert not list(store.root.rglob("*.bin"))
+
+
+_CHILD = """
+import sys
+from jaxinfer.serving.executables import ExecutableStore
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.programs import ProgramCache
+from jaxinfer.weights.prepare import prepare_params
+from tiny import TINY_LLAMA, random_params
+
+saves = []
+real_save = ExecutableStore.save
+ExecutableStore.save = lambda self, *a: saves.append(1) or real_save(self, *a)
+params = prepare_params(random_params(TINY_LLAMA, seed=6), TINY_LLAMA, weights="q4")
+llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
+llm.programs = ProgramCache(store=ExecutableStore(sys.argv[1]))
+outs = llm.generate([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], max_new_tokens=6)
+print([o.token_ids for o in outs], len(saves), llm.programs.num_compiles)
+"""
+
+
+@pytest.mark.skipif(not quant_kernels.enabled(), reason="the C++ kernels do not run here")
+def test_a_stored_program_calling_the_kernels_loads_first_thing_in_a_new_process(tmp_path):
+    """A process that loads a stored program before tracing anything has
+    registered none of the kernels' FFI targets (they register when a trace
+    first calls one): the store registers them before it loads, or the
+    load fails with "No FFI handler registered for jaxinfer_q4_matmul"."""
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = {k: v for k, v in os.environ.items()            # XLA compiles: no cache of the test run
+           if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]),
+                                         env.get("PYTHONPATH", "")])
+
+    def child():
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "unreadable stored executable" not in out.stderr, out.stderr[-3000:]
+        return out.stdout.strip()
+
+    first, second = child(), child()
+    tokens, saves, programs = second.rsplit(" ", 2)
+    assert first == f"{tokens} {programs} {programs}" and int(programs) > 0
+    assert saves == "0"                                    # the second process compiled nothing
