@@ -53,6 +53,7 @@ from typing import Optional
 import jax
 import jax.monitoring
 
+from jaxinfer.kernels import quant
 from jaxinfer.kernels.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -233,8 +234,6 @@ class ExecutableStore:
         """The `jax.stages.Compiled` stored under `key`, or None (absent, or
         unreadable: then the file is removed)."""
         from jax.experimental.serialize_executable import deserialize_and_load
-
-        from jaxinfer.kernels import quant
 
         path = self._path(key)
         try:
