@@ -175,6 +175,15 @@ def test_serving_from_stored_programs_equals_a_fresh_run(tmp_path, caplog, monke
     assert loaded == saved == fresh
 
 
+def _tiny_generate(params, store):
+    """(the LLM, its greedy tokens for two prompts) of the tiny Llama with
+    `params`, its programs kept in `store` (None: none)."""
+    llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
+    llm.programs = ProgramCache(store=store)
+    return llm, [o.token_ids for o in llm.generate([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]],
+                                                   max_new_tokens=6)]
+
+
 def test_what_is_stored_is_compiled_afresh_not_taken_from_xla_cache(tmp_path):
     """An executable XLA's persistent cache returned, serialized again, loads
     but fails when run ("Function select_bitcast_fusion not found"): such a
@@ -183,12 +192,9 @@ def test_what_is_stored_is_compiled_afresh_not_taken_from_xla_cache(tmp_path):
 
     enable_compilation_cache(str(tmp_path / "xla"))      # the conftest fixture turns it off after
     params = random_params(TINY_LLAMA, seed=4)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 
     def run(store):
-        llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
-        llm.programs = ProgramCache(store=store)
-        return [o.token_ids for o in llm.generate(prompts, max_new_tokens=6)]
+        return _tiny_generate(params, store)[1]
 
     want = run(None)                                      # fills XLA's cache only
     jax.clear_caches()
@@ -205,7 +211,6 @@ def test_what_is_stored_is_compiled_afresh_not_taken_from_xla_cache(tmp_path):
     assert len(list(store.folder.glob("*.bin"))) == stored
 
 
-
 def test_a_program_jax_kept_in_memory_from_xla_cache_is_not_stored(tmp_path):
     """JAX keeps each executable in memory by its lowered module: compiling
     a program again in the process that took it from XLA's persistent cache
@@ -216,18 +221,11 @@ def test_a_program_jax_kept_in_memory_from_xla_cache_is_not_stored(tmp_path):
 
     enable_compilation_cache(str(tmp_path / "xla"))      # the conftest fixture turns it off after
     params = random_params(TINY_LLAMA, seed=5)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
-
-    def run(store):
-        llm = LLM(TINY_LLAMA, params, max_seq_len=64, max_num_seqs=4, page_size=4)
-        llm.programs = ProgramCache(store=store)
-        return llm, [o.token_ids for o in llm.generate(prompts, max_new_tokens=6)]
-
-    _, want = run(None)                                   # XLA compiles; its cache is filled
+    _, want = _tiny_generate(params, None)                # XLA compiles; its cache is filled
     jax.clear_caches()
-    _, from_xla_cache = run(None)                         # every executable from XLA's cache
+    _, from_xla_cache = _tiny_generate(params, None)      # every executable from XLA's cache
     store = ExecutableStore(tmp_path / "store")
-    llm, got = run(store)                                 # the same executables, from memory
+    llm, got = _tiny_generate(params, store)              # the same executables, from memory
     assert got == from_xla_cache == want
     assert llm.programs.num_compiles > 0
     assert not list(store.root.rglob("*.bin"))
