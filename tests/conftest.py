@@ -210,6 +210,9 @@ def toy_folder(toy_trained, toy_config, tmp_path_factory):
     return path
 
 
+CHILD_TIMEOUT_S = 1800   # a `default_xla_flags` child; the longest took about 130 s on 2 cores
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked `default_xla_flags`, in a run with the fast-compile flags,
@@ -224,7 +227,12 @@ def pytest_pyfunc_call(pyfuncitem):
         env["XLA_FLAGS"] = ORIGINAL_XLA_FLAGS
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
            pyfuncitem.nodeid]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(cmd)} (XLA's default flags) ran past {CHILD_TIMEOUT_S} s",
+                    pytrace=False)
     if done.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} (XLA's default flags) exited {done.returncode}:\n"
                     f"{done.stdout[-6000:]}{done.stderr[-2000:]}", pytrace=False)
