@@ -409,6 +409,68 @@ def test_real_fetch_smollm2(tmp_cache):
 
 
 # ---------------------------------------------------------------------------
+# open_reader: the package's fields, parsed fast
+
+
+def _assert_same_reader(ours, package) -> None:
+    """Every field and tensor header of two readers of one file is the same:
+    keys in order, types, part values and dtypes, data indices, contents."""
+    assert list(ours.fields) == list(package.fields)
+    for key, theirs in package.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (theirs.offset, theirs.types, theirs.data), key
+        assert len(mine.parts) == len(theirs.parts), key
+        for a, b in zip(mine.parts, theirs.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), key
+        assert mine.contents() == theirs.contents(), key
+    assert [(t.name, t.tensor_type, t.data_offset, t.shape.tolist()) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.shape.tolist()) for t in package.tensors]
+    for a, b in zip(ours.tensors, package.tensors):
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_open_reader_builds_the_packages_fields(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "fields.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "", "héllo", "▁the", "x" * 300])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.25, 0.0, 3.0, 2.0])
+    w.add_array("tokenizer.ggml.token_type", [3, 1, 1, 1, 4])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_array("test.empty_strings", [])
+    w.add_uint32("test.u32", 7)
+    w.add_bool("test.flag", True)
+    w.add_float64("test.f64", 0.125)
+    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+    ours = jgguf.open_reader(path)
+    _assert_same_reader(ours, gguf.GGUFReader(path))
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == ["<s>", "", "héllo", "▁the", "x" * 300]
+    assert ours.fields["tokenizer.ggml.tokens"].contents(2) == "héllo"
+    assert ours.fields["tokenizer.ggml.scores"].contents(1) == -1.25
+    assert ours.fields["test.nested"].contents() == [1, 2, 3]    # the package flattens nested arrays
+
+
+def test_open_reader_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        jgguf.open_reader(tmp_path / "absent.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match=f"{bad} is not a GGUF file"):
+        jgguf.open_reader(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_open_reader_of_a_real_file_equals_the_packages(real_model_path, name):
+    gguf = pytest.importorskip("gguf")
+    path = real_model_path(name)
+    _assert_same_reader(jgguf.open_reader(path), gguf.GGUFReader(path))
+
+
+# ---------------------------------------------------------------------------
 # Real files vs the Hugging Face GGUF loader
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
