@@ -20,6 +20,7 @@ Parsing and dequantization use the `gguf` package (`GGUFReader`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import struct
@@ -227,17 +228,19 @@ def _params_keeping_blocks(by_hf: Mapping[str, Any], config: ModelConfig, dtype)
     return params
 
 
+@functools.cache
 def _reader_class():
     """`gguf.GGUFReader` with its per-element parsing of array fields made cheap.
 
     The package's reader slices its `np.memmap` once per array element, and
-    each slice of a memmap runs the subclass's Python hooks: a 262,144-token
-    vocabulary (Gemma 3) takes tens of seconds to open. This subclass reads
+    each slice of a memmap runs the subclass's Python hooks, which makes a
+    large vocabulary slow to open (benchmarks/README.md, "GGUF header"). This subclass reads
     through a plain ndarray view of the same mapping and parses arrays of
     numbers and of strings in one pass each, building the same
     `ReaderField`s (one part per element, as the package does, so
     `contents()` and `len(field.data)` are unchanged). A file in the other
-    byte order takes the package's own path.
+    byte order takes the package's own path. A string array running past
+    the end of the file raises ValueError.
     """
     from gguf import GGUFReader, GGUFValueType
 
@@ -266,6 +269,8 @@ def _reader_class():
                 plain, lengths = self._plain(), np.dtype("<u8")
                 for _ in range(count):
                     n = int.from_bytes(plain[offs:offs + 8].tobytes(), "little")
+                    if offs + 8 + n > plain.size:
+                        raise ValueError(f"a string array at byte {orig_offs} runs past the end of the file")
                     parts += (plain[offs:offs + 8].view(lengths), plain[offs + 8:offs + 8 + n])
                     offs += 8 + n
                 return offs - orig_offs, parts, list(range(3, 2 + 2 * count, 2)), [GGUFValueType.ARRAY, itype]
@@ -281,8 +286,8 @@ def _reader_class():
 
 def open_reader(path: str | os.PathLike):
     """A `gguf.GGUFReader` of `path` (memory-maps the file; parses every
-    metadata field and tensor header; `_reader_class` keeps that under a
-    second for a 262,144-token vocabulary).
+    metadata field and tensor header, array fields in one pass each:
+    `_reader_class`).
 
     Raises:
       FileNotFoundError: no such file.

@@ -462,6 +462,18 @@ def test_open_reader_errors_name_the_file(tmp_path):
         jgguf.open_reader(bad)
 
 
+def test_open_reader_of_a_file_cut_inside_its_vocabulary_raises(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    whole = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(whole), "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"token{i}" for i in range(1000)])
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:2000])
+    with pytest.raises(ValueError, match=f"{cut} is not a GGUF file .*runs past the end of the file"):
+        jgguf.open_reader(cut)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_open_reader_of_a_real_file_equals_the_packages(real_model_path, name):
