@@ -20,7 +20,7 @@ def toy_server(folder, max_waiting_requests: int):
     `toy_folder` fixture) while a `ServerThread` serves it."""
     llm = LLM.load(str(folder), max_seq_len=32, max_num_seqs=4, prefill_chunk_size=8,
                    min_kv_bucket=16, progress=False, load_cache=False)
-    llm.tokenizer.hf_tokenizer.chat_template = TEMPLATE
+    llm.tokenizer.chat_template = TEMPLATE
     server = build_server(llm, model_name=MODEL, max_num_seqs=4,
                           max_waiting_requests=max_waiting_requests, max_request_bytes=1 << 16,
                           warmup=True)

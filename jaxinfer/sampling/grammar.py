@@ -103,7 +103,7 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     """The bytes each ordinary token id stands for in decoded text: byte-level
     BPE (GPT-2 alphabet), SentencePiece (U+2581 is a space, `<0xNN>` a byte)
     or plain pieces. Special tokens are left out."""
-    backend = tokenizer.hf_tokenizer.backend_tokenizer
+    backend = tokenizer.backend
     decoder = backend.decoder.__getstate__() if backend.decoder is not None else b""
     byte_level = b"ByteLevel" in decoder
     table = _byte_decoder() if byte_level else {}

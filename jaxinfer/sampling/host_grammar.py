@@ -71,7 +71,7 @@ class TokenTable:
     the EOS id and an encoder."""
 
     def __init__(self, tokenizer, pieces: dict[int, bytes], vocab_size: int, eos_id: int):
-        backend = tokenizer.hf_tokenizer.backend_tokenizer
+        backend = tokenizer.backend
         names = {i: p for p, i in backend.get_vocab(with_added_tokens=True).items()}
         self.tokens = [pieces.get(i, names.get(i, "").encode("utf-8")) for i in range(vocab_size)]
         self.special_token_ids = sorted(i for i in tokenizer.special_token_ids if i < vocab_size)

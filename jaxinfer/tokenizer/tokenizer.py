@@ -1,7 +1,10 @@
 """Tokenizer and chat template, from the checkpoint's own files.
 
-All tokenization is done by Hugging Face `transformers` on its Rust `tokenizers`
-backend; nothing here implements BPE or SentencePiece.
+Encoding and decoding run on Hugging Face's Rust `tokenizers` library; chat
+templates render with jinja2 in the environment transformers gives them
+(`jaxinfer.tokenizer.chat`). Nothing here implements BPE or SentencePiece.
+Hugging Face `transformers` builds the tokenizer the first time a source is
+seen; a cached load does not import it.
 
 * GGUF: the tokenizer `AutoTokenizer.from_pretrained(folder, gguf_file=name)`
   would build, built without PyTorch from the GGUF's `tokenizer.*` metadata
@@ -15,11 +18,12 @@ backend; nothing here implements BPE or SentencePiece.
       <jaxinfer cache dir>/tokenizers/<gguf stem>-<key>/
 
   where the key hashes the file's resolved path, size and mtime and the
-  transformers/tokenizers versions. Later runs load the saved folder with
-  the tokenizer class itself (not `AutoTokenizer`, whose import pulls in
-  torch when it is installed) and never open the GGUF. A damaged entry is
-  reported as one line on the `jaxinfer.tokenizer.tokenizer` logger
-  (warning level; stderr when logging is not configured) and converted
+  transformers/tokenizers versions. Beside it, `jaxinfer_tokenizer.json`
+  records what the Rust tokenizer does not hold: the special-token strings,
+  the chat template, the GGUF's EOS ids and the transformers class. Later runs
+  load `tokenizer.json` with `tokenizers` alone and never open the GGUF. A
+  damaged entry is reported as one line on the `jaxinfer.tokenizer.tokenizer`
+  logger (warning level; stderr when logging is not configured) and converted
   again.
 * Hugging Face folder: `tokenizer.json` + `tokenizer_config.json` (chat
   template inside, or in `chat_template.jinja`), loaded with
@@ -43,12 +47,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from jaxinfer.config import cache_dir as default_cache_dir
+from jaxinfer.tokenizer import chat as chat_render
 from jaxinfer.tokenizer import gguf as gguf_tokenizer
 from jaxinfer.checkpoint.gguf import open_reader
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 3   # 2: built without torch; 3: the tokenizer class is recorded
+_CACHE_FORMAT = 4   # 2: built without torch; 3: the tokenizer class is recorded;
+                    # 4: special tokens and chat template recorded (loads without transformers)
 _META_FILE = "jaxinfer_tokenizer.json"
 _REPLACEMENT = "\ufffd"
 
@@ -60,10 +66,12 @@ END_OF_TURN_TOKENS = (
 )
 
 class Tokenizer:
-    """Encode text, render chat prompts and decode ids with one HF fast tokenizer.
+    """Encode text, render chat prompts and decode ids with one Rust `tokenizers` tokenizer.
 
     Build it with `from_gguf`, `from_pretrained` or `from_source`; the
-    constructor wraps an already-loaded `transformers` tokenizer.
+    constructor wraps an already-loaded `transformers` fast tokenizer and
+    copies what it needs from it (the Rust tokenizer, the special tokens and
+    the chat template).
 
     Args:
       hf_tokenizer: a `transformers` tokenizer with a Rust `tokenizers`
@@ -83,12 +91,46 @@ class Tokenizer:
             raise ValueError(f"tokenizer {type(hf_tokenizer).__name__} from {source} has no "
                              "Rust `tokenizers` backend; jaxinfer needs a fast tokenizer")
         self._hf = hf_tokenizer
+        self._hf_loader = None
+        self._setup(backend, _special_tokens_of(hf_tokenizer), hf_tokenizer.chat_template,
+                    extra_eos_token_ids, source)
+
+    @classmethod
+    def from_parts(cls, backend, special_tokens: Mapping[str, Any],
+                   chat_template: str | Mapping[str, str] | None, *,
+                   extra_eos_token_ids: Iterable[int] = (), source: str | None = None,
+                   hf_loader=None) -> "Tokenizer":
+        """A tokenizer from its parts, without transformers.
+
+        Args:
+          backend: a `tokenizers.Tokenizer` (encodes with its own settings;
+            truncation and padding are turned off on it).
+          special_tokens: transformers' `special_tokens_map` ("bos_token",
+            "eos_token", "pad_token", ... -> token strings); the chat template
+            sees them as variables.
+          chat_template: Jinja2 source, a dict of named templates, or None.
+          extra_eos_token_ids, source: as for the constructor.
+          hf_loader: a function returning the equivalent `transformers`
+            tokenizer, called once when `hf_tokenizer` is first read.
+        """
+        self = cls.__new__(cls)
+        self._hf = None
+        self._hf_loader = hf_loader
+        self._setup(backend, special_tokens, chat_template, extra_eos_token_ids, source)
+        return self
+
+    def _setup(self, backend, special_tokens, chat_template, extra_eos_token_ids, source) -> None:
+        backend.no_truncation()
+        backend.no_padding()
         self._backend = backend
         self.source = source
+        self._special_tokens = {k: v for k, v in dict(special_tokens).items() if v is not None}
+        self._chat_templates = chat_template
         self._vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self._special_ids = frozenset(
             int(i) for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self._byte_ids = _byte_fallback_ids(backend)
+        self._bos_id = self._token_id("bos_token")
         self._add_bos = self._detect_add_bos()
         self._eos_ids = self._collect_eos(extra_eos_token_ids)
 
@@ -138,19 +180,29 @@ class Tokenizer:
         eos = gguf_tokenizer.eos_token_ids(reader)
         if slot is not None:
             _save_to_cache(hf, slot, {"gguf_eos_token_ids": eos, "gguf": str(path),
-                                      "tokenizer_class": _class_path(type(hf))})
+                                      "tokenizer_class": _class_path(type(hf)),
+                                      "special_tokens": _special_tokens_of(hf),
+                                      "chat_template": hf.chat_template})
         return cls(hf, extra_eos_token_ids=eos, source=str(path))
 
     @classmethod
     def _from_cache(cls, slot: pathlib.Path, path: pathlib.Path) -> "Tokenizer":
-        """Load a converted tokenizer saved by `from_gguf` with its own class."""
+        """Load a converted tokenizer saved by `from_gguf`: `tokenizer.json` with
+        `tokenizers`, the rest from its metadata file (no transformers import)."""
+        import tokenizers
+
         meta = json.loads((slot / _META_FILE).read_text())
         module, _, name = meta["tokenizer_class"].partition(":")
         if not module.startswith("transformers."):
             raise ValueError(f"unexpected tokenizer class {meta['tokenizer_class']!r}")
-        tokenizer_class = getattr(importlib.import_module(module), name)
-        hf = tokenizer_class.from_pretrained(str(slot))
-        return cls(hf, extra_eos_token_ids=meta["gguf_eos_token_ids"], source=str(path))
+
+        def hf_loader():
+            return getattr(importlib.import_module(module), name).from_pretrained(str(slot))
+
+        backend = tokenizers.Tokenizer.from_file(str(slot / "tokenizer.json"))
+        return cls.from_parts(backend, meta["special_tokens"], meta["chat_template"],
+                              extra_eos_token_ids=meta["gguf_eos_token_ids"], source=str(path),
+                              hf_loader=hf_loader)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "Tokenizer":
@@ -204,8 +256,24 @@ class Tokenizer:
 
     @property
     def hf_tokenizer(self):
-        """The wrapped `transformers` tokenizer."""
+        """The equivalent `transformers` tokenizer: the wrapped one, or for a
+        cached GGUF conversion, its saved folder loaded with its class on first
+        read (this imports transformers). jaxinfer itself does not use it.
+
+        Raises:
+          ValueError: built by `from_parts` without an `hf_loader`.
+        """
+        if self._hf is None:
+            if self._hf_loader is None:
+                raise ValueError(f"the tokenizer from {self.source} was built from its parts "
+                                 "and has no transformers tokenizer")
+            self._hf = self._hf_loader()
         return self._hf
+
+    @property
+    def backend(self):
+        """The Rust `tokenizers.Tokenizer` that encodes and decodes."""
+        return self._backend
 
     @property
     def vocab_size(self) -> int:
@@ -215,7 +283,7 @@ class Tokenizer:
 
     @property
     def bos_token_id(self) -> int | None:
-        return self._hf.bos_token_id
+        return self._bos_id
 
     @property
     def add_bos(self) -> bool:
@@ -231,7 +299,7 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        return self._hf.pad_token_id
+        return self._token_id("pad_token")
 
     @property
     def special_token_ids(self) -> frozenset[int]:
@@ -239,9 +307,23 @@ class Tokenizer:
         return self._special_ids
 
     @property
+    def special_tokens(self) -> dict[str, Any]:
+        """transformers' `special_tokens_map`: "bos_token", "eos_token", ... ->
+        token strings, as the chat template sees them."""
+        return dict(self._special_tokens)
+
+    @property
     def chat_template(self) -> str | None:
-        template = self._hf.chat_template
+        """The chat template's Jinja2 source (the "default" one of a named set),
+        or None. Settable; EOS ids stay as collected at construction."""
+        template = self._chat_templates
+        if isinstance(template, Mapping):
+            template = template.get("default")
         return template if isinstance(template, str) and template else None
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._chat_templates = template
 
     @property
     def has_chat_template(self) -> bool:
@@ -251,18 +333,15 @@ class Tokenizer:
     def renders_tools(self) -> bool:
         """True when the chat template reads a `tools` variable (so tools
         passed to `apply_chat_template(..., tools=)` reach the prompt). Decided
-        from the parsed template's undeclared variables; a template jinja2
-        cannot parse on its own (a transformers-only tag) is searched for the
-        word `tools` instead."""
+        from the parsed template's undeclared variables; a template that does
+        not parse is searched for the word `tools` instead."""
         template = self.chat_template
         if template is None:
             return False
         import jinja2
-        import jinja2.meta
 
         try:
-            env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-            return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+            return "tools" in chat_render.template_variables(template)
         except jinja2.TemplateSyntaxError:
             return re.search(r"\btools\b", template) is not None
 
@@ -276,7 +355,8 @@ class Tokenizer:
     # ----- encode / decode ----------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, exactly as the HF tokenizer's `encode`.
+        """Token ids of `text`, exactly as the HF tokenizer's `encode` (which
+        calls the same Rust `encode` with truncation and padding off).
 
         Args:
           text: the string to encode. Special-token strings in it (e.g.
@@ -289,7 +369,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """Text of `ids` (1-D ints) via the `tokenizers` backend.
@@ -354,40 +434,53 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs) -> str:
-        """The chat template's text for `messages` (no tokenization).
+        """The chat template's text for `messages` (no tokenization), rendered
+        as transformers' `apply_chat_template(..., tokenize=False)` renders it
+        (`jaxinfer.tokenizer.chat`).
+
+        Args:
+          messages: dicts with "role" and "content" (and whatever else the template reads).
+          add_generation_prompt: append the assistant-turn header.
+          template_kwargs: `chat_template=` (Jinja2 source, or the name of one
+            of the checkpoint's named templates), `tools=` (JSON-schema dicts),
+            `documents=`, and any other template variable.
 
         Raises:
           ValueError: no chat template, or empty `messages`.
+          TypeError: a message or tool that is not a dict.
+          jinja2.TemplateError: the template failed or called `raise_exception`.
         """
         self._check_chat(messages, template_kwargs)
-        return self._hf.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=False, **template_kwargs)
+        template = self._template_for(template_kwargs.pop("chat_template", None),
+                                      template_kwargs.get("tools"))
+        return chat_render.render(template, messages, add_generation_prompt=add_generation_prompt,
+                                  special_tokens=self._special_tokens, **template_kwargs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """Prompt ids for `messages` rendered with the checkpoint's chat template.
 
-        Rendering and tokenization are transformers' `apply_chat_template(...,
-        tokenize=True)`; then, when the model uses BOS (`add_bos`), the ids are
-        made to start with exactly one BOS (a template that writes
-        `{{ bos_token }}` keeps its one; a template without it gets one added;
-        repeated leading BOS collapse to one).
+        The text of `render_chat`, encoded without added special tokens (as
+        transformers' `apply_chat_template(..., tokenize=True)`); then, when the
+        model uses BOS (`add_bos`), the ids are made to start with exactly one
+        BOS (a template that writes `{{ bos_token }}` keeps its one; a template
+        without it gets one added; repeated leading BOS collapse to one).
 
-        Args:
-          messages: dicts with "role" and "content" (and whatever else the template reads).
-          add_generation_prompt: append the assistant-turn header.
-          template_kwargs: passed to transformers (e.g. `chat_template=` to
-            override the template, `tools=`, template variables).
-
-        Raises:
-          ValueError: no chat template (base models often have none), or empty `messages`.
+        Args and Raises: as for `render_chat`.
         """
-        self._check_chat(messages, template_kwargs)
-        ids = self._hf.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-            tokenize=True, return_dict=False, **template_kwargs)
-        return self._single_bos([int(i) for i in ids])
+        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        return self._single_bos(self.encode(text, add_special_tokens=False))
+
+    def _template_for(self, chat_template: str | None, tools) -> str:
+        """The template to render: `chat_template` (source, or a name in the
+        checkpoint's named set), else the checkpoint's ("tool_use" from a named
+        set when tools are given, as transformers picks it)."""
+        named = self._chat_templates if isinstance(self._chat_templates, Mapping) else {}
+        if chat_template is not None:
+            return named.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in named:
+            return named["tool_use"]
+        return self.chat_template
 
     def _check_chat(self, messages, template_kwargs) -> None:
         if not self.has_chat_template and not template_kwargs.get("chat_template"):
@@ -407,16 +500,21 @@ class Tokenizer:
 
     # ----- helpers ------------------------------------------------------
 
+    def _token_id(self, name: str) -> int | None:
+        token = self._special_tokens.get(name)
+        tid = self._backend.token_to_id(token) if isinstance(token, str) else None
+        return None if tid is None else int(tid)
+
     def _detect_add_bos(self) -> bool:
         bos = self.bos_token_id
         if bos is None:
             return False
-        with_special = self._hf.encode("a", add_special_tokens=True)
-        without = self._hf.encode("a", add_special_tokens=False)
+        with_special = self.encode("a", add_special_tokens=True)
+        without = self.encode("a", add_special_tokens=False)
         return with_special[:1] == [bos] and without[:1] != [bos]
 
     def _collect_eos(self, extra: Iterable[int]) -> frozenset[int]:
-        ids = set(_as_int_list(self._hf.eos_token_id)) | set(_as_int_list(list(extra)))
+        ids = set(_as_int_list(self._token_id("eos_token"))) | set(_as_int_list(list(extra)))
         template = self.chat_template or ""
         for token in END_OF_TURN_TOKENS:
             if token in template:
@@ -434,6 +532,12 @@ def _as_int_list(value) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value if v is not None]
     return [int(value)]
+
+
+def _special_tokens_of(hf) -> dict[str, Any]:
+    """transformers' `special_tokens_map` of `hf`, as plain strings (lists kept)."""
+    return {k: ([str(t) for t in v] if isinstance(v, (list, tuple)) else str(v))
+            for k, v in hf.special_tokens_map.items() if v is not None}
 
 
 def _byte_fallback_ids(backend) -> frozenset[int]:
@@ -454,12 +558,11 @@ def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
 
 def _cache_slot(path: pathlib.Path, cache_dir: str | os.PathLike | None) -> pathlib.Path:
     """Cache folder for the tokenizer converted from the GGUF at `path`."""
-    import tokenizers
-    import transformers
+    from importlib.metadata import version   # not `import transformers`: a cached load skips it
 
     st = path.stat()
-    key = json.dumps([str(path), st.st_size, st.st_mtime_ns, transformers.__version__,
-                      tokenizers.__version__, _CACHE_FORMAT])
+    key = json.dumps([str(path), st.st_size, st.st_mtime_ns, version("transformers"),
+                      version("tokenizers"), _CACHE_FORMAT])
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return _cache_root(cache_dir) / "tokenizers" / f"{path.stem}-{digest}"
 

@@ -29,7 +29,7 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 def llm():
     llm = LLM(CONFIG, params(), ascii_tokenizer(), max_seq_len=128, decode_chunk=4, max_num_seqs=4,
               min_kv_bucket=16)
-    llm.tokenizer.hf_tokenizer.chat_template = TEMPLATE
+    llm.tokenizer.chat_template = TEMPLATE
     return llm
 
 
@@ -135,7 +135,7 @@ HERMES_REGEX = (r'Sure<tool_call>\{"name": "set_colour", "arguments": \{"colour"
 def test_auto_tools_reach_the_template_and_hermes_calls_are_parsed(client, llm, monkeypatch):
     """The model's text (here held to a Hermes-style call by guided_regex)
     becomes content before the call plus `tool_calls`."""
-    monkeypatch.setattr(llm.tokenizer.hf_tokenizer, "chat_template", TOOLS_TEMPLATE)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", TOOLS_TEMPLATE)
     messages = [{"role": "user", "content": "hi"}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
     assert plain.usage.prompt_tokens == 2                      # "hi"
@@ -155,7 +155,7 @@ def test_auto_tools_reach_the_template_and_hermes_calls_are_parsed(client, llm, 
 def test_auto_tools_without_a_call_format_return_the_text(client, llm, monkeypatch):
     """A template that renders tools but names no call format: the text is the content."""
     template = TOOLS_TEMPLATE.replace("{# reply with <tool_call>{...}</tool_call> #}", "")
-    monkeypatch.setattr(llm.tokenizer.hf_tokenizer, "chat_template", template)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", template)
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100, tools=[TOOL],
         tool_choice="auto", extra_body={"guided_regex": HERMES_REGEX})

@@ -64,16 +64,16 @@ def test_forced_tool_calls_wraps_the_text_as_arguments():
 ])
 def test_renders_tools_reads_the_template(template, renders):
     tok = ascii_tokenizer()
-    tok.hf_tokenizer.chat_template = template
+    tok.chat_template = template
     assert tok.renders_tools is renders
 
 
 def test_tools_for_a_template_that_does_not_render_them_are_refused():
     tok = ascii_tokenizer()
-    tok.hf_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="^this model's chat template does not render tools$"):
         tok.encode_prompt([{"role": "user", "content": "hi"}], True, [{"function": {"name": "f"}}])
-    tok.hf_tokenizer.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    tok.chat_template = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
     assert tok.decode(tok.encode_prompt([{"role": "user", "content": "x"}], True,
                                         [{"function": {"name": "f"}}])) == "f;"
     assert renders_hermes("<tool_call>") and not renders_hermes(None)

@@ -96,7 +96,7 @@ def test_min_tokens_with_a_constraint_is_refused(llm):
 def test_choice_distribution_is_the_renormalised_model_distribution(llm):
     """Over single-token choices the sampled frequencies follow the model's
     probabilities of those tokens, renormalised (chi-square, 600 draws)."""
-    vocab = llm.tokenizer.hf_tokenizer.get_vocab()
+    vocab = llm.tokenizer.backend.get_vocab(with_added_tokens=True)
     choice = ("a", "b", "c", "d")
     spec = StructuredOutput(choice=choice)
     n = 600

@@ -461,6 +461,10 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch, caplog):
     slots = list((cache / "tokenizers").iterdir())
     assert len(slots) == 1 and (slots[0] / "jaxinfer_tokenizer.json").is_file()
     fresh = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    assert warm._hf is None                                    # no transformers tokenizer built ...
+    assert warm.special_tokens == cold.special_tokens == fresh.special_tokens_map
+    assert warm.chat_template == cold.chat_template == CHAT_TEMPLATE
+    assert warm.backend.to_str() == fresh.backend_tokenizer.to_str()
     assert_same_hf_tokenizer(cold.hf_tokenizer, fresh)
     assert type(warm.hf_tokenizer) is type(fresh)
     for tok in (cold, warm):
@@ -493,6 +497,28 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch, caplog):
     # cache=False converts again and writes nothing.
     Tokenizer.from_gguf(gguf_path, cache=False, cache_dir=tmp_path / "unused")
     assert not (tmp_path / "unused").exists()
+
+
+def test_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
+    """A cached load reads tokenizer.json with `tokenizers` and renders with jinja2:
+    a fresh interpreter encodes and renders a chat prompt without importing transformers."""
+    import subprocess
+    import sys
+
+    gguf_path, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    write_tiny_gguf(gguf_path)
+    cold = Tokenizer.from_gguf(gguf_path, cache_dir=cache)
+    code = ("import json, sys\n"
+            "from jaxinfer.tokenizer import Tokenizer\n"
+            "tok = Tokenizer.from_gguf(sys.argv[1], cache_dir=sys.argv[2])\n"
+            "print(json.dumps([tok.encode(sys.argv[3]), tok.apply_chat_template(json.loads(sys.argv[4])),"
+            " sorted(tok.eos_token_ids), 'transformers' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(cache), TEXTS[10],
+                          json.dumps(MESSAGES[2])], check=True, capture_output=True, text=True)
+    ids, chat_ids, eos, imported = json.loads(out.stdout)
+    assert ids == cold.encode(TEXTS[10]) and chat_ids == cold.apply_chat_template(MESSAGES[2])
+    assert eos == sorted(cold.eos_token_ids)
+    assert imported is False
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):

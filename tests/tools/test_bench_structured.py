@@ -29,7 +29,7 @@ SERVE_COMPILE = ("10-field JSON schema compile, cold, before its first request d
 def test_the_row_runs_every_configuration_on_a_tiny_model():
     base = LLM(CONFIG, random_params(CONFIG, 0), ascii_tokenizer(), max_seq_len=256, decode_chunk=4,
                min_kv_bucket=16)
-    base.tokenizer.hf_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    base.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     sweep = S.StructSweep(batches=(1, 2), prompts=2, new_tokens=12, max_seq_len=256, cache_repeats=3)
     results = S.measure_structured(base, sweep, log=lambda msg: None)
     assert [(r["batch"], r["mode"], r["outputs"]) for r in results["runs"]] == [
