@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import re
 from typing import Any, Mapping, Sequence
 
 import jinja2
@@ -89,6 +90,15 @@ def template_variables(template: str) -> frozenset[str]:
     import jinja2.meta
 
     return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+
+
+def reads_variable(template: str, name: str) -> bool:
+    """True when `template` reads the variable `name` (`template_variables`);
+    a template that does not parse is searched for `name` as a word instead."""
+    try:
+        return name in template_variables(template)
+    except jinja2.TemplateSyntaxError:
+        return re.search(rf"\b{re.escape(name)}\b", template) is not None
 
 
 class _GenerationBlock(jinja2.ext.Extension):

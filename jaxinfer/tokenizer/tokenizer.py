@@ -1,10 +1,9 @@
 """Tokenizer and chat template, from the checkpoint's own files.
 
-Encoding and decoding run on Hugging Face's Rust `tokenizers` library; chat
-templates render with jinja2 in the environment transformers gives them
-(`jaxinfer.tokenizer.chat`). Nothing here implements BPE or SentencePiece.
-Hugging Face `transformers` builds the tokenizer the first time a source is
-seen; a cached load does not import it.
+Encoding and decoding run on Hugging Face's Rust `tokenizers`; chat templates
+render with jinja2 as transformers renders them (`jaxinfer.tokenizer.chat`).
+Nothing here implements BPE or SentencePiece. `transformers` builds the
+tokenizer when a source is first seen; a cached load does not import it.
 
 * GGUF: the tokenizer `AutoTokenizer.from_pretrained(folder, gguf_file=name)`
   would build, built without PyTorch from the GGUF's `tokenizer.*` metadata
@@ -12,19 +11,11 @@ seen; a cached load does not import it.
   `gguf.GGUFReader` the weights are loaded with).
 
   Conversion is slow for a large vocabulary (the merges of Gemma 3's 262k
-  vocab are rebuilt from the tokens), so the result is saved with
-  `save_pretrained` under
-
-      <jaxinfer cache dir>/tokenizers/<gguf stem>-<key>/
-
-  where the key hashes the file's resolved path, size and mtime and the
-  transformers/tokenizers versions. Beside it, `jaxinfer_tokenizer.json`
-  records what the Rust tokenizer does not hold: the special-token strings,
-  the chat template, the GGUF's EOS ids and the transformers class. Later runs
-  load `tokenizer.json` with `tokenizers` alone and never open the GGUF. A
-  damaged entry is reported as one line on the `jaxinfer.tokenizer.tokenizer`
-  logger (warning level; stderr when logging is not configured) and converted
-  again.
+  vocab are rebuilt from the tokens), so the result is cached
+  (`jaxinfer.tokenizer.cache`); a cached load reads `tokenizer.json` with
+  `tokenizers` alone and never opens the GGUF. A damaged entry is reported
+  as one line on the `jaxinfer.tokenizer.tokenizer` logger (warning level;
+  stderr when logging is not configured) and converted again.
 * Hugging Face folder: `tokenizer.json` + `tokenizer_config.json` (chat
   template inside, or in `chat_template.jinja`), loaded with
   `AutoTokenizer.from_pretrained(folder)`.
@@ -34,28 +25,21 @@ The streaming detokenizer is `jaxinfer.tokenizer.detokenizer`.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import json
 import logging
 import os
 import pathlib
-import re
 import shutil
-import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from jaxinfer.config import cache_dir as default_cache_dir
+from jaxinfer.tokenizer import cache as tokenizer_cache
 from jaxinfer.tokenizer import chat as chat_render
 from jaxinfer.tokenizer import gguf as gguf_tokenizer
 from jaxinfer.checkpoint.gguf import open_reader
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 4   # 2: built without torch; 3: the tokenizer class is recorded;
-                    # 4: special tokens and chat template recorded (loads without transformers)
-_META_FILE = "jaxinfer_tokenizer.json"
 _REPLACEMENT = "\ufffd"
 
 # Tokens that end a chat turn in common templates. One counts as an EOS id
@@ -92,8 +76,8 @@ class Tokenizer:
                              "Rust `tokenizers` backend; jaxinfer needs a fast tokenizer")
         self._hf = hf_tokenizer
         self._hf_loader = None
-        self._setup(backend, _special_tokens_of(hf_tokenizer), hf_tokenizer.chat_template,
-                    extra_eos_token_ids, source)
+        self._setup(backend, tokenizer_cache.special_tokens_of(hf_tokenizer),
+                    hf_tokenizer.chat_template, extra_eos_token_ids, source)
 
     @classmethod
     def from_parts(cls, backend, special_tokens: Mapping[str, Any],
@@ -164,45 +148,25 @@ class Tokenizer:
         path = pathlib.Path(path).expanduser().resolve()
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        slot = _cache_slot(path, cache_dir) if cache else None
-        if slot is not None and (slot / _META_FILE).is_file():
+        slot = tokenizer_cache.slot(path, cache_dir) if cache else None
+        if slot is not None and tokenizer_cache.holds(slot):
             try:
-                return cls._from_cache(slot, path)
+                backend, meta, hf_loader = tokenizer_cache.load(slot)
+                return cls.from_parts(backend, meta["special_tokens"], meta["chat_template"],
+                                      extra_eos_token_ids=meta["gguf_eos_token_ids"],
+                                      source=str(path), hf_loader=hf_loader)
             except Exception as e:  # a damaged cache entry: convert again
                 log.warning("jaxinfer tokenizer cache: ignoring unreadable %s: %s; converting again",
                             slot, e)
                 shutil.rmtree(slot, ignore_errors=True)
         reader = reader() if callable(reader) else reader
         if reader is None:
-
             reader = open_reader(path)
         hf = gguf_tokenizer.convert_gguf_tokenizer(path, reader)
         eos = gguf_tokenizer.eos_token_ids(reader)
         if slot is not None:
-            _save_to_cache(hf, slot, {"gguf_eos_token_ids": eos, "gguf": str(path),
-                                      "tokenizer_class": _class_path(type(hf)),
-                                      "special_tokens": _special_tokens_of(hf),
-                                      "chat_template": hf.chat_template})
+            tokenizer_cache.save(hf, slot, extra={"gguf_eos_token_ids": eos, "gguf": str(path)})
         return cls(hf, extra_eos_token_ids=eos, source=str(path))
-
-    @classmethod
-    def _from_cache(cls, slot: pathlib.Path, path: pathlib.Path) -> "Tokenizer":
-        """Load a converted tokenizer saved by `from_gguf`: `tokenizer.json` with
-        `tokenizers`, the rest from its metadata file (no transformers import)."""
-        import tokenizers
-
-        meta = json.loads((slot / _META_FILE).read_text())
-        module, _, name = meta["tokenizer_class"].partition(":")
-        if not module.startswith("transformers."):
-            raise ValueError(f"unexpected tokenizer class {meta['tokenizer_class']!r}")
-
-        def hf_loader():
-            return getattr(importlib.import_module(module), name).from_pretrained(str(slot))
-
-        backend = tokenizers.Tokenizer.from_file(str(slot / "tokenizer.json"))
-        return cls.from_parts(backend, meta["special_tokens"], meta["chat_template"],
-                              extra_eos_token_ids=meta["gguf_eos_token_ids"], source=str(path),
-                              hf_loader=hf_loader)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "Tokenizer":
@@ -256,9 +220,9 @@ class Tokenizer:
 
     @property
     def hf_tokenizer(self):
-        """The equivalent `transformers` tokenizer: the wrapped one, or for a
-        cached GGUF conversion, its saved folder loaded with its class on first
-        read (this imports transformers). jaxinfer itself does not use it.
+        """The equivalent `transformers` tokenizer: the wrapped one, or one built
+        on first read by the `hf_loader` of `from_parts` (a cached GGUF
+        conversion: its folder loaded with its class). jaxinfer does not use it.
 
         Raises:
           ValueError: built by `from_parts` without an `hf_loader`.
@@ -336,14 +300,7 @@ class Tokenizer:
         from the parsed template's undeclared variables; a template that does
         not parse is searched for the word `tools` instead."""
         template = self.chat_template
-        if template is None:
-            return False
-        import jinja2
-
-        try:
-            return "tools" in chat_render.template_variables(template)
-        except jinja2.TemplateSyntaxError:
-            return re.search(r"\btools\b", template) is not None
+        return template is not None and chat_render.reads_variable(template, "tools")
 
     def __len__(self) -> int:
         return self._vocab_size
@@ -534,12 +491,6 @@ def _as_int_list(value) -> list[int]:
     return [int(value)]
 
 
-def _special_tokens_of(hf) -> dict[str, Any]:
-    """transformers' `special_tokens_map` of `hf`, as plain strings (lists kept)."""
-    return {k: ([str(t) for t in v] if isinstance(v, (list, tuple)) else str(v))
-            for k, v in hf.special_tokens_map.items() if v is not None}
-
-
 def _byte_fallback_ids(backend) -> frozenset[int]:
     """Ids of `<0xNN>` tokens when the decoder has SentencePiece ByteFallback, else empty."""
     decoder = backend.decoder
@@ -547,43 +498,3 @@ def _byte_fallback_ids(backend) -> frozenset[int]:
         return frozenset()
     ids = (backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
     return frozenset(int(i) for i in ids if i is not None)
-
-
-def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
-    if cache_dir is not None:
-        return pathlib.Path(cache_dir).expanduser()
-
-    return default_cache_dir()
-
-
-def _cache_slot(path: pathlib.Path, cache_dir: str | os.PathLike | None) -> pathlib.Path:
-    """Cache folder for the tokenizer converted from the GGUF at `path`."""
-    from importlib.metadata import version   # not `import transformers`: a cached load skips it
-
-    st = path.stat()
-    key = json.dumps([str(path), st.st_size, st.st_mtime_ns, version("transformers"),
-                      version("tokenizers"), _CACHE_FORMAT])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return _cache_root(cache_dir) / "tokenizers" / f"{path.stem}-{digest}"
-
-
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _save_to_cache(hf, slot: pathlib.Path, meta: dict) -> None:
-    """Write `hf` to `slot` atomically (temp folder + rename); warn, don't fail, on OSError."""
-    tmp = None
-    try:
-        slot.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=slot.parent))
-        hf.save_pretrained(str(tmp))
-        (tmp / _META_FILE).write_text(json.dumps(meta, indent=1))
-        os.rename(tmp, slot)
-        tmp = None
-    except OSError as e:
-        if not (slot / _META_FILE).is_file():  # not just a concurrent writer that won
-            log.warning("jaxinfer tokenizer cache: could not write %s: %s", slot, e)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -484,8 +484,8 @@ def test_gguf_scalars_and_cache(tmp_path, monkeypatch, caplog):
     assert Tokenizer.from_source(gguf_path, cache_dir=cache).encode("Hi") == fresh.encode("Hi")
     assert Tokenizer.from_source(tmp_path, cache_dir=cache).encode("Hi") == fresh.encode("Hi")
     # A damaged cache entry is replaced, with a warning.
-    from jaxinfer.tokenizer.tokenizer import _cache_slot
-    slot = _cache_slot(gguf_path.resolve(), cache)
+    from jaxinfer.tokenizer.cache import slot as cache_slot
+    slot = cache_slot(gguf_path.resolve(), cache)
     assert (slot / "jaxinfer_tokenizer.json").is_file()
     (slot / "tokenizer.json").write_text("{broken")
     with caplog.at_level(logging.WARNING, "jaxinfer.tokenizer.tokenizer"):
@@ -522,16 +522,16 @@ def test_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
-    from jaxinfer.tokenizer.tokenizer import _cache_root
+    from jaxinfer.tokenizer.cache import cache_root
 
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "a"))
-    assert _cache_root(None) == tmp_path / "a"
+    assert cache_root(None) == tmp_path / "a"
     monkeypatch.delenv("JAXINFER_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert _cache_root(None) == tmp_path / "x" / "jaxinfer"
+    assert cache_root(None) == tmp_path / "x" / "jaxinfer"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert _cache_root(None) == pathlib.Path.home() / ".cache" / "jaxinfer"
-    assert _cache_root(tmp_path / "b") == tmp_path / "b"
+    assert cache_root(None) == pathlib.Path.home() / ".cache" / "jaxinfer"
+    assert cache_root(tmp_path / "b") == tmp_path / "b"
 
 
 def test_bad_sources(tmp_path):
