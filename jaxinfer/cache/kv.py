@@ -39,8 +39,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.cache.int8 import decode_attention_int8, quantize_kv
 
@@ -80,7 +80,7 @@ class LayerKV(NamedTuple):
                 self.values.astype(jnp.float32) * self.value_scale[..., None])
 
 
-@struct.dataclass
+@pytree.dataclass
 class KVCache:
     """K/V buffers for every layer plus per-row lengths.
 
@@ -99,10 +99,10 @@ class KVCache:
     layers: tuple[LayerKV, ...]
     ring_pos: jax.Array
     lengths: jax.Array
-    layer_types: tuple[str, ...] = struct.field(pytree_node=False, default=())
-    window: int = struct.field(pytree_node=False, default=0)
-    ring_extra: int = struct.field(pytree_node=False, default=0)
-    max_seq_len: int = struct.field(pytree_node=False, default=0)
+    layer_types: tuple[str, ...] = pytree.field(pytree_node=False, default=())
+    window: int = pytree.field(pytree_node=False, default=0)
+    ring_extra: int = pytree.field(pytree_node=False, default=0)
+    max_seq_len: int = pytree.field(pytree_node=False, default=0)
 
     @property
     def batch_size(self) -> int:

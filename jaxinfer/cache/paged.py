@@ -32,14 +32,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.cache.int8 import quantize_kv
 from jaxinfer.cache.kv import KV_CACHE_DTYPES, LayerKV
 from jaxinfer.config import FULL_ATTENTION, ModelConfig
 
 
-@struct.dataclass
+@pytree.dataclass
 class PagedKVCache:
     """Pools of pages for every layer and per-slot lengths (module docstring).
 
@@ -57,9 +57,9 @@ class PagedKVCache:
     layers: tuple[LayerKV, ...]
     lengths: jax.Array
     draft: Optional["PagedKVCache"] = None
-    page_size: int = struct.field(pytree_node=False, default=16)
-    layer_types: tuple[str, ...] = struct.field(pytree_node=False, default=())
-    window: int = struct.field(pytree_node=False, default=0)
+    page_size: int = pytree.field(pytree_node=False, default=16)
+    layer_types: tuple[str, ...] = pytree.field(pytree_node=False, default=())
+    window: int = pytree.field(pytree_node=False, default=0)
 
     @property
     def num_pages(self) -> int:

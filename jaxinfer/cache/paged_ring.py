@@ -50,14 +50,14 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.cache.kv import KV_CACHE_DTYPES
 from jaxinfer.cache.paged import PagedKVCache, _pool, page_nbytes
 from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 
 
-@struct.dataclass
+@pytree.dataclass
 class RingPagedKVCache(PagedKVCache):
     """A `PagedKVCache` whose sliding layers keep rings (module docstring).
 
@@ -66,8 +66,8 @@ class RingPagedKVCache(PagedKVCache):
       host_pages: static, P, pages in each full layer's pool (the host's page ids).
     """
 
-    ring_pages: int = struct.field(pytree_node=False, default=1)
-    host_pages: int = struct.field(pytree_node=False, default=1)
+    ring_pages: int = pytree.field(pytree_node=False, default=1)
+    host_pages: int = pytree.field(pytree_node=False, default=1)
 
     @property
     def num_pages(self) -> int:

@@ -28,7 +28,7 @@ prepared params depend on:
   reuses an old entry, plus the jax, numpy and gguf versions and this module's
   `FORMAT_VERSION`.
 
-Any pytree works (dicts, tuples, lists, None, and `flax.struct` dataclasses
+Any pytree works (dicts, tuples, lists, None, and `jaxinfer.pytree` (or `flax.struct`) dataclasses
 such as `packed_kernels.PackedWeight`, with their static fields): the file holds
 the array leaves under their tree paths, and the header holds a JSON
 description of the tree (containers, dataclass types, static field values)
@@ -79,7 +79,7 @@ PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfe
                     "jaxinfer.checkpoint.gguf_blocks", "jaxinfer.checkpoint.safetensors",
                     "jaxinfer.weights.quant", "jaxinfer.models.base", "jaxinfer.models.hf_keys",
                     "jaxinfer.models.gguf_keys", "jaxinfer.models.llama", "jaxinfer.models.gemma3",
-                    "jaxinfer.models.qwen3")
+                    "jaxinfer.models.qwen3", "jaxinfer.pytree")
 _META = "jaxinfer"                 # safetensors header metadata key of our JSON
 # Older entries kept per (source, dtype, packing) besides the newest, e.g. for
 # two checkouts of different code sharing one cache; the rest are deleted.
@@ -172,7 +172,7 @@ def _prefix(path: pathlib.Path, key: dict) -> str:
 def describe(tree) -> tuple[Any, list[tuple[str, Any]]]:
     """(JSON description, [(leaf name, array), ...]) of a params pytree.
 
-    Containers: dict (str keys), tuple, list, None; `flax.struct` dataclasses
+    Containers: dict (str keys), tuple, list, None; `jaxinfer.pytree` (or `flax.struct`) dataclasses
     (fields marked `pytree_node=False` are static and stored by value: None,
     bool, int, float, str or tuples of these). Leaves: jax or numpy arrays,
     named by their tree path (`jax.tree_util.keystr`).

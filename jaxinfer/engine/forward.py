@@ -12,8 +12,8 @@ from typing import Optional, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer import models
 from jaxinfer.cache import paged
 from jaxinfer.cache.kv import LayerKV
@@ -121,7 +121,7 @@ def place(lengths: jax.Array, slot: jax.Array, start: jax.Array, count: jax.Arra
     return segments, jnp.where(valid, ids, 0)
 
 
-@struct.dataclass
+@pytree.dataclass
 class PagedAttend:
     """The engine's `attend` for a paged step (a pytree, so that
     `run_layers` traces each layer type once): write the tokens' K/V into
@@ -138,9 +138,9 @@ class PagedAttend:
 
     places: dict
     seg: Segments
-    backend: AttentionBackend = struct.field(pytree_node=False)
-    window: int = struct.field(pytree_node=False)
-    softcap: Optional[float] = struct.field(pytree_node=False)
+    backend: AttentionBackend = pytree.field(pytree_node=False)
+    window: int = pytree.field(pytree_node=False)
+    softcap: Optional[float] = pytree.field(pytree_node=False)
 
     @classmethod
     def make(cls, cache: PagedKVCache, block_tables: jax.Array, seg: Segments,

@@ -26,8 +26,8 @@ import logging
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.cache import paged
 from jaxinfer.cache.kv import LayerKV
 from jaxinfer.kernels import cpu as cpu_kernels
@@ -112,7 +112,7 @@ def choose_backend(dtype=jnp.float32) -> AttentionBackend:
     return CPU_KERNELS
 
 
-@struct.dataclass
+@pytree.dataclass
 class Segments:
     """A step's segments and its tokens' places (all traced arrays; a pytree).
 

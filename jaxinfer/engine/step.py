@@ -29,8 +29,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer import models
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
@@ -42,7 +42,7 @@ from jaxinfer.engine.draft import propose, settle
 from jaxinfer.weights.matmul import computed_rows
 
 
-@struct.dataclass
+@pytree.dataclass
 class StepBatch:
     """One step's work, built on the host (leading axes: T tokens, R segments).
 
@@ -72,7 +72,7 @@ class StepBatch:
     block_tables: jax.Array
 
 
-@struct.dataclass
+@pytree.dataclass
 class RowInputs:
     """New requests' rows (leading axis [A]), for `admit`: max_new_tokens,
     min_tokens int32, ignore_eos bool, seen bool [A, V] (the prompt's token

@@ -10,8 +10,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.kernels.cpu import _require_enabled, bf16_dot, panel_width, row_count
 
 # Version of the PackedWeight layout `pack_weight` writes; part of the load
@@ -20,7 +20,7 @@ from jaxinfer.kernels.cpu import _require_enabled, bf16_dot, panel_width, row_co
 PACK_VERSION = 1
 
 
-@struct.dataclass
+@pytree.dataclass
 class PackedWeight:
     """A weight W [I, O] (float32 or bfloat16) as column panels for `packed_matmul`.
 
@@ -33,7 +33,7 @@ class PackedWeight:
     """
 
     panels: jax.Array
-    n: int = struct.field(pytree_node=False)
+    n: int = pytree.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import pytree
 from jaxinfer.config.sampling import SamplingParams, resolve_seeds
 
 _INT32_MAX = 2**31 - 1
@@ -34,7 +34,7 @@ def to_device(x, dtype=None) -> jax.Array:
     return jax.device_put(host)
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class SamplingArrays:
     """Device-side sampling parameters, one entry per batch row.
 

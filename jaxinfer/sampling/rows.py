@@ -11,8 +11,8 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.sampling.arrays import SamplingArrays, step_keys
 from jaxinfer.sampling.draw import distribution, inverse_cdf, log_softmax_topn, sample
 from jaxinfer.sampling.penalties import apply_penalties, update_history
@@ -22,7 +22,7 @@ from jaxinfer.sampling.structured import GrammarTables, advance, mask_logits
 NO_TOKEN = -2
 
 
-@struct.dataclass
+@pytree.dataclass
 class StopTokens:
     """The token rules every row shares: ids that end a row, int32 [E] (-1
     padding), is_eos bool [E] (ids a row with ignore_eos keeps generating
@@ -34,10 +34,10 @@ class StopTokens:
     ids: jax.Array
     is_eos: jax.Array
     grammar: Optional[GrammarTables] = None
-    num_ids: int = struct.field(pytree_node=False, default=0)
+    num_ids: int = pytree.field(pytree_node=False, default=0)
 
 
-@struct.dataclass
+@pytree.dataclass
 class RowState:
     """Everything per row (leading axis [B]) that generation carries.
 

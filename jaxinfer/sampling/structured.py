@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.sampling.arrays import to_device
 
 # A row without a constraint.
@@ -33,7 +33,7 @@ MIN_STATES, MIN_EDGES = 256, 4096
 _INT32_MAX = 2**31 - 1
 
 
-@struct.dataclass
+@pytree.dataclass
 class GrammarTables:
     """Every grammar's automaton on the device (global state ids).
 

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from jaxinfer import pytree
 from jaxinfer.kernels import quant as quant_kernels
 
 PANEL = 48  # columns per quantized weight panel (kPanel in kernels/quant_kernels.cc)
@@ -200,7 +200,7 @@ def quantize_q4(w: np.ndarray, bs: int = 32) -> BlockCodes:
 # --- Packed weights (device) -------------------------------------------------------------
 
 
-@struct.dataclass
+@pytree.dataclass
 class QuantizedWeight:
     """A weight W [K, N] in column panels of 48 (the layout of `kernels.packed.PackedWeight`).
 
@@ -220,9 +220,9 @@ class QuantizedWeight:
     codes: jax.Array
     scale: Optional[jax.Array]
     min: Optional[jax.Array]
-    n: int = struct.field(pytree_node=False)
-    format: str = struct.field(pytree_node=False)
-    activations: str = struct.field(pytree_node=False, default="float32")
+    n: int = pytree.field(pytree_node=False)
+    format: str = pytree.field(pytree_node=False)
+    activations: str = pytree.field(pytree_node=False, default="float32")
 
     @property
     def shape(self) -> tuple[int, int]:
