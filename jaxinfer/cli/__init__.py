@@ -12,35 +12,41 @@ Every usage error (a bad flag, config key or value, prompts file, model name,
 or a prompt too long for max_seq_len) prints one line,
 `jaxinfer <command>: error: ...`, to stderr and exits with status 2, before
 the model's weights are loaded where it can be checked that early.
+
+Only the named command's module is imported (with its parser); `jaxinfer`
+without a known command builds every parser, so help and "invalid choice"
+list them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from jaxinfer.checkpoint.sources import ModelSourceError
-from jaxinfer.cli.disagg import add_disagg_parser
-from jaxinfer.cli.generate import add_generate_parser
-from jaxinfer.cli.serve import add_serve_parser
-from jaxinfer.tools.bench.run import add_bench_parser
-from jaxinfer.tools.eval.run import add_eval_parser
-from jaxinfer.tools.toy import add_train_toy_parser
-from jaxinfer.tools.trace.run import add_trace_parser
 
 USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, ModelSourceError)
 
+# command -> (module, the function there that registers its subparser), in help order
+COMMANDS = {
+    "generate": ("jaxinfer.cli.generate", "add_generate_parser"),
+    "serve": ("jaxinfer.cli.serve", "add_serve_parser"),
+    "train-toy": ("jaxinfer.tools.toy", "add_train_toy_parser"),
+    "trace": ("jaxinfer.tools.trace.run", "add_trace_parser"),
+    "bench": ("jaxinfer.tools.bench.run", "add_bench_parser"),
+    "eval": ("jaxinfer.tools.eval.run", "add_eval_parser"),
+    "disagg": ("jaxinfer.cli.disagg", "add_disagg_parser"),
+}
+
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate_parser(sub)
-    add_serve_parser(sub)
-    add_train_toy_parser(sub)
-    add_trace_parser(sub)
-    add_bench_parser(sub)
-    add_eval_parser(sub)
-    add_disagg_parser(sub)
+    for name in [argv[0]] if argv and argv[0] in COMMANDS else COMMANDS:
+        module, add_parser = COMMANDS[name]
+        getattr(importlib.import_module(module), add_parser)(sub)
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:   # reported by the command's own parser: "jaxinfer <command>: error: ..."
