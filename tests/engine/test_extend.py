@@ -3,9 +3,10 @@ reference (tests/reference.py, full recompute, no cache).
 
 Tolerance: atol 1e-5 on float32 logits. The tiny models here get their
 embeddings scaled by 0.25 so that logits are O(1) (|logit| <= ~5), where
-float32 summation-order differences between the paths stay near 4e-6;
-with the unscaled tiny models logits reach ~40 and the same relative error
-is ~2e-5 in absolute terms.
+float32 summation-order differences between the paths stay near 4e-6 for
+most cases; the two whose logits reach ~4-5 and measured up to ~1.5e-5
+state atol 2e-5 beside their assertion. With the unscaled tiny models
+logits reach ~40 and the same relative error is ~2e-5 in absolute terms.
 """
 
 import jax
@@ -131,9 +132,14 @@ def test_rows_at_different_offsets_in_one_call(model):
                            config=config, all_logits=True)
     assert np.asarray(cache.lengths).tolist() == [8, 10, 2]
     logits = np.asarray(logits)
+    # atol 2e-5: the tiny llama's logits here reach ~4.7, and float32 rounding alone moves
+    # row 0 by up to 7.7e-6 from the float64 reference on the pure-XLA path
+    # (JAXINFER_CPU_KERNELS=0) under the test run's XLA flags, and by 5.8e-6 to 1.0e-5
+    # through the kernels built for x86-64-v3, x86-64-v4 and a Zen 4's -march=native
+    # (measured on a Zen 4 EPYC).
     for row in (0, 1):
         ref = reference.forward(np_params, seqs[row], config)[prompt_lens[row]:]
-        np.testing.assert_allclose(logits[row, :new[row]], ref, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(logits[row, :new[row]], ref, atol=2e-5, rtol=0)
     for old, kv in zip(before, cache.layers):  # row 2 wrote nothing
         np.testing.assert_array_equal(np.asarray(kv.keys)[2], old.keys[2])
         np.testing.assert_array_equal(np.asarray(kv.values)[2], old.values[2])
