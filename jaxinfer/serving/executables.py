@@ -10,6 +10,10 @@ trace instead, and keeps the executable itself
 * the function (module and qualified name) and its static arguments;
 * the input tree (node types with their static fields) and every leaf's
   shape, dtype and weak type;
+* the source of model code brought from outside (`brought_digest`): the
+  file of every registered model family defined outside jaxinfer and the
+  installed packages (a "python:" model, research code), and of every
+  module it imports from outside them, so an edited model is compiled again;
 * a fingerprint of everything else a trace can read: jaxinfer's source files
   (.py and .cc), the Python, jax and jaxlib versions, the platform and its
   version, JAX's config values (its cache settings aside), the
@@ -45,14 +49,18 @@ import pathlib
 import pickle
 import platform
 import shutil
+import site
 import sys
+import sysconfig
 import tempfile
 import threading
+import types
 from typing import Optional
 
 import jax
 import jax.monitoring
 
+from jaxinfer import models
 from jaxinfer.kernels import quant
 from jaxinfer.kernels.cpu import cpu_flags
 
@@ -147,12 +155,109 @@ def program_key(fn, args: tuple, static: dict) -> str:
     this process (module docstring, fingerprint aside).
 
     Raises:
-      Unkeyable: see `static_repr`; an argument on several devices.
+      Unkeyable: see `static_repr` and `brought_digest`; an argument on
+        several devices.
     """
     leaves, tree = jax.tree_util.tree_flatten(args)
     return "\n".join([f"{fn.__module__}.{getattr(fn, '__qualname__', fn.__name__)}",
                       ";".join(f"{k}={static_repr(v)}" for k, v in sorted(static.items())),
-                      str(tree), ";".join(_leaf_repr(x) for x in leaves)])
+                      str(tree), ";".join(_leaf_repr(x) for x in leaves), brought_digest()])
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_roots() -> tuple[pathlib.Path, ...]:
+    """Folders whose files `brought_files` leaves out: jaxinfer's own (in
+    `_source_digest`), the standard library and the installed packages
+    (of those, the fingerprint names the Python, jax and jaxlib versions)."""
+    paths = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages() + [site.getusersitepackages()])
+    roots = {pathlib.Path(p).resolve() for p in paths if p}
+    return tuple(sorted(roots | {pathlib.Path(__file__).resolve().parents[1]}))
+
+
+def _module_of(value) -> Optional[types.ModuleType]:
+    """The module that defines `value` (a function, class, instance or
+    functools.partial of one), or None."""
+    while isinstance(value, functools.partial):
+        value = value.func
+    if isinstance(value, types.ModuleType):
+        return value
+    try:
+        name = getattr(value, "__module__", None)
+    except Exception:  # noqa: BLE001 - an object whose attributes raise defines nothing we read
+        return None
+    return sys.modules.get(name) if isinstance(name, str) else None
+
+
+def _brought_file(module: types.ModuleType) -> Optional[pathlib.Path]:
+    """The resolved source file of `module` when it lies outside
+    `_installed_roots`, else None (also for a module without a file)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    path = pathlib.Path(file).resolve()
+    return None if any(path.is_relative_to(r) for r in _installed_roots()) else path
+
+
+def _built_in(module: types.ModuleType) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return getattr(spec, "origin", None) in ("built-in", "frozen")
+
+
+def brought_files() -> list[pathlib.Path]:
+    """The source files of the model code brought from outside: the module
+    of each callable of every registered `models.Family` that lies outside
+    jaxinfer, the standard library and the installed packages, and every
+    module those import (module globals, and the modules of the functions,
+    classes and objects among them) from outside them, transitively. Sorted.
+
+    Raises:
+      Unkeyable: such a family's callable has no module with a source file
+        (defined in a notebook cell or an interpreter session; built-in
+        functions such as `len` are fine).
+    """
+    todo = []
+    for family in models.families():
+        for field in dataclasses.fields(family):
+            value = getattr(family, field.name)
+            if not callable(value):
+                continue
+            module = _module_of(value)
+            if module is None or not (getattr(module, "__file__", None) or _built_in(module)):
+                raise Unkeyable(f"model family {family.name!r}: {field.name} has no source file")
+            todo.append(module)
+    seen, files = set(), set()
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        path = _brought_file(module)
+        if path is None:
+            continue
+        files.add(path)
+        todo.extend(m for m in map(_module_of, list(vars(module).values())) if m is not None)
+    return sorted(files)
+
+
+def brought_digest() -> str:
+    """A sha256 of the paths and contents of `brought_files()` ("" when there
+    are none): edited brought model code gives other program keys.
+
+    Raises:
+      Unkeyable: see `brought_files`; such a file cannot be read.
+    """
+    files = brought_files()
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for path in files:
+        h.update(str(path).encode() + b"\0")
+        try:
+            h.update(path.read_bytes())
+        except OSError as e:
+            raise Unkeyable(f"brought model code {path} cannot be read ({e})") from None
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,17 +10,21 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import models
 from jaxinfer.kernels import quant as quant_kernels
 from jaxinfer.kernels.packed import PackedWeight
 from jaxinfer.serving import executables
 from jaxinfer.serving.executables import ExecutableStore, Unkeyable, program_key, static_repr
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.loading import import_python_file, load_python_model
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.speculative import SpecConfig
 from tiny import TINY_LLAMA, random_params
@@ -175,6 +179,70 @@ def test_serving_from_stored_programs_equals_a_fresh_run(tmp_path, caplog, monke
     assert loaded == saved == fresh
 
 
+BYO_MODEL = pathlib.Path(__file__).resolve().parents[2] / "examples" / "byo_model.py"
+BYO_ARCH = "byo-nnx-decoder"
+
+
+def test_brought_files_are_a_family_module_and_what_it_imports_from_outside(tmp_path, monkeypatch):
+    (tmp_path / "helper.py").write_text("def gate(x):\n    return x\n")
+    (tmp_path / "mine.py").write_text(
+        "import json\nimport numpy as np\nfrom jaxinfer import nn\nfrom helper import gate\n"
+        "def layer(p, x, kv, rope, attend, config):\n    return gate(x), kv\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("mine", "helper"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    mine = import_python_file(tmp_path / "mine.py")
+    monkeypatch.setattr(models, "_FAMILIES", dict(models._FAMILIES))
+    assert executables.brought_digest() == ""                     # built-in families: none
+    models.register(models.Family("mine", embed=len, layer=functools.partial(mine.layer),
+                                  unembed=len))
+    assert executables.brought_files() == [tmp_path / "helper.py", tmp_path / "mine.py"]
+    before = executables.brought_digest()
+    (tmp_path / "helper.py").write_text("def gate(x):\n    return -x\n")
+    assert executables.brought_digest() not in ("", before)
+
+    shell = types.ModuleType("shell")                               # a function with no file
+    exec("def layer(p, x, kv, rope, attend, config):\n    return x, kv\n", shell.__dict__)
+    monkeypatch.setitem(sys.modules, "shell", shell)
+    models.register(models.Family("mine", embed=len, layer=shell.layer, unembed=len),
+                    replace=True)
+    with pytest.raises(Unkeyable, match="model family 'mine': layer has no source file"):
+        program_key(_f, _args(), {"scale": 2.0})
+
+
+def test_an_edited_brought_model_is_compiled_again_not_taken_from_the_store(tmp_path, monkeypatch):
+    """A "python:" model edited in place (gelu -> relu: same name, config
+    and shapes) gives the edited model's greedy tokens from a store that
+    holds the old model's programs: its source is in the key."""
+    path = tmp_path / "byo.py"
+    path.write_text(BYO_MODEL.read_text())
+    monkeypatch.setattr(models, "_FAMILIES",        # registered here, gone after (test_examples' too)
+                        {k: v for k, v in models._FAMILIES.items() if k != BYO_ARCH})
+
+    def run(store):
+        config, params, tokenizer = load_python_model(f"python:{path}:build", prepared=True)
+        llm = LLM(config, params, tokenizer, max_seq_len=32, max_num_seqs=2)
+        llm.programs = ProgramCache(store=store)
+        [c] = llm.generate(["Hello, world"], SamplingParams(temperature=0.0), max_new_tokens=12,
+                           ignore_eos=True)
+        return c.token_ids
+
+    def edit(old, new):                               # what a new process importing it would see
+        monkeypatch.delitem(sys.modules, import_python_file(path).__name__)
+        monkeypatch.delitem(models._FAMILIES, BYO_ARCH)
+        assert path.read_text().count(old) == 1
+        path.write_text(path.read_text().replace(old, new))
+        jax.clear_caches()            # JAX's trace cache keys the engine by config, not by family
+
+    jax.clear_caches()                # else JAX may hand back executables from memory: not stored
+    store = ExecutableStore(tmp_path / "store")
+    gelu = run(store)
+    assert list(store.folder.glob("*.bin"))
+    edit("jax.nn.gelu(", "jax.nn.relu(")
+    relu = run(store)
+    assert relu == run(None) != gelu
+
+
 def _tiny_generate(params, store):
     """(the LLM, its greedy tokens for two prompts) of the tiny Llama with
     `params`, its programs kept in `store` (None: none)."""
@@ -235,7 +303,9 @@ def test_a_program_jax_kept_in_memory_from_xla_cache_is_not_stored(tmp_path):
 _CHILD = """
 import sys
 from jaxinfer.serving.executables import ExecutableStore
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.loading import import_python_file, load_python_model
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_LLAMA, random_params
