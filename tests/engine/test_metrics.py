@@ -230,7 +230,7 @@ def test_report_formats_partial_and_unmeasured_results(capsys):
     assert report.format_report({}).startswith("# jaxinfer bench")
     results = {"model": "m", "decode": [], "targets": targets.compute_targets({})}
     assert all(t["passed"] is None for t in results["targets"])
-    assert "n/a" in report.format_report(results)
+    assert "| not measured |" in report.format_report(results)
     targets.print_targets(results["targets"])
     assert capsys.readouterr().out.count("not measured") == len(results["targets"])
     # a NaN-containing result still serialises

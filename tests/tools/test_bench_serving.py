@@ -147,16 +147,45 @@ def test_serve_targets_from_a_hand_made_summary():
     rows = serve_targets(servers, LoadSweep())
     assert [(r["value"], r["op"], r["goal"], r["result"]) for r in rows] == [
         (2.0, ">=", 1.25, "PASS"),
-        (None, ">=", 2.0, "PASS (peer met it at no rate)"),
+        (None, ">=", 2.0, "not measured"),                     # llama-server met no rate: never met
         (2.0, ">=", 1.2, "PASS"),
         (1.5, ">=", 1.2, "PASS"),
         (2.5, "<=", 3.0, "PASS"),
         (31.0, "<", 30.0, "FAIL"),
         (4.0, "<", 5.0, "PASS")]
     assert rows[0]["name"] == "best rate (p99 TTFT <= 1 s, p99 gap <= 150 ms): jaxinfer 2/s / vLLM 1/s"
+    assert rows[1]["name"] == ("best rate (p99 TTFT <= 1 s, p99 gap <= 150 ms): jaxinfer 2/s / "
+                               "llama-server met the SLO at no rate")
     missing = serve_targets({"jaxinfer": servers["jaxinfer"], "vllm": {"status": "skipped: x"}},
                             LoadSweep())
-    assert [r["result"] for r in missing[:4]] == ["n/a", "n/a", "n/a", "n/a"]
+    assert [r["result"] for r in missing[:4]] == ["not measured"] * 4
+    assert missing[0]["name"].endswith("jaxinfer 2/s / vLLM -/s")
+
+
+def test_a_target_no_run_measured_is_not_measured_never_met():
+    """Neither side meeting the SLO, or a ratio's figure missing, is "not
+    measured" in every bench sweep's targets and tables (`targets.verdict`)."""
+    from jaxinfer.tools.bench import report, speculative, structured, targets
+    from jaxinfer.tools.bench.serve_compare import LoadSweep
+    from jaxinfer.tools.bench.serve_report import serve_targets
+
+    late = {"rates": {"1": _run(1.0, 5.0, 0.1, 60.0)}}                  # ran, met no rate
+    rows = serve_targets({"jaxinfer": late, "vllm": late, "llamacpp": late}, LoadSweep())
+    assert [r["result"] for r in rows[:2]] == ["not measured", "not measured"]
+    assert report.targets_table(rows[1:2])[-1] == (
+        "| best rate (p99 TTFT <= 1 s, p99 gap <= 150 ms): jaxinfer -/s / llama-server met the SLO "
+        "at no rate | - | >= 2 | not measured |")
+    assert [targets.verdict(v, op, 1.0) for v, op in ((None, ">="), (float("nan"), "<"),
+                                                       (1.0, ">="), (1.0, ">"), (1.0, "<="))] == [
+        "not measured", "not measured", "PASS", "FAIL", "PASS"]
+    with pytest.raises(ValueError, match="op must be one of '>=', '>', '<=', '<', got '=='"):
+        targets.verdict(1.0, "==", 1.0)
+    spec = speculative.spec_targets({"runs": [], "llamacpp": {"tokens_per_s": None}})
+    assert [t["result"] for t in spec] == ["not measured"] * 3
+    free = [{"batch": 4, "constrained": False, "decode_tokens_per_s": 10.0}]
+    struct = structured.structured_targets({"sweep": {"batches": [4]}, "runs": free,
+                                            "compile": {}, "peer": {"skipped": "x"}})
+    assert [t["result"] for t in struct] == ["not measured"] * 3
 
 
 def test_saturation_rule():
@@ -396,12 +425,13 @@ def test_target_row_judges_each_comparison():
                                                "result": "PASS"}
     assert target_row("b", 1.25, "<=", 1.1)["result"] == "FAIL"
     assert target_row("c", 0.15, "<=", 0.2)["result"] == "PASS"
-    assert target_row("d", None, ">=", 2.0)["result"] == "n/a"
-    with pytest.raises(ValueError, match="op must be '>=' or '<=', got '<'"):
-        target_row("e", 1.0, "<", 2.0)
+    assert target_row("d", None, ">=", 2.0)["result"] == "not measured"
+    assert target_row("e", 1.0, "<", 2.0)["result"] == "PASS"
+    with pytest.raises(ValueError, match="op must be one of '>=', '>', '<=', '<', got '=<'"):
+        target_row("f", 1.0, "=<", 2.0)
     assert targets_table([target_row("b", 1.25, "<=", 1.1), target_row("d", None, ">=", 2.0)]) == [
         "", "| target | measured | goal | result |", "|---|---|---|---|",
-        "| b | 1.25 | <= 1.1 | FAIL |", "| d | - | >= 2 | n/a |"]
+        "| b | 1.25 | <= 1.1 | FAIL |", "| d | - | >= 2 | not measured |"]
 
 
 # --- jaxinfer bench --paged ---------------------------------------------------------------
@@ -499,9 +529,10 @@ def test_serving_targets_from_hand_made_runs():
     assert [(t["name"], t["value"], t["op"], t["goal"], t["result"]) for t in got] == [
         ("continuous / static request throughput at saturation, outputs 16-1,024 tokens", 2.5,
          ">=", 2.0, "PASS"),
-        ("continuous / transformers continuous batching, output tokens/s", None, ">=", 2.0, "n/a"),
+        ("continuous / transformers continuous batching, output tokens/s", None, ">=", 2.0,
+         "not measured"),
         ("mixed_chunked_off: chat p99 / p50 inter-token latency", 5.0, "<=", 3.0, "FAIL"),
         ("mixed_chunked_256: chat p99 / p50 inter-token latency", 2.5, "<=", 3.0, "PASS"),
-        ("mixed_chunked_512: chat p99 / p50 inter-token latency", None, "<=", 3.0, "n/a")]
+        ("mixed_chunked_512: chat p99 / p50 inter-token latency", None, "<=", 3.0, "not measured")]
     assert serving_targets({}, QUICK_SERVING)[0]["name"] == (
         "continuous / static request throughput at saturation, outputs 16-128 tokens")

@@ -62,7 +62,7 @@ def test_targets_and_report_from_hand_made_results():
     got = S.structured_targets(results)
     assert [(t["value"], t["result"]) for t in got] == [(0.95, "PASS"), (0.25, "FAIL")]
     results["runs"] = runs[:2]
-    assert S.structured_targets(results)[0]["result"] == "n/a"
+    assert S.structured_targets(results)[0]["result"] == "not measured"
     results["targets"] = got
     report = S.format_structured(results).splitlines()
     assert report[0] == "jaxinfer: dtype -, weights -"
@@ -85,7 +85,7 @@ def test_targets_and_report_from_hand_made_results():
     report = S.format_structured(results)
     assert "| 1 | SCHEMA | 50.0 | 9 | 4/4 | 4/4 |" in report
     results["peer"] = {"skipped": "llama-server is not built"}
-    assert S.structured_targets(results)[2]["result"] == "n/a"
+    assert S.structured_targets(results)[2]["result"] == "not measured"
     assert "llama-server: skipped (llama-server is not built)" in S.format_structured(results)
 
 

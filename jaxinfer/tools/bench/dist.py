@@ -52,7 +52,7 @@ from jaxinfer.parallel.disagg.process import ProcessPrefillClient, build_llm, co
 from jaxinfer.tools.bench.common import loadavg
 from jaxinfer.config import GenerationConfig
 from jaxinfer.tools.bench.machine import cpu_info
-from jaxinfer.tools.bench.report import write_results
+from jaxinfer.tools.bench.report import target_row, write_results
 
 MARKER = "@@bench-dist@@ "
 
@@ -225,15 +225,12 @@ def targets(results: dict) -> list[dict]:
         if "mixed" not in runs:
             continue
         itl = lambda name: runs[name]["chat"]["itl_s"]["p99"]
-        out.append({"name": f"{engine}: chat p99 ITL, long prompts arriving / none",
-                    "value": itl("mixed") / itl("chat_only"), "op": "<=", "goal": 1.5})
+        out.append(target_row(f"{engine}: chat p99 ITL, long prompts arriving / none",
+                              itl("mixed") / itl("chat_only"), "<=", 1.5))
     rows = results.get("transfer", {}).get("rows", [])
     if rows:
-        out.append({"name": "transfer time / prefill time, worst request",
-                    "value": max(r["transfer_s"] / r["prefill_s"] for r in rows), "op": "<=",
-                    "goal": 0.10})
-    for t in out:
-        t["result"] = "PASS" if t["value"] <= t["goal"] else "FAIL"
+        out.append(target_row("transfer time / prefill time, worst request",
+                              max(r["transfer_s"] / r["prefill_s"] for r in rows), "<=", 0.10))
     return out
 
 

@@ -9,6 +9,7 @@ import math
 import os
 from typing import Optional, Sequence
 from jaxinfer.tools.bench.machine import cpu_info
+from jaxinfer.tools.bench.targets import verdict
 
 
 def _fmt(x, spec: str = ".3g", scale: float = 1.0) -> str:
@@ -152,7 +153,7 @@ def format_report(results: dict) -> str:
         out += ["## Targets", ""]
         header = ["target", "measured", "goal", "result"]
         rows = [[t["name"], _fmt(t.get("value"), ".4g"), f"{t['op']} {t['goal']:g}",
-                 "n/a" if t.get("passed") is None else ("PASS" if t["passed"] else "FAIL")]
+                 verdict(t.get("value"), t["op"], t["goal"])]
                 for t in results["targets"]]
         out += [_md_table(header, rows), ""]
     return "\n".join(out)
@@ -160,16 +161,14 @@ def format_report(results: dict) -> str:
 
 def target_row(name: str, value: Optional[float], op: str, goal: float) -> dict:
     """One judged target of a sweep: {"name", "value", "op", "goal",
-    "result"}, result "PASS" or "FAIL" (value op goal), "n/a" when value is None.
+    "result"}, result `targets.verdict(value, op, goal)`: "PASS", "FAIL", or
+    "not measured" when value is None or NaN.
 
     Raises:
-      ValueError: op is neither ">=" nor "<=".
+      ValueError: op is not one of ">=", ">", "<=", "<".
     """
-    if op not in (">=", "<="):
-        raise ValueError(f"op must be '>=' or '<=', got {op!r}")
-    met = None if value is None else (value >= goal if op == ">=" else value <= goal)
     return {"name": name, "value": value, "op": op, "goal": goal,
-            "result": "n/a" if met is None else ("PASS" if met else "FAIL")}
+            "result": verdict(value, op, goal)}
 
 
 def targets_table(targets: Sequence[dict]) -> list[str]:

@@ -12,20 +12,18 @@ slo_gap_s; "saturation tok/s" = the highest output tokens/s of any rate):
     jaxinfer long-prompt gap ratio (p99 / median)   <= 3
     jaxinfer healthy after     < 30 s cold, < 5 s warm
 
-A ratio whose peer met the SLO at no rate while jaxinfer did is a PASS
-with no value; one that lacks jaxinfer's figure, or the peer's for another
-reason (skipped, failed), is "n/a".
+A target whose figure cannot be computed is "not measured", never met
+(`targets.verdict`): a ratio whose peer met the SLO at no rate (its name
+says so), or that lacks jaxinfer's figure or the peer's (skipped, failed).
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from typing import Optional
 
-from jaxinfer.tools.bench.report import targets_table
+from jaxinfer.tools.bench.report import target_row, targets_table
 
-OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
 PEER_LABELS = {"vllm": "vLLM", "llamacpp": "llama-server"}
 
 
@@ -65,14 +63,6 @@ def healthy_s(server: Optional[dict], key: str = "start") -> Optional[float]:
     return ((server or {}).get(key) or {}).get("healthy_s")
 
 
-def _row(name: str, value: Optional[float], op: str, goal: float, peer_none: bool = False) -> dict:
-    if value is None:
-        result = "PASS (peer met it at no rate)" if peer_none else "n/a"
-    else:
-        result = "PASS" if OPS[op](value, goal) else "FAIL"
-    return {"name": name, "value": value, "op": op, "goal": goal, "result": result}
-
-
 def _ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
     return ours / theirs if ours is not None and theirs else None
 
@@ -87,21 +77,23 @@ def serve_targets(servers: dict, sweep) -> list[dict]:
     for peer, goal in (("vllm", 1.25), ("llamacpp", 2.0)):
         theirs = servers.get(peer)
         peer_rate = best_rate(theirs, *slo)
-        peer_none = rate is not None and peer_rate is None and bool((theirs or {}).get("rates"))
-        rows.append(_row(f"best rate (p99 TTFT <= {slo[0]:g} s, p99 gap <= {slo[1] * 1e3:g} ms): "
-                         f"jaxinfer {_fmt(rate)}/s / {PEER_LABELS[peer]} {_fmt(peer_rate)}/s",
-                         _ratio(rate, peer_rate), ">=", goal, peer_none))
+        ran = bool((theirs or {}).get("rates"))
+        peer_text = "met the SLO at no rate" if ran and peer_rate is None else f"{_fmt(peer_rate)}/s"
+        rows.append(target_row(f"best rate (p99 TTFT <= {slo[0]:g} s, p99 gap <= {slo[1] * 1e3:g} "
+                               f"ms): jaxinfer {_fmt(rate)}/s / {PEER_LABELS[peer]} {peer_text}",
+                               _ratio(rate, peer_rate), ">=", goal))
     vllm = servers.get("vllm")
-    rows.append(_row("output tok/s at saturation: jaxinfer / vLLM",
-                     _ratio(saturation_tokens(ours), saturation_tokens(vllm)), ">=", 1.2))
-    rows.append(_row(f"short requests ({sweep.short_tokens} tokens, {sweep.short_concurrency} "
-                     f"concurrent) req/s: jaxinfer / vLLM", _ratio(short_rps(ours), short_rps(vllm)),
-                     ">=", 1.2))
-    rows.append(_row("jaxinfer chat gap p99 / median while long prompts arrive", gap_ratio(ours),
-                     "<=", 3.0))
-    rows.append(_row("jaxinfer healthy after, cold compile cache (s)", healthy_s(ours, "start_cold"),
-                     "<", 30.0))
-    rows.append(_row("jaxinfer healthy after, warm compile cache (s)", healthy_s(ours), "<", 5.0))
+    rows += [
+        target_row("output tok/s at saturation: jaxinfer / vLLM",
+                   _ratio(saturation_tokens(ours), saturation_tokens(vllm)), ">=", 1.2),
+        target_row(f"short requests ({sweep.short_tokens} tokens, {sweep.short_concurrency} "
+                   f"concurrent) req/s: jaxinfer / vLLM", _ratio(short_rps(ours), short_rps(vllm)),
+                   ">=", 1.2),
+        target_row("jaxinfer chat gap p99 / median while long prompts arrive", gap_ratio(ours),
+                   "<=", 3.0),
+        target_row("jaxinfer healthy after, cold compile cache (s)", healthy_s(ours, "start_cold"),
+                   "<", 30.0),
+        target_row("jaxinfer healthy after, warm compile cache (s)", healthy_s(ours), "<", 5.0)]
     return rows
 
 

@@ -35,7 +35,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.serving.llm import LLM
 from jaxinfer.speculative import SpecConfig
-from jaxinfer.tools.bench.report import publish
+from jaxinfer.tools.bench.report import publish, target_row
 from jaxinfer.serving.loading import load_draft
 
 TEXT = pathlib.Path(__file__).resolve().parents[1] / "eval" / "pride-and-prejudice-ch1-2.txt"
@@ -218,16 +218,12 @@ def spec_targets(results: dict) -> list[dict]:
     open_speed = _speed(runs, cm, ck, 1, "open") if cm else None
     llama = (results.get("llamacpp") or {}).get("tokens_per_s")
     ratio = lambda a, b: a / b if a and b else None
-    out = [{"name": f"copy-heavy B=1: {cm} k={ck} / plain decode tokens/s", "op": ">=", "goal": 1.8,
-            "value": ratio(copy_speed, plain_copy)},
-           {"name": f"copy-heavy B=1: {cm} k={ck} / llama.cpp B=1 decode tokens/s", "op": ">=",
-            "goal": 1.0, "value": ratio(copy_speed, llama)},
-           {"name": f"open-ended B=1: {cm} k={ck} / plain decode tokens/s", "op": ">=", "goal": 0.95,
-            "value": ratio(open_speed, plain_open)}]
-    for t in out:
-        v = t["value"]
-        t["result"] = "n/a" if v is None else ("PASS" if v >= t["goal"] else "FAIL")
-    return out
+    return [target_row(f"copy-heavy B=1: {cm} k={ck} / plain decode tokens/s",
+                       ratio(copy_speed, plain_copy), ">=", 1.8),
+            target_row(f"copy-heavy B=1: {cm} k={ck} / llama.cpp B=1 decode tokens/s",
+                       ratio(copy_speed, llama), ">=", 1.0),
+            target_row(f"open-ended B=1: {cm} k={ck} / plain decode tokens/s",
+                       ratio(open_speed, plain_open), ">=", 0.95)]
 
 
 def format_speculative(results: dict) -> str:

@@ -55,7 +55,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.grammar import GrammarCompiler, HostGrammar
 from jaxinfer.serving.llm import LLM
 from jaxinfer.tools.bench.common import loadavg, loadavg1
-from jaxinfer.tools.bench.report import publish
+from jaxinfer.tools.bench.report import publish, target_row
 from jaxinfer.tools.bench.structured_peer import peer_speed, run_llama_server
 
 _TEXT = {"type": "string", "maxLength": 24}
@@ -197,19 +197,15 @@ def structured_targets(results: dict) -> list[dict]:
     its constrained decode (> 1)."""
     runs, batch = results["runs"], max(results["sweep"]["batches"])
     free, held = _speed(runs, batch, False), _speed(runs, batch, True)
-    out = [{"name": f"B={batch}: constrained / unconstrained decode tokens/s", "op": ">=",
-            "goal": 0.9, "value": held / free if held and free else None},
-           {"name": "10-field JSON schema compile, cold, before its first request decodes "
-                    "(`jaxinfer serve`: host masks while the tables build) (s)", "op": "<",
-            "goal": 0.1, "value": results["compile"].get("serve_first_s")}]
+    out = [target_row(f"B={batch}: constrained / unconstrained decode tokens/s",
+                      held / free if held and free else None, ">=", 0.9),
+           target_row("10-field JSON schema compile, cold, before its first request decodes "
+                      "(`jaxinfer serve`: host masks while the tables build) (s)",
+                      results["compile"].get("serve_first_s"), "<", 0.1)]
     if "peer" in results:
         ours, theirs = _speed(runs, 1, True), peer_speed(results["peer"], True)
-        out.append({"name": "B=1 constrained decode tokens/s: jaxinfer / llama-server", "op": ">",
-                    "goal": 1.0, "value": ours / theirs if ours and theirs else None})
-    for t in out:
-        v = t["value"]
-        ok = v is not None and {">=": v >= t["goal"], ">": v > t["goal"], "<": v < t["goal"]}[t["op"]]
-        t["result"] = "n/a" if v is None else ("PASS" if ok else "FAIL")
+        out.append(target_row("B=1 constrained decode tokens/s: jaxinfer / llama-server",
+                              ours / theirs if ours and theirs else None, ">", 1.0))
     return out
 
 

@@ -5,15 +5,41 @@ results dict; nothing here times anything.
 A measure is `section[key=value,...].field.field...`: the row of a list whose
 keys match, then nested fields, e.g. `decode[batch=1].peers.hf.speedup`; two
 such paths joined by ` / ` are a ratio. A path that is not in the results (a
-cell or peer not measured) gives None, reported as "n/a".
+cell or peer not measured) gives None, reported as "not measured".
+
+`verdict` is the one rule every bench sweep judges a figure by: PASS or
+FAIL for a figure, "not measured" (never a PASS) for a figure it could not
+compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import re
 import sys
 from typing import Optional, Sequence
+
+
+NOT_MEASURED = "not measured"
+OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def verdict(value: Optional[float], op: str, goal: float) -> str:
+    """"PASS" when `value op goal` holds, "FAIL" when it does not, and
+    NOT_MEASURED when value is None or NaN: a figure that could not be
+    computed (a run that failed or did not run, a peer that met the SLO at
+    no rate, a ratio missing either side) is never judged met.
+
+    Raises:
+      ValueError: op is not one of OPS (">=", ">", "<=", "<").
+    """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}, got {op!r}")
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return NOT_MEASURED
+    return "PASS" if OPS[op](value, goal) else "FAIL"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +114,23 @@ def measure_value(results: dict, measure: str) -> Optional[float]:
 
 def compute_targets(results: dict, targets: Sequence[Target] = TARGETS) -> list[dict]:
     """Each target judged on a results dict: {"name", "measure", "value" (None
-    when not measured), "op", "goal", "passed" (None when not measured)}."""
+    when not measured), "op", "goal", "result" (`verdict`), "passed" (None
+    when not measured)}."""
     out = []
     for t in targets:
         value = measure_value(results, t.measure)
-        passed = None if value is None else (value >= t.goal if t.op == ">=" else value < t.goal)
+        result = verdict(value, t.op, t.goal)
         out.append({"name": t.name, "measure": t.measure, "value": value, "op": t.op,
-                    "goal": t.goal, "passed": passed})
+                    "goal": t.goal, "result": result,
+                    "passed": None if result == NOT_MEASURED else result == "PASS"})
     return out
 
 
 def print_targets(targets: Sequence[dict], file=None) -> None:
-    """One explicit line per target: value, goal, PASS / FAIL / n/a."""
+    """One explicit line per target: its verdict (PASS / FAIL / not
+    measured), value and goal."""
     file = file or sys.stdout
     for t in targets:
-        verdict = "n/a " if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        value = "not measured" if t["value"] is None else f"{t['value']:.4g}"
-        print(f"[target] {verdict} {t['name']}: {value} (goal {t['op']} {t['goal']:g})", file=file)
+        result = verdict(t["value"], t["op"], t["goal"])
+        value = "-" if result == NOT_MEASURED else f"{t['value']:.4g}"
+        print(f"[target] {result} {t['name']}: {value} (goal {t['op']} {t['goal']:g})", file=file)
