@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from jaxinfer.serving import loading
-from jaxinfer.cli import main
+from jaxinfer.cli import main, parse_command
 from jaxinfer.config import GenerationConfig
 from jaxinfer.progress import Progress
 
@@ -75,6 +75,54 @@ def test_config_folder_is_one_clear_line(capsys, tmp_path):
 def test_unknown_flag_is_an_argparse_usage_error(capsys):
     rc, _, err = run(capsys, "--prompt", "hi", "--temperature", "1")
     assert rc == 2 and err.splitlines()[-1].startswith(PREFIX + "unrecognized arguments")
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("generate", ("--prompt", "Hi", "-q")),
+    ("serve", ("--port", "9", "-q")),
+    ("disagg", ("--prefill-workers", "2", "--prompts-file", "p.txt")),
+    ("bench", ("--config", "c.yaml", "--quick")),
+])
+def test_overrides_may_come_before_between_and_after_the_flags(command, flags):
+    """key=value pairs anywhere among a command's flags, all kept in order;
+    the flags parse as without them (parsing only: nothing runs)."""
+    def parse(argv):
+        args = vars(parse_command([command, *argv]))
+        args.pop("parser", None)                      # a new parser each parse
+        return args
+
+    plain = parse(flags)
+    for argv in (["a=1", *flags, "b=x y"], [*flags[:2], "a=1", *flags[2:], "b=x y"],
+                 [*flags, "a=1", "b=x y"], ["a=1", *flags[:2], "b=x y", *flags[2:]]):
+        args = parse(argv)
+        assert args.pop("overrides") == ["a=1", "b=x y"] and plain.pop("overrides", None) in ([], None)
+        assert args == plain, argv
+
+
+def test_the_issue_command_reaches_the_config_not_argparse(capsys, no_weights, tmp_path):
+    """`generate model=... --prompt "Hi" temperature=0` once failed with
+    "unrecognized arguments: temperature=0"; now both keys reach the config.
+    The same for bench, through `jaxinfer bench` and its own main."""
+    from jaxinfer.tools.bench import run as bench_run
+
+    rc, out, err = run(capsys, "model=no-such-model", "--prompt", "Hi", "temperature=0")
+    assert rc == 2 and out == ""
+    assert err.startswith(PREFIX + "unknown model 'no-such-model'")
+    rc, out, err = run(capsys, "temperature=0", "--prompt", "Hi", "temprature=1")
+    assert rc == 2 and err.startswith(PREFIX + "unknown config keys ['temprature']; known keys: [")
+    config = tmp_path / "c.yaml"
+    config.write_text("max_seq_len: 32\n")
+    for call in (lambda argv: main(["bench", *argv]), bench_run.main):
+        assert call(["top_k=1", "--paged", "--config", str(config), "temprature=1"]) == 2
+        assert capsys.readouterr().err.startswith(
+            "jaxinfer bench: error: unknown config keys ['temprature']; known keys: [")
+
+
+def test_commands_without_overrides_refuse_a_key_value(capsys):
+    rc = main(["train-toy", "steps=3", "--out", "o"])
+    assert rc == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "jaxinfer train-toy: error: unrecognized arguments: steps=3")
 
 
 def test_top_k_off_values_are_accepted(capsys, no_weights):

@@ -348,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _peer_main(argv)
     p = argparse.ArgumentParser(prog="jaxinfer bench", description=__doc__.split("\n")[0])
     _add_arguments(p)
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)          # key=value overrides anywhere among the flags
     try:
         return cmd_bench(args)
     except (ValueError, FileNotFoundError) as e:
