@@ -188,6 +188,9 @@ def _step(params, cache: PagedKVCache, rows: RowState, batch: StepBatch, stop: S
         drafts, num = _ngram_drafts(seg_rows, batch, live, spec)
     else:
         drafts, num = jnp.zeros((slot.shape[0], 0), jnp.int32), jnp.zeros_like(slot)
+    # A block emits at most 1 + num tokens: drafts past the row's last token are never written,
+    # so a row near max_seq_len stays inside its block table.
+    num = jnp.minimum(num, jnp.maximum(seg_rows.max_new_tokens - seg_rows.num_generated - 1, 0))
     count = jnp.where(live, jnp.where(batch.seg_decode, 1 + num, batch.seg_len), 0)
     seg, tokens = place(cache.lengths, slot, batch.seg_start, count, batch.token_seg,
                         _block_ids(seg_rows, batch, drafts))

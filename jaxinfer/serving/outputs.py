@@ -23,17 +23,21 @@ class StepOutputs:
 
     def _process(self, dispatched, owners) -> list[RequestOutput]:
         """Feed a dispatched step's tokens to their requests and emit events.
-        `owners` is ((request id, samples, admission), ...), one per segment
-        in order; `admission` is the request's `order` when the step was
-        dispatched: a request preempted since (and perhaps admitted again
-        already, recomputing these tokens) takes none of its outputs."""
+        `owners` is ((request id, adds, admission), ...), one per segment
+        in order: `adds` is what the segment added to the request's
+        `inflight` when it was dispatched (the tokens its row can emit: 0
+        for a prompt chunk that does not sample, 1 for a prompt's last
+        chunk, steps * W for decoding), taken off again here; `admission`
+        is the request's `order` when the step was dispatched: a request
+        preempted since (and perhaps admitted again already, recomputing
+        these tokens) takes none of its outputs."""
         out = self.runner.fetch(dispatched)
         events = []
-        for row, (rid, samples, admission) in enumerate(owners):
+        for row, (rid, adds, admission) in enumerate(owners):
             seq = self.seqs.get(rid)
-            if seq is None or not samples or seq.slot is None or seq.order != admission:
+            if seq is None or not adds or seq.slot is None or seq.order != admission:
                 continue            # aborted, or preempted: its outputs are recomputed
-            seq.inflight = max(0, seq.inflight - dispatched.steps * self.runner.width)
+            seq.inflight -= adds
             try:
                 events += self._take_tokens(seq, out, row)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on

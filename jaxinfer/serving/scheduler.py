@@ -303,7 +303,7 @@ class Scheduler(StepOutputs):
         for seq in decoding:
             seq.inflight += width
             segments.append(Segment(seq.slot, max_drafts=self._draft_cap(seq)))
-            owners.append((seq.state.request_id, True, seq.order))
+            owners.append((seq.state.request_id, width, seq.order))
         self._fill_prompts(self._prompt_budget(len(decoding)), segments, owners, admits,
                            len(decoding))
         if not segments:
@@ -343,7 +343,7 @@ class Scheduler(StepOutputs):
             return 1
         padded = min(1 << (len(rows) - 1).bit_length(), self.runner.max_num_seqs)
         more = self.decode_chunk * self.runner.width
-        if self.pages.shortfall({s.slot: self._length_bound(s) + more for s in rows}):
+        if self.pages.shortfall({s.slot: self._positions(s, more) for s in rows}):
             return 1
         logprobs = self._num_logprobs(s.state.request_id for s in rows)
         ready = self.compile_loops or self.runner.has_decode_loop(padded, self.decode_chunk, logprobs)
@@ -354,7 +354,7 @@ class Scheduler(StepOutputs):
         for seq in decoding:
             self._grow(seq, steps * width)
             seq.inflight += steps * width
-        owners = [(s.state.request_id, True, s.order) for s in decoding]
+        owners = [(s.state.request_id, steps * width, s.order) for s in decoding]
         out = self.runner.decode([s.slot for s in decoding], self.pages.tables, steps,
                                  [self._draft_cap(s) for s in decoding],
                                  self._num_logprobs(rid for rid, *_ in owners))
@@ -376,14 +376,15 @@ class Scheduler(StepOutputs):
         """Tokens the request had generated when it was (re)admitted."""
         return len(seq.ids) - len(seq.state.request.prompt_ids)
 
-    def _length_bound(self, seq: _Seq) -> int:
-        """Positions the slot can hold once the dispatched steps are done (an
-        upper bound: its prefilled tokens, the tokens generated since, and
-        what the steps not read yet can add)."""
-        return seq.computed + len(seq.state.token_ids) - self._generated_before(seq) + seq.inflight
+    def _positions(self, seq: _Seq, more: int) -> int:
+        """Positions the slot can hold after the unread steps and `more` tokens
+        (its prefilled and generated tokens plus `inflight` and `more`), at
+        most prompt + max_new_tokens (no draft past a row's end: `engine.step`)."""
+        bound = seq.computed + len(seq.state.token_ids) - self._generated_before(seq) + seq.inflight
+        return min(bound + more, len(seq.state.request.prompt_ids) + seq.state.request.max_new_tokens)
 
     def _grow(self, seq: _Seq, more: int) -> None:
-        self.pages.grow(seq.slot, self._length_bound(seq) + more)
+        self.pages.grow(seq.slot, self._positions(seq, more))
 
     def _make_room(self, decoding: list[_Seq], width: int) -> bool:
         """Give every decoding row the pages of its next `width` positions,
@@ -391,7 +392,7 @@ class Scheduler(StepOutputs):
         Returns False when it preempted."""
         preempted = False
         while True:
-            wanted = {s.slot: self._length_bound(s) + width for s in decoding if s.slot is not None}
+            wanted = {s.slot: self._positions(s, width) for s in decoding if s.slot is not None}
             if self.pages.shortfall(wanted) == 0:
                 break
             running = [s for s in self._running() if not s.state.finished]
@@ -487,7 +488,7 @@ class Scheduler(StepOutputs):
             self.pages.register(seq.slot, seq.ids[:seq.computed - 1])
             seq.inflight = 1
         segments.append(Segment(seq.slot, chunk, sample=last))
-        owners.append((seq.state.request_id, last, seq.order))
+        owners.append((seq.state.request_id, int(last), seq.order))
         return n
 
     @property
