@@ -38,7 +38,7 @@ from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving.request import Request, RequestOutput, per_row
 from jaxinfer.serving.rows import pad_rows
 from jaxinfer.serving.runner import ModelRunner
-from jaxinfer.speculative import SpecConfig
+from jaxinfer.speculative import SpecConfig, as_spec_config
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.stats import RunStats
 from jaxinfer.tokenizer import IncrementalDetokenizer
@@ -90,7 +90,8 @@ class LLM:
       min_kv_bucket: smallest KV-cache bucket of `score`'s dense cache, tokens.
       stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
-      speculative: a `speculative.SpecConfig` for speculative decoding, or None.
+      speculative: a `speculative.SpecConfig` for speculative decoding, the
+        string "ngram" (`SpecConfig("ngram")`), or None.
       kv_cache_dtype: None (the params' dtype) or one of `cache.KV_CACHE_DTYPES`
         ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
       page_size: tokens per KV page (PagedAttention: every layer's K/V in one
@@ -113,14 +114,16 @@ class LLM:
         size below 1, both num_pages and kv_cache_memory given, no model
         family registered as config.arch, or sliding_window_ring on a model
         without sliding layers or with prefix_caching=True, or
-        deterministic=True where it cannot hold (`check_deterministic`).
+        deterministic=True where it cannot hold (`check_deterministic`),
+        speculative "draft" or another string (`speculative.as_spec_config`).
+      TypeError: speculative neither a SpecConfig, a string nor None.
     """
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
                  decode_chunk: int = 16, max_num_seqs: int = 256,
                  prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
                  min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
-                 speculative: Optional[SpecConfig] = None, kv_cache_dtype: Optional[str] = None,
+                 speculative: Union[SpecConfig, str, None] = None, kv_cache_dtype: Optional[str] = None,
                  page_size: int = 16, num_pages: Optional[int] = None,
                  kv_cache_memory: Optional[int] = None, prefix_caching: Optional[bool] = None,
                  max_num_batched_tokens: int = 512, sliding_window_ring: bool = False,
@@ -138,6 +141,7 @@ class LLM:
         if num_pages is not None and kv_cache_memory is not None:
             raise ValueError("give num_pages or kv_cache_memory, not both")
         check_ring(prefix_caching, sliding_window_ring)
+        speculative = as_spec_config(speculative)
         step_tokens = max_num_batched_tokens + (speculative.num_speculative_tokens if speculative else 0)
         self.ring_pages = (ring_pages_for(config, page_size, step_tokens, max_seq_len)
                            if sliding_window_ring else 0)      # R per slot (`cache.paged_ring`)

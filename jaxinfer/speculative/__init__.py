@@ -14,8 +14,8 @@ Proposers: `ngram` (prompt lookup, on the device, inside the step) and
 the settings.
 """
 
-from jaxinfer.speculative.config import DraftConfig, SpecConfig
+from jaxinfer.speculative.config import DraftConfig, SpecConfig, as_spec_config
 from jaxinfer.speculative.draft import DraftModel, check_draft
 from jaxinfer.speculative.ngram import NgramConfig, ngram_propose
 
-__all__ = ["DraftConfig", "DraftModel", "NgramConfig", "SpecConfig", "check_draft", "ngram_propose"]
+__all__ = ["DraftConfig", "DraftModel", "NgramConfig", "SpecConfig", "as_spec_config", "check_draft", "ngram_propose"]

@@ -36,6 +36,26 @@ class SpecConfig:
             raise ValueError("speculative: draft needs a draft_model")
 
 
+def as_spec_config(value) -> "SpecConfig | None":
+    """`value` as a `SpecConfig`: None (off) and a SpecConfig as they are,
+    the string "ngram" as `SpecConfig("ngram")` with its defaults.
+
+    Raises:
+      ValueError: "draft" (a draft model must come with it) or another string.
+      TypeError: any other type.
+    """
+    if value is None or isinstance(value, SpecConfig):
+        return value
+    if value == "ngram":
+        return SpecConfig("ngram")
+    if value == "draft":
+        raise ValueError("speculative='draft' needs its draft model: pass "
+                         "SpecConfig('draft', k, draft=DraftModel(config, params))")
+    if isinstance(value, str):
+        raise ValueError(f"speculative must be 'ngram', a SpecConfig or None, got {value!r}")
+    raise TypeError(f"speculative must be a SpecConfig, 'ngram' or None, got {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     """Static settings of the draft-model proposer inside a compiled step.

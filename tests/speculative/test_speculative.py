@@ -13,8 +13,9 @@ from jaxinfer.engine import phases
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, RowState, accept_drafts
 from jaxinfer.serving.request import Request, RequestState
+from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.rows import row_inputs, stop_tokens
-from jaxinfer.speculative import ngram_propose
+from jaxinfer.speculative import SpecConfig, as_spec_config, ngram_propose
 from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_LLAMA, random_params
 
@@ -255,3 +256,18 @@ def test_ids_past_the_tokenizer_are_never_drawn():
     assert tokens[0] == 3 and (tokens < 10).all() and len(set(tokens[1:].tolist())) > 3
     _, out = sample_step(logits, rows, stop_tokens([EOS], [EOS]), -1)
     assert int(out.token[0]) == 10
+
+
+def test_speculative_as_a_string():
+    assert as_spec_config("ngram") == SpecConfig("ngram") and as_spec_config(None) is None
+    spec = SpecConfig("ngram", 2)
+    assert as_spec_config(spec) is spec
+    with pytest.raises(ValueError, match=r"speculative='draft' needs its draft model: pass "
+                                         r"SpecConfig\('draft', k, draft=DraftModel\(config, params\)\)"):
+        as_spec_config("draft")
+    with pytest.raises(ValueError, match="speculative must be 'ngram', a SpecConfig or None, got 'eagle'"):
+        as_spec_config("eagle")
+    with pytest.raises(TypeError, match="speculative must be a SpecConfig, 'ngram' or None, got int"):
+        as_spec_config(4)
+    llm = LLM(TINY_LLAMA, random_params(TINY_LLAMA), max_seq_len=32, speculative="ngram")
+    assert llm.speculative == SpecConfig("ngram")
