@@ -102,3 +102,34 @@ def test_a_shared_step_fault_fails_its_rows_and_the_server_answers_the_next(serv
     again = asyncio.run(_post_all(url, [_body(p, n) for p, n in CASES]))
     assert [r.status_code for r in again] == [200] * 3 and _texts(again) == want
     assert_idle_and_clean(server)
+
+
+def _sse_lines(url, body):
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line]
+
+
+def test_a_streamed_request_whose_step_fails_in_fetch_ends_with_an_error_event(served, monkeypatch):
+    """A fault while reading a step's outputs (`ModelRunner.fetch`, where a
+    kernel's check surfaces) ends a streamed request with OpenAI's error
+    object in a `data:` line before `[DONE]`, never with `[DONE]` alone."""
+    server, url = served
+    runner = server.engine.engine.scheduler.runner
+    fetch, fired = runner.fetch, []
+
+    def faulty(dispatched):
+        if not fired:
+            fired.append(True)
+            raise RuntimeError("injected fetch fault")
+        return fetch(dispatched)
+    monkeypatch.setattr(runner, "fetch", faulty)
+    lines = _sse_lines(url, _body("大家好", 5, stream=True))
+    assert fired == [True] and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"] == {
+        "message": "the request failed: the engine step failed: RuntimeError: injected fetch fault",
+        "type": "server_error", "param": None, "code": "request_failed"}
+    monkeypatch.undo()
+    again = asyncio.run(_post_all(url, [_body(p, n) for p, n in CASES]))
+    assert [r.status_code for r in again] == [200] * 3
+    assert_idle_and_clean(server)
