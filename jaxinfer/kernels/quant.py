@@ -69,7 +69,10 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     rows: None, or an int32 scalar n: only the first n rows of x flattened
     to [M, K] are computed (n clamped to [0, M]), the others are zeros. A
     computed row equals the call without `rows` up to float32 summation
-    order (a lone row in the last register block keeps two partial sums).
+    order for int8 and q4 (a lone row in the last register block keeps two
+    partial sums); for "bf16" bitwise, and bitwise what the row gives alone
+    or among any other rows (each output sums its K products in one order,
+    k = 0, 1, ...: the deterministic mode relies on it).
 
     A "q4" W with activations "int8" multiplies `quant.round_activations(x)`
     (int32 sums of int8 x times the codes); the result is

@@ -31,7 +31,8 @@
 // Panels stream sequentially and all row blocks of a panel run back to back (as in
 // cpu_kernels.cc). Every matmul takes a last operand `rows` (int32 scalar): only x's first
 // `rows` rows are computed and the others' outputs are zeros (a serving step's padding);
-// which of the two paths runs still depends on M alone.
+// which of the two paths runs still depends on M alone. bfloat16 codes (no scale) give the
+// same bits on both paths and for any number of rows (kOneOrder, below).
 //
 // --- int8 decode attention ---
 //   q       f32  [B, K, G, H]  grouped, pre-scaled queries (query head k*G + g reads kv head k)
@@ -219,21 +220,30 @@ constexpr int kTileBlockRows = 2;
 #endif
 
 // Each format reads vector j (columns j * kLanes ...) of one step: kStep rows of a panel.
+// kOneOrder: every output element sums its K products in one order, k = 0, 1, ..., whatever
+// the number of rows in its register block or call (see block_sums). bfloat16 codes and
+// float32 tiles keep it: a bfloat16 weight's products are then the same in both paths (its
+// tile holds the codes exactly), so a row's result does not depend on the rows beside it,
+// which the deterministic mode needs (serving/deterministic.py). int8 and q4 sum in another
+// order from kTileRows rows on anyway (scales applied per block below it, in the tile above).
 struct Int8Codes {
   using Code = int8_t;
   static constexpr int kStep = 1;
+  static constexpr bool kOneOrder = false;
   static void load_one(const int8_t* p, int j, v16 w[1]) { w[0] = load_codes(p + j * kLanes); }
 };
 
 struct Q4Codes {
   using Code = uint8_t;
   static constexpr int kStep = 2;
+  static constexpr bool kOneOrder = false;
   static void load_one(const uint8_t* p, int j, v16 w[2]) { load_nibbles(p + j * kLanes, w[0], w[1]); }
 };
 
 struct Bf16Codes {
   using Code = uint16_t;
   static constexpr int kStep = 1;
+  static constexpr bool kOneOrder = true;
   static void load_one(const uint16_t* p, int j, v16 w[1]) { w[0] = load_bf16(p + j * kLanes); }
 };
 
@@ -241,6 +251,7 @@ struct Bf16Codes {
 struct F32Codes {
   using Code = float;
   static constexpr int kStep = 1;
+  static constexpr bool kOneOrder = true;
   static void load_one(const float* p, int j, v16 w[1]) { w[0] = ::load(p + j * kLanes); }
 };
 
@@ -279,7 +290,8 @@ struct PanelArgs {
 // part[r][j] = sum over one block's rows k of x[r, k] * W[k, vector j's columns] (codes, not
 // yet scaled), x rows K apart; returns the codes after the block.
 // With AVX-512 a step's NV weight vectors are loaded at once, and one row (decode at batch
-// 1) keeps 2 * kStep independent sums per vector, so its FMAs do not wait on each other.
+// 1) of int8 or q4 codes keeps 2 * kStep independent sums per vector, so its FMAs do not wait
+// on each other; formats with kOneOrder keep one sum per vector, as every other row count does.
 // With 16 registers (AVX2) that would spill: there the loop takes one weight vector at a
 // time and adds it into every row's sum for that vector.
 template <class Fmt, int R>
@@ -287,7 +299,7 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
                                      const typename Fmt::Code* c, v16 part[R][NV]) {
   constexpr int S = Fmt::kStep;
 #if defined(__AVX512F__)
-  if constexpr (R == 1) {
+  if constexpr (R == 1 && !Fmt::kOneOrder) {
     v16 p[2][S][NV] = {};
     int64_t k = 0;
     for (; k + 2 * S <= bs; k += 2 * S, c += 2 * kPanel) {
@@ -430,7 +442,8 @@ void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
                   const typename Fmt::Code* codes, const Scale* scale, const Scale* min, float* out) {
   const int64_t bs = d.K / d.nb;
   // Only the first d.rows rows are computed; the choice between the two paths below stays
-  // with d.M (a lone row in the last register block still sums in its own order).
+  // with d.M (for int8 and q4 a lone row in the last register block also sums in its own
+  // order; bfloat16 sums in one order throughout, see kOneOrder).
   const int64_t M = d.rows;
   std::fill(out + M * d.N, out + d.M * d.N, 0.0f);
   if (M == 0) return;
