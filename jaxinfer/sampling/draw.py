@@ -56,6 +56,8 @@ def inverse_cdf(weights: jax.Array, u: jax.Array, block: int = 256) -> jax.Array
     past the last cumulative sum, the last positive-weight entry is taken.
     Probabilities are resolved to about 2**-23 of the total (the float32
     uniform's step), like `jax.random.categorical`'s default mode (~1e-7).
+    Each row's sums are its own (`nn.ordered_sum` for the block masses), so
+    a row draws the same index whatever rows share the batch.
 
     Args:
       weights: f32[B, V] >= 0, at least one positive entry per row.
@@ -68,7 +70,7 @@ def inverse_cdf(weights: jax.Array, u: jax.Array, block: int = 256) -> jax.Array
     b, v = weights.shape
     nb = -(-v // block)
     blocks = jnp.pad(weights, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-    block_mass = blocks.sum(-1)  # [B, nb]
+    block_mass = ordered_sum(blocks)  # [B, nb], an order that does not depend on B
     cum = jnp.cumsum(block_mass, axis=-1)
     target = u * cum[:, -1]
     j = jnp.sum(cum <= target[:, None], axis=-1, dtype=jnp.int32)  # first cum > target
@@ -127,7 +129,8 @@ def distribution(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """The distribution `sample` draws from, as probabilities f32[B, V].
 
     Greedy rows (temperature == 0 or top_k == 1): one-hot at `argmax_first`.
-    Other rows: exp(z) over the tokens `keep_mask` keeps, renormalised, with
+    Other rows: exp(z) over the tokens `keep_mask` keeps, renormalised
+    (by an `nn.ordered_sum`: a row's bits do not depend on the batch), with
     z = (logits - max) / max(temperature, TEMPERATURE_FLOOR). Speculative
     decoding compares these for the target and the proposer (Leviathan et
     al. 2023, "Fast Inference from Transformers via Speculative Decoding",
@@ -144,7 +147,7 @@ def distribution(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     keep = keep_mask(z, jnp.where(greedy, 0, arrays.top_k), jnp.where(greedy, 1.0, arrays.top_p),
                      arrays.min_p)
     weights = jnp.where(keep, jnp.exp(z), 0.0)
-    probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / ordered_sum(weights)[:, None]
     one_hot = jax.nn.one_hot(argmax_first(logits), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy[:, None], one_hot, probs)
 

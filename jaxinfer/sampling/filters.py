@@ -6,6 +6,14 @@ request's parameters never recompiles, and every row is computed from its own
 logits, parameters and key only: a row's token does not depend on the other
 rows or on its position in the batch.
 
+Batch invariance: a row's result is bitwise the same whatever rows share
+its batch. Float sums over the vocabulary (the top-p masses here, the
+inverse CDF's block masses) are `nn.ordered_sum`s: XLA:CPU's own
+reductions change their order with the number of rows (seen from 8 rows
+of 1000 logits). Cumulative sums, maxima, counts and `lax.top_k` do not
+depend on the other rows. tests/sampling/test_sampling_batch_invariance.py
+checks 1 to 129 rows.
+
 Per-row randomness: `row_keys` makes one typed PRNG key per row from the
 row's seed; `step_keys` folds in the row's own step count (tokens generated
 so far in that row), so a row's draws depend only on (seed, step).
@@ -75,6 +83,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.nn.norm import ordered_sum
+
 _SEARCH_STEPS = 32  # bisection passes: halves the 2**32 uint32 key range
 # How many of the largest logits (`lax.top_k`) the fast path looks at.
 CANDIDATES = 256
@@ -130,7 +140,7 @@ def _top_p_key(keys: jax.Array, weights: jax.Array, mass: jax.Array) -> jax.Arra
     def body(_, carry):
         lo, hi = carry
         mid = lo + (hi - lo) // 2  # lower midpoint
-        above = jnp.sum(jnp.where(keys > mid[:, None], weights, 0.0), axis=-1)
+        above = ordered_sum(jnp.where(keys > mid[:, None], weights, 0.0))
         ok = above < mass
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
@@ -211,7 +221,7 @@ def _filter(z, k, top_p, min_p, candidates):
     z_max = jnp.max(z, axis=-1, keepdims=True)
     rel = jnp.exp(z - z_max)  # p_i / max p, in [0, 1]
     weights = jnp.where(keep, rel, 0.0)
-    mass = top_p * jnp.sum(weights, axis=-1)
+    mass = top_p * ordered_sum(weights)
     cand_weights = jnp.where(cand_keys >= t_k[:, None], jnp.exp(cand_values - z_max), 0.0)
     t_p = _top_p_threshold(keys, weights, mass, use_p, cand_keys, cand_weights, c == v)
     keep = keep & (keys >= t_p[:, None])
