@@ -2,7 +2,13 @@
 log-probs are bitwise equal (`np.array_equal` on float32) whatever the
 batch, its slot and neighbours, the prefill chunk size, a prefix-cache hit
 on or off a page boundary, greedy n-gram speculation, or a preemption, on
-tiny Llama and tiny Gemma 3 (prompts longer than its 4-token window)."""
+tiny Llama and tiny Gemma 3 (prompts longer than its 4-token window), with
+float32 and bfloat16 weights, on the AVX-512 and the AVX2 kernels."""
+
+import os
+import platform
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +17,7 @@ import pytest
 
 from jaxinfer.nn import ordered_sum, rms_norm
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving.deterministic import xla_flag_problems
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.request import Request
 from jaxinfer.speculative import SpecConfig
@@ -96,6 +103,45 @@ def test_a_row_is_bitwise_the_same_among_15_neighbours():
 
 @pytest.mark.slow
 @pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
+@pytest.mark.parametrize("arch,weights", [("llama", "float32"), ("llama", "bfloat16"),
+                                          ("gemma3", "bfloat16")])
+def test_a_lone_row_is_bitwise_the_same_among_1_to_128_neighbours(arch, weights):
+    """Served alone, the target decodes as the step's one live row (the
+    matmuls compute only live rows); among n neighbours
+    its rows share register blocks with others, at every place in them, and
+    its seeded draws share the sampler's arrays. bfloat16 weights
+    (`weights: bfloat16`) once failed here from 1 neighbour on: their
+    kernel summed a lone row in two interleaved halves."""
+    config = {"llama": TINY_LLAMA, "gemma3": TINY_GEMMA3}[arch]
+    raw = jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=3))
+    llm = _llm((config, prepare_params(raw, config, weights=weights)), max_num_seqs=129)
+    alone = _serve(llm, [_target(config.vocab_size)])
+    for n in (1, 2, 7, 64, 128):
+        _assert_bitwise(_with_neighbours(llm, n), alone, f"{arch}, {weights} weights, {n} neighbours")
+
+
+@pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
+def test_the_avx2_build_keeps_the_bits_among_neighbours(tmp_path):
+    """The test above on the AVX2 kernels (-march=x86-64-v3, built into a
+    fresh cache; a child pytest: one process loads one library), whose
+    register blocks are other sizes. Its bits differ from the AVX-512
+    build's, within float32 rounding; among themselves they agree."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    env = dict(os.environ, JAXINFER_KERNEL_ARCH="x86-64-v3", JAXINFER_CACHE_DIR=str(tmp_path))
+    code = "from jaxinfer.kernels import cpu as c; assert c.enabled(); print(c.kernel_info()['arch'])"
+    built = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert built.stdout.split() == ["-march=x86-64-v3"], built.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                           "slow", f"{__file__}::test_a_lone_row_is_bitwise_the_same_among_1_to_128_"
+                           "neighbours"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_without_the_mode_a_neighbour_changes_the_bits():
     """The control for the test above: on this XLA the tiny Llama's RMSNorm
     sums change with the step's width (from 128 rows), so without the mode
@@ -145,19 +191,29 @@ def test_greedy_speculation_and_preemption_keep_the_bits(model):
     _assert_bitwise((tokens, logprobs), roomy, "preempted and recomputed")
 
 
+@pytest.fixture
+def default_xla_flags_env(monkeypatch):
+    """XLA_FLAGS as `jaxinfer` runs (none): the refusals below are checked
+    apart from the test run's fast-compile flags, which the mode refuses too
+    (test_the_mode_refuses_the_test_runs_xla_flags). Nothing here compiles."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+
+
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype int8: only float32 pools run the ragged "
                                   "attention kernel"),
-    (dict(max_num_batched_tokens=1), "max_num_batched_tokens must be >= 2"),
+    (dict(max_num_batched_tokens=1), "max_num_batched_tokens must be >= 2: XLA compiles a "
+                                     "one-token step into other code, which changes a row's "
+                                     "last bits"),
 ])
-def test_the_mode_refuses_what_it_cannot_keep(kwargs, reason):
+def test_the_mode_refuses_what_it_cannot_keep(kwargs, reason, default_xla_flags_env):
     model = (TINY_LLAMA, random_params(TINY_LLAMA, seed=3))
     with pytest.raises(ValueError) as e:
         _llm(model, **kwargs)
     assert str(e.value) == f"deterministic=True cannot hold here: {reason}"
 
 
-def test_the_mode_refuses_int8_weights():
+def test_the_mode_refuses_int8_weights(default_xla_flags_env):
     raw = jax.tree_util.tree_map(jnp.asarray, random_params(TINY_LLAMA, seed=3))
     params = prepare_params(raw, TINY_LLAMA, weights="int8")
     with pytest.raises(ValueError) as e:
@@ -165,3 +221,37 @@ def test_the_mode_refuses_int8_weights():
     assert str(e.value) == ("deterministic=True cannot hold here: weights int8: the quantized "
                             "matmul changes its summation order with the number of rows (use "
                             "weights float32 or bfloat16)")
+
+
+def test_the_mode_takes_bfloat16_weights(default_xla_flags_env):
+    raw = jax.tree_util.tree_map(jnp.asarray, random_params(TINY_LLAMA, seed=3))
+    llm = _llm((TINY_LLAMA, prepare_params(raw, TINY_LLAMA, weights="bfloat16")))
+    assert llm.config.deterministic and llm.params["lm_head"].format == "bf16"
+
+
+def test_the_mode_refuses_the_test_runs_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1 "
+                                    "--xla_backend_optimization_level=0 "
+                                    "--xla_cpu_use_fusion_emitters=false")
+    with pytest.raises(ValueError) as e:
+        _llm((TINY_LLAMA, random_params(TINY_LLAMA, seed=3)))
+    assert str(e.value) == (
+        "deterministic=True cannot hold here: XLA_FLAGS sets --xla_backend_optimization_level=0: "
+        "it compiles without XLA's default optimisation level (3), which the bitwise tests run "
+        "under; XLA_FLAGS sets --xla_cpu_use_fusion_emitters=false: it emits fusions with XLA's "
+        "loop emitters, under which bitwise invariance failed (docs/testing.md)")
+
+
+@pytest.mark.parametrize("flags,refused", [
+    ("", []),
+    ("--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters=true", []),
+    ("--xla_cpu_use_fusion_emitters=false --xla_cpu_use_fusion_emitters=true", []),   # the last counts
+    ("-xla_cpu_enable_fast_math", ["--xla_cpu_enable_fast_math=true"]),               # bare: true
+    ("--xla_cpu_enable_fast_math=FALSE --xla_backend_optimization_level=2",
+     ["--xla_backend_optimization_level=2"]),
+    ("--xla_cpu_use_fusion_emitters=0 --xla_cpu_enable_fast_math=1",
+     ["--xla_cpu_use_fusion_emitters=0", "--xla_cpu_enable_fast_math=1"]),
+])
+def test_xla_flag_problems_name_each_refused_flag(flags, refused):
+    problems = xla_flag_problems(flags)
+    assert [p.split(": ")[0] for p in problems] == [f"XLA_FLAGS sets {r}" for r in refused]
