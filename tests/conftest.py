@@ -3,7 +3,6 @@ import hashlib
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 
 # XLA:CPU compile options for the test run, set before JAX starts its backend
@@ -15,7 +14,8 @@ import sys
 # times them. JAXINFER_TEST_XLA_FLAGS=default compiles as `jaxinfer` does.
 # Tests marked `default_xla_flags` run in a child pytest that compiles as
 # `jaxinfer` does (`pytest_pyfunc_call` below): the deterministic mode's bitwise
-# batch invariance holds for the programs XLA's default emitters write.
+# batch invariance holds for the programs XLA's default emitters write. A test
+# the child skipped is failed, or skipped where its marker allows skipping.
 TEST_XLA_FLAGS_ENV = "JAXINFER_TEST_XLA_FLAGS"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 ORIGINAL_XLA_FLAGS = os.environ.get("XLA_FLAGS")
@@ -33,6 +33,8 @@ import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+import child_pytest  # noqa: E402  (tests/, on sys.path just above)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,8 +57,9 @@ def _xla_cache_dir() -> str | None:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "default_xla_flags: run in a child pytest with XLA's default "
-                                       "compile flags (tests/conftest.py)")
+    config.addinivalue_line("markers", "default_xla_flags(skip_allowed=False): run in a child pytest "
+                                       "with XLA's default compile flags; a skip there fails the test "
+                                       "unless skip_allowed (tests/conftest.py)")
     folder = _xla_cache_dir()
     if folder:
         jax.config.update("jax_compilation_cache_dir", folder)
@@ -216,24 +219,20 @@ CHILD_TIMEOUT_S = 1800   # a `default_xla_flags` child; the longest took about 1
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked `default_xla_flags`, in a run with the fast-compile flags,
-    runs instead in a child pytest with XLA's default flags; it passes when
-    the child passes."""
-    if pyfuncitem.get_closest_marker("default_xla_flags") is None or \
-            os.environ.get(TEST_XLA_FLAGS_ENV) == "default":
+    runs instead in a child pytest with XLA's default flags. It passes when
+    the child ran it and it passed (`child_pytest.check`): a child that
+    skipped it fails it, unless the marker says `skip_allowed=True` (a
+    real-model test whose model cannot be fetched), and then it is skipped
+    with the child's reason."""
+    marker = pyfuncitem.get_closest_marker("default_xla_flags")
+    if marker is None or os.environ.get(TEST_XLA_FLAGS_ENV) == "default":
         return None
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env[TEST_XLA_FLAGS_ENV] = "default"
     if ORIGINAL_XLA_FLAGS is not None:
         env["XLA_FLAGS"] = ORIGINAL_XLA_FLAGS
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
-           pyfuncitem.nodeid]
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{' '.join(cmd)} (XLA's default flags) ran past {CHILD_TIMEOUT_S} s",
-                    pytrace=False)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} (XLA's default flags) exited {done.returncode}:\n"
-                    f"{done.stdout[-6000:]}{done.stderr[-2000:]}", pytrace=False)
+    child = child_pytest.run(["-m", "slow or not slow", pyfuncitem.nodeid], env=env,
+                             timeout_s=CHILD_TIMEOUT_S)
+    child_pytest.check(child, skip_allowed=marker.kwargs.get("skip_allowed", False),
+                       what="XLA's default flags")
     return True

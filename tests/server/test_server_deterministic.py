@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-# the bitwise invariance holds for the programs `jaxinfer` compiles (tests/conftest.py)
-pytestmark = [pytest.mark.slow, pytest.mark.default_xla_flags]
+# the bitwise invariance holds for the programs `jaxinfer` compiles (tests/conftest.py);
+# where a model cannot be fetched the child skips, and so does this test
+pytestmark = [pytest.mark.slow, pytest.mark.default_xla_flags(skip_allowed=True)]
 
 PROMPT = "The history of the printing press begins"
 OTHERS = ["Write a short poem about the sea.", "List three prime numbers and explain why.",
