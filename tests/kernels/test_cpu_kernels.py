@@ -8,6 +8,7 @@ sums to float32 alone, summed in the kernel's order over H, moves the output
 by 8.7e-6 there (measured in numpy against the same float64 reference).
 """
 
+import pathlib
 import shutil
 
 import jax
@@ -444,27 +445,44 @@ def test_bf16_dot_switch_needs_no_probe(monkeypatch, restore_bf16_choice):
         assert cpu_kernels.bf16_dot() is False
 
 
+# The AVX2 build's numerical tests: this file's, and the quantized kernels' of
+# tests/weights/ (weight-only formats and q4 with int8 activations, whose AVX2
+# path `-march=native` on an AVX-512 CPU never builds).
+AVX2_CHILD_TESTS = [
+    (__file__, "matches_reference and not avx2 and not bf16-dot"),
+    (pathlib.Path(__file__).parents[1] / "weights" / "test_quant.py",
+     "int8_activations_kernel or quant_matmul_matches_float64 or bf16_and_8bit_with_min_kernels"),
+    (pathlib.Path(__file__).parents[1] / "weights" / "test_quant_models.py",
+     "int8_activations_same_on_kernels_and_xla"),
+]
+
+
 @needs_kernels
 @pytest.mark.slow
 def test_avx2_blocking_matches_reference(tmp_path):
-    """The AVX2 register blocking (4 rows x 3 vectors of 8, panels of 24), built with
-    -march=x86-64-v3 into a fresh cache and run through this file's numerical tests
-    in a subprocess (one process loads one library)."""
+    """The AVX2 register blocking (4 rows x 3 vectors of 8, panels of 24) and the
+    AVX2 int8-activation q4 kernel, built with -march=x86-64-v3 into a fresh cache
+    and run through the numerical tests of `AVX2_CHILD_TESTS` in child pytests
+    (one process loads one library), where every test must pass: none may skip
+    (`child_pytest.check`; the int8-activation tests skip without that kernel)."""
     import os
     import platform
     import subprocess
     import sys
 
+    import child_pytest
+
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 only")
     env = dict(os.environ, JAXINFER_KERNEL_ARCH="x86-64-v3", JAXINFER_CACHE_DIR=str(tmp_path))
-    code = ("from jaxinfer.kernels import cpu as c; assert c.enabled(); i = c.kernel_info(); "
-            "print(i['panel_width'], i['row_block'], i['vector_lanes'], i['bf16_dot_built'])")
+    code = ("from jaxinfer.kernels import cpu as c, quant as q; assert c.enabled(); i = c.kernel_info(); "
+            "print(i['panel_width'], i['row_block'], i['vector_lanes'], i['bf16_dot_built'], q.has_q4_x8())")
     info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert info.returncode == 0, info.stderr[-2000:]
-    assert info.stdout.split() == ["24", "4", "8", "False"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "matches_reference and not avx2 and not bf16-dot"],
-                          env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    assert info.stdout.split() == ["24", "4", "8", "False", "True"]
+    ran = {}
+    for path, expression in AVX2_CHILD_TESTS:
+        child = child_pytest.run([path, "-k", expression], env=env, timeout_s=1200)
+        child_pytest.check(child, what="-march=x86-64-v3")
+        ran.update(child.outcomes)
+    assert sum("int8_activations" in name for name in ran) == 38, sorted(ran)
