@@ -73,6 +73,14 @@ def pytest_configure(config):
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
+@pytest.fixture(scope="session")
+def jaxinfer_xla_flags() -> str:
+    """XLA_FLAGS as `jaxinfer` compiles, without the test run's fast-compile
+    flags: for a process a test starts whose run time, not its compiling, is
+    most of its time (`multidevice.run_case(xla_flags=...)`)."""
+    return ORIGINAL_XLA_FLAGS or ""
+
+
 @pytest.fixture
 def xla_cache_off():
     """The test compiles every program itself: JAX's persistent compilation

@@ -30,13 +30,14 @@ print({marker!r} + json.dumps(result), flush=True)
 
 
 def run_case(devices: int, module: str, function: str, timeout_s: float = 900.0,
-             env: dict | None = None, **kwargs) -> dict:
+             env: dict | None = None, xla_flags: str | None = None, **kwargs) -> dict:
     """`module.function(**kwargs)` (JSON in, JSON out) in a subprocess with
-    `devices` forced CPU devices, killed after `timeout_s` seconds.
+    `devices` forced CPU devices, killed after `timeout_s` seconds. Its
+    XLA_FLAGS are `xla_flags` (default: this process's) and the device count.
 
     Skips the calling test when the case returns {"skip": reason}.
     Raises AssertionError (with the child's stderr tail) when it fails."""
-    flags = os.environ.get("XLA_FLAGS", "")
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     child_env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}",
                      PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                                  os.environ.get("PYTHONPATH", "")]))

@@ -115,24 +115,25 @@ def _state_specs(llm, mesh) -> dict:
             "rows": sorted({str(spec(x)) for x in jax.tree_util.tree_leaves(rows)})}
 
 
-def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str) -> dict:
-    """A real model on a tp mesh: last-position prefill logits of each prompt
-    (saved to `out_path` as .npz, arrays "0", "1", ...), greedy and seeded tokens."""
+def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str,
+               llm_kwargs: dict) -> dict:
+    """A real model on a tp mesh (`sharding.load_llm(name, mesh, **llm_kwargs)`):
+    last-position prefill logits of each prompt (one prefill of all of them as
+    rows right-padded to a multiple of 64; saved to `out_path` as .npz,
+    arrays "0", "1", ...), greedy and seeded tokens."""
     skip = _devices_or_skip(tp)
     if skip:
         return skip
     mesh = sharding.make_mesh(tp)
-    llm = sharding.load_llm(name, mesh, max_seq_len=1024, decode_chunk=16, progress=False)
-    logits = {}
+    llm = sharding.load_llm(name, mesh, progress=False, **llm_kwargs)
+    bucket = -(-max(map(len, prompts)) // 64) * 64     # the padding costs run time on the mesh
+    tokens = np.zeros((len(prompts), bucket), np.int32)
     for i, ids in enumerate(prompts):
-        bucket = 1 << (len(ids) - 1).bit_length()
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :len(ids)] = ids
-        out, _ = llm.programs(engine.prefill, llm.params, init_cache(llm.config, 1, bucket),
-                              jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32),
-                              config=llm.config)
-        logits[str(i)] = np.asarray(out)[0]
-    np.savez(out_path, **logits)
+        tokens[i, :len(ids)] = ids
+    out, _ = llm.programs(engine.prefill, llm.params, init_cache(llm.config, len(prompts), bucket),
+                          jnp.asarray(tokens), jnp.array([len(ids) for ids in prompts], jnp.int32),
+                          config=llm.config)
+    np.savez(out_path, **{str(i): row for i, row in enumerate(np.asarray(out))})
     greedy = llm.generate(prompts, max_new_tokens=new_tokens)
     seeded = llm.generate(prompts, SEEDED, max_new_tokens=new_tokens)
     return {"plan": llm.sharding_plan.describe(), "greedy": [c.token_ids for c in greedy],

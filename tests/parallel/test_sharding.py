@@ -207,9 +207,20 @@ def test_dp_replicas_match_one_device():
 # --- real models (slow) ---------------------------------------------------------------------------
 
 
-def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
+# The same settings on the mesh (tp_cases.real_model) and on one device; a decode
+# step of Gemma 3 on the mesh took about a second with the fast-compile flags
+# (XLA's own kernels: the C++ ones do not partition), so 8 new tokens.
+REAL_LLM_KWARGS = dict(max_seq_len=1024, decode_chunk=8)
+REAL_NEW_TOKENS = 8
+
+
+def _real(name, tp, hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags, atol, rtol, texts):
     """The tp run in a subprocess first, then HF, then our single-device
-    run, one model in this process at a time."""
+    run, one model in this process at a time. The tp run compiles as
+    `jaxinfer` does (`jaxinfer_xla_flags`, tests/conftest.py): its run time,
+    not its compiles, is most of it (on the mesh every phase runs XLA's own
+    kernels; Gemma 3's took about 70 s with the test run's fast-compile flags
+    and 53 s with these, on 2 Zen 4 cores)."""
     from jaxinfer.serving.llm import LLM
     from jaxinfer.serving.loading import load_tokenizer
     from tp_cases import SEEDED
@@ -220,7 +231,8 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
     prompts = [tok.encode_prompt(t, False) for t in texts]
     out = tmp_path / "logits.npz"
     result = run_case(tp, "tp_cases", "real_model", timeout_s=1800, name=str(path), tp=tp,
-                      prompts=prompts, new_tokens=24, out_path=str(out))
+                      prompts=prompts, new_tokens=REAL_NEW_TOKENS, out_path=str(out),
+                      llm_kwargs=REAL_LLM_KWARGS, xla_flags=jaxinfer_xla_flags)
     model, _ = hf_gguf.get(path)
     logits = np.load(out)
     for i, ids in enumerate(prompts):
@@ -233,23 +245,25 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, atol, rtol, texts):
         assert diff <= atol + rtol * scale
     del model
     hf_gguf.clear()
-    llm = LLM.load(str(path), max_seq_len=1024, decode_chunk=16, progress=False)
-    assert result["greedy"] == [c.token_ids for c in llm.generate(prompts, max_new_tokens=24)]
-    assert result["seeded"] == [c.token_ids for c in llm.generate(prompts, SEEDED, max_new_tokens=24)]
+    llm = LLM.load(str(path), progress=False, **REAL_LLM_KWARGS)
+    tokens = lambda sampling: [c.token_ids for c in llm.generate(prompts, sampling,
+                                                                 max_new_tokens=REAL_NEW_TOKENS)]
+    assert result["greedy"] == tokens(None)
+    assert result["seeded"] == tokens(SEEDED)
     return result
 
 
-@pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
-def test_smollm2_tp3_matches_hf(hf_gguf, real_model_path, tmp_path):
-    result = _real("smollm2-135m-instruct", 3, hf_gguf, real_model_path, tmp_path, 2e-3, 0,
-                   ["The three primary colors are", "What is the capital of France? " * 6])
+@pytest.mark.slow
+def test_smollm2_tp3_matches_hf(hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags):
+    result = _real("smollm2-135m-instruct", 3, hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags,
+                   2e-3, 0, ["The three primary colors are", "What is the capital of France? " * 6])
     assert "attention split" in result["plan"]
 
 
-@pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
-def test_gemma3_tp2_matches_hf(hf_gguf, real_model_path, tmp_path):
+@pytest.mark.slow
+def test_gemma3_tp2_matches_hf(hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags):
     from gemma3_cases import LONG, LOGIT_ATOL, LOGIT_RTOL
 
-    result = _real("gemma3-270m", 2, hf_gguf, real_model_path, tmp_path, LOGIT_ATOL, LOGIT_RTOL,
-                   ["The capital of France is", LONG])
+    result = _real("gemma3-270m", 2, hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags,
+                   LOGIT_ATOL, LOGIT_RTOL, ["The capital of France is", LONG])
     assert "each KV head x2" in result["plan"]

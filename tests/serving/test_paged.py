@@ -3,7 +3,7 @@ step): the step's greedy tokens and log-probs against the library's dense
 phases (`engine.phases.prefill` / `decode_step` on a dense `KVCache`) for
 page sizes 1, 3 and 16 on both tiny configs and both attention backends,
 pages reused by a new owner, continuous batching on pages, and the real
-models' greedy tokens (slow).
+models' greedy tokens against the dense phases run on all their rows at once (slow).
 The allocator is tested in tests/serving/test_pages.py, prefix caching, preemption
 and the pool's statistics in tests/serving/test_paged_serving.py.
 
@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.cache.kv import init_cache
+from jaxinfer.engine import phases
 from jaxinfer.engine.ragged import CPU_KERNELS, XLA
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.sampling import SamplingParams
@@ -173,11 +175,34 @@ def test_continuous_batching_on_pages_equals_the_dense_phases(model, page_size):
     assert sched.kv_pages.num_used == 0
 
 
-@pytest.mark.extended   # minutes on 2 cores: not in .ci/run (docs/testing.md)
+def _dense_logprobs_side_by_side(config, params, outputs, dtype) -> list:
+    """`serving_runs.dense_logprobs` of every output in one run of the dense
+    phases: the prompts prefilled together as right-padded rows, then the
+    outputs' tokens fed one decode step at a time, rows side by side (one
+    prefill and one decode program for all of them); per output float32
+    log_softmax [len(tokens), V]."""
+    n = len(outputs[0].token_ids)
+    assert all(len(out.token_ids) == n for out in outputs)
+    prompts = [out.prompt_token_ids for out in outputs]
+    width = max(map(len, prompts))
+    padded = np.array([list(p) + [0] * (width - len(p)) for p in prompts], np.int32)
+    cache = init_cache(config, len(prompts), width + n, dtype)
+    logits, cache = phases.prefill(params, cache, jnp.asarray(padded),
+                                   jnp.array([len(p) for p in prompts], jnp.int32), config=config)
+    steps = []
+    for i in range(n):
+        steps.append(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1)))
+        if i + 1 < n:
+            tokens = jnp.array([out.token_ids[i] for out in outputs], jnp.int32)
+            logits, cache = phases.decode_step(params, cache, tokens, config=config)
+    return list(np.stack(steps, 1))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_model_paged_greedy_equals_dense(source, real_model_path):
     """SmolLM2 and Gemma 3 (its 512-token window crossed: ~560-token
-    prompts): the serving step's greedy tokens are the dense phases', with
+    prompts): the serving step's 24 greedy tokens are the dense phases', with
     log-probabilities within 1e-4, and the second prompt, sharing the
     first's prefix, is served from the prefix cache (sliding layers too)."""
     llm = LLM.load(str(real_model_path(source)), max_seq_len=1024, decode_chunk=8)
@@ -187,11 +212,11 @@ def test_real_model_paged_greedy_equals_dense(source, real_model_path):
                "Repeat the following text exactly, word for word:\n\n" + text * 18 + "Then stop.",
                "Write a short story about a lighthouse keeper."]
     chat = llm.tokenizer.has_chat_template
-    got = llm.generate(prompts, GREEDY, max_new_tokens=40, chat=chat, logprobs=0, ignore_eos=True)
+    got = llm.generate(prompts, GREEDY, max_new_tokens=24, chat=chat, logprobs=0, ignore_eos=True)
     assert llm.last_stats.prefix_hit_tokens >= 512
-    for out in got:   # the dense phases on the same tokens: each is their argmax
-        dense = dense_logprobs(llm.config, llm.params, out.prompt_token_ids, out.token_ids,
-                               llm.cache_dtype)
-        assert out.token_ids == np.argmax(dense, -1).tolist()
-        np.testing.assert_allclose([lp for _, lp, _ in out.logprobs],
-                                   dense[np.arange(40), out.token_ids], atol=1e-4, rtol=0)
+    assert len(got[0].prompt_token_ids) > 512
+    dense = _dense_logprobs_side_by_side(llm.config, llm.params, got, llm.cache_dtype)
+    for out, lp in zip(got, dense):   # the dense phases on the same tokens: each is their argmax
+        assert out.token_ids == np.argmax(lp, -1).tolist()
+        np.testing.assert_allclose([x for _, x, _ in out.logprobs], lp[np.arange(24), out.token_ids],
+                                   atol=1e-4, rtol=0)
