@@ -1,5 +1,6 @@
 import gc
 import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -18,9 +19,13 @@ import sys
 # the child skipped is failed, or skipped where its marker allows skipping.
 TEST_XLA_FLAGS_ENV = "JAXINFER_TEST_XLA_FLAGS"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-ORIGINAL_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+# XLA_FLAGS as the run was started, kept in the environment by the first conftest to run: the
+# test processes of `pytest -n` (xdist workers) inherit XLA_FLAGS with the flags above added.
+ORIGINAL_XLA_FLAGS_ENV = "JAXINFER_TEST_ORIGINAL_XLA_FLAGS"
+os.environ.setdefault(ORIGINAL_XLA_FLAGS_ENV, json.dumps(os.environ.get("XLA_FLAGS")))
+ORIGINAL_XLA_FLAGS = json.loads(os.environ[ORIGINAL_XLA_FLAGS_ENV])
 if os.environ.get(TEST_XLA_FLAGS_ENV) != "default":
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+    os.environ["XLA_FLAGS"] = f"{ORIGINAL_XLA_FLAGS or ''} {FAST_COMPILE_FLAGS}".strip()
 
 # Programs compile (or come from the test run's XLA cache) in every test and in the
 # processes tests start: no executable store (`serving.executables`, on by default),
