@@ -25,6 +25,8 @@ from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.kernels import quant as quant_kernels
 from jaxinfer.weights import quant
 
+import child_pytest  # tests/, on sys.path through tests/conftest.py
+
 needs_kernels = pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
 
 NEIGHBOURS = (1, 2, 7, 64, 128)
@@ -98,8 +100,8 @@ def test_avx2_build_is_batch_invariant(tmp_path):
     info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert info.returncode == 0, info.stderr[-2000:]
     assert info.stdout.split() == ["8", "False"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "alone_and_among_neighbours"],
-                          env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    # every case but the bfloat16 dot product, which this build has not (asserted above)
+    child = child_pytest.run([__file__, "-k", "alone_and_among_neighbours and not bf16-dot"], env=env,
+                             timeout_s=1200)
+    child_pytest.check(child, what="the AVX2 build")     # a skipped case fails too
+    assert len(child.outcomes) == 12
