@@ -166,18 +166,6 @@ class PagePool:
             out.append(page)
         return out
 
-    def peek(self, hashes: Sequence[bytes]) -> tuple[int, int]:
-        """(pages of the longest cached prefix of `hashes`, how many of them
-        nobody references): what `lookup` would take, without taking it."""
-        hit = unreferenced = 0
-        for h in hashes:
-            page = self._page.get(h)
-            if page is None:
-                break
-            hit += 1
-            unreferenced += self._refs[page] == 0
-        return hit, unreferenced
-
     def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         """Add one request's prompt tokens and cache-served tokens to the hit-rate counters."""
         self.query_tokens += query_tokens
