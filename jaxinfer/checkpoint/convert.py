@@ -9,7 +9,7 @@ stacking layers into `[L, ...]`, tied embeddings, and a shape check of every
 tensor against the config. Which tensors a layer has is the family's
 `layer_names` table.
 
-The params pytree (shape letters as in DESIGN.md)::
+The params pytree (shape letters as in docs/architecture.md)::
 
     {"embed_tokens": [V, D], "norm": [D], "lm_head": [D, V] (untied only),
      "layers": {"input_layernorm": [L, D], "post_attention_layernorm": [L, D],

@@ -2,8 +2,8 @@
 QK-norm and RoPE, the output projection, the gated MLP, embedding rows and
 the LM head, all through the one matmul dispatch (`weights.matmul`).
 
-Shape letters (see DESIGN.md): B batch, T new tokens, D hidden, N query
-heads, K kv heads, H head_dim, F mlp hidden, V vocab.
+Shape letters (docs/architecture.md): B batch, T new tokens, D hidden, N
+query heads, K kv heads, H head_dim, F mlp hidden, V vocab.
 """
 
 from __future__ import annotations

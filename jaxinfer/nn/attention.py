@@ -2,8 +2,8 @@
 layout, scores, masked softmax, weighted values, the one key-visibility rule
 (`visible_keys`) and a flash-style reference (`blocked_attention`).
 
-Shape letters (see DESIGN.md): B batch, T new tokens, S keys, N query
-heads, K kv heads, G = N / K, H head_dim. All functions are pure and
+Shape letters (docs/architecture.md): B batch, T new tokens, S keys, N
+query heads, K kv heads, G = N / K, H head_dim. All functions are pure and
 jit-friendly.
 """
 
