@@ -34,7 +34,7 @@ import jax
 from jaxinfer import LLM
 from jaxinfer.serving.loading import enable_compilation_cache
 from jaxinfer.serving.runner import Segment
-from jaxinfer.tools.bench.steps import admit_rows, slot_tables
+from jaxinfer_tools.bench.steps import admit_rows, slot_tables
 
 
 def op_times(trace_dir: str) -> dict[str, float]:

@@ -204,14 +204,14 @@ def hf_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def toy_config():
-    from jaxinfer.tools import toy
+    from jaxinfer_tools import toy
 
     return toy.ToyConfig.load(ROOT / "configs" / "toy-two-layer.yaml")
 
 
 @pytest.fixture(scope="session")
 def toy_trained(toy_config):
-    from jaxinfer.tools import toy
+    from jaxinfer_tools import toy
 
     return toy.train(toy_config)
 
@@ -219,7 +219,7 @@ def toy_trained(toy_config):
 @pytest.fixture(scope="session")
 def toy_folder(toy_trained, toy_config, tmp_path_factory):
     """An HF Llama folder (config, safetensors, tokenizer) of the trained toy."""
-    from jaxinfer.tools import toy
+    from jaxinfer_tools import toy
 
     path = tmp_path_factory.mktemp("toy") / "toy-two-layer"
     toy.save_hf_folder(path, toy_trained, toy_config)

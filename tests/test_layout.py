@@ -1,15 +1,19 @@
 """The package's shape, checked on its source with `ast` (the import
 contract itself is `lint-imports`, run by .ci/run; pyproject.toml lists the
-layers): no module over 500 lines, and every jaxinfer import at module top,
-so the import graph seen by the contract is the whole graph."""
+layers): no module over 500 lines, in jaxinfer and in the tools beside it
+(jaxinfer_tools), and every jaxinfer import at module top, so the import
+graph seen by the contract is the whole graph."""
 
 import ast
 import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxinfer"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxinfer"
 MODULES = sorted(PACKAGE.rglob("*.py"))
+TOOLS = ROOT / "jaxinfer_tools"
+TOOL_MODULES = sorted(TOOLS.rglob("*.py"))
 MAX_LINES = 500
 
 
@@ -17,10 +21,15 @@ def test_the_package_has_modules():
     assert len(MODULES) > 50
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_tools_stand_beside_the_package():
+    assert len(TOOL_MODULES) > 30
+    assert not (PACKAGE / "tools").exists()
+
+
+@pytest.mark.parametrize("path", MODULES + TOOL_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_over_500_lines(path):
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines (at most {MAX_LINES})"
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
 
 
 def _local_jaxinfer_imports(tree: ast.Module) -> list[str]:

@@ -14,6 +14,7 @@ see, writing, growing and copying:
            prefix caching and page transfers (pages by id) are refused
   `int8`   the int8 codec any layout stores K/V with (codes plus a float32
            scale per token per kv head), and its decode-attention kernel
+  `sizes`  what a position costs in bytes, from the model's shape
 A layout answers the engine's questions itself (`LayerKV.plain`,
 `LayerKV.decode_attention`, `PagedKVCache.layer_tables`): no layout or
 codec branch lives outside here.

@@ -20,12 +20,18 @@ arguments are parsed intermixed (`parse_command`).
 Only the named command's module is imported (with its parser); `jaxinfer`
 without a known command builds every parser, so help and "invalid choice"
 list them all.
+
+`train-toy`, `trace`, `bench` and `eval` live in the `jaxinfer_tools`
+package beside the library (installed by the same pyproject.toml); they are
+imported only when named. Without that package each of them exits with
+status 2 and a line saying what to install.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 from jaxinfer.checkpoint.sources import ModelSourceError
@@ -36,12 +42,33 @@ USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, ModelSourceError)
 COMMANDS = {
     "generate": ("jaxinfer.cli.generate", "add_generate_parser"),
     "serve": ("jaxinfer.cli.serve", "add_serve_parser"),
-    "train-toy": ("jaxinfer.tools.toy", "add_train_toy_parser"),
-    "trace": ("jaxinfer.tools.trace.run", "add_trace_parser"),
-    "bench": ("jaxinfer.tools.bench.run", "add_bench_parser"),
-    "eval": ("jaxinfer.tools.eval.run", "add_eval_parser"),
+    "train-toy": ("jaxinfer_tools.toy", "add_train_toy_parser"),
+    "trace": ("jaxinfer_tools.trace.run", "add_trace_parser"),
+    "bench": ("jaxinfer_tools.bench.run", "add_bench_parser"),
+    "eval": ("jaxinfer_tools.eval.run", "add_eval_parser"),
     "disagg": ("jaxinfer.cli.disagg", "add_disagg_parser"),
 }
+
+TOOLS_PACKAGE = "jaxinfer_tools"
+TOOLS_MISSING = (f"this command lives in the {TOOLS_PACKAGE} package, which is not installed: "
+                 "install jaxinfer from its source tree (pip install -e \".[toy]\" in a checkout, "
+                 "the toy extra for train-toy, the bench extra for bench's peers and plots)")
+
+
+def _not_installed(name: str) -> bool:
+    """Whether command `name` lives in the tools package and it is not installed."""
+    return (COMMANDS[name][0].startswith(TOOLS_PACKAGE + ".")
+            and importlib.util.find_spec(TOOLS_PACKAGE) is None)
+
+
+def _add_parser(sub, name: str) -> None:
+    """Register command `name` on `sub`; a tools command without the tools
+    package gets a placeholder whose help says so."""
+    if _not_installed(name):
+        sub.add_parser(name, help=f"(not installed: needs the {TOOLS_PACKAGE} package)")
+        return
+    module, add_parser = COMMANDS[name]
+    getattr(importlib.import_module(module), add_parser)(sub)
 
 
 def parse_command(argv) -> argparse.Namespace:
@@ -54,13 +81,15 @@ def parse_command(argv) -> argparse.Namespace:
     Raises:
       SystemExit: --help (code 0), or a usage error (code 2, the message
         printed as "jaxinfer <command>: error: ..."): a bad flag or value,
-        an unknown command.
+        an unknown command, a tools command without the tools package.
     """
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
+    if argv and argv[0] in COMMANDS and _not_installed(argv[0]):
+        print(f"jaxinfer {argv[0]}: error: {TOOLS_MISSING}", file=sys.stderr)
+        raise SystemExit(2)
     for name in [argv[0]] if argv and argv[0] in COMMANDS else COMMANDS:
-        module, add_parser = COMMANDS[name]
-        getattr(importlib.import_module(module), add_parser)(sub)
+        _add_parser(sub, name)
     if not (argv and argv[0] in COMMANDS):   # no command, an unknown one, top-level help: exits
         return parser.parse_args(argv)
     command = sub.choices[argv[0]]

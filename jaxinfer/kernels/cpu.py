@@ -7,11 +7,12 @@ This module builds, loads and switches them; the wrappers are
 `kernels.packed` (the packed matmul).
 
 Every kernel splits its work across XLA's intra-op thread pool
-(`jaxinfer/kernels/*.cc`, every source compiled into one library). They are
-C++ built on first use with the host compiler (`$CXX`, else `c++`, `g++` or
-`clang++`; `-O3 -march=native`) against the FFI headers that ship with
-jaxlib, and cached under `<cache dir>/kernels/` keyed by the sources, flags,
-jaxlib version and the host CPU's feature flags. Where they cannot be built
+(`jaxinfer/kernels/*.cc`, every source compiled into one library; the code
+they share is `jaxinfer/kernels/common.h`). They are C++ built on first use
+with the host compiler (`$CXX`, else `c++`, `g++` or `clang++`; `-O3
+-march=native`) against the FFI headers that ship with jaxlib, and cached
+under `<cache dir>/kernels/` keyed by the sources and headers, flags, jaxlib
+version and the host CPU's feature flags. Where they cannot be built
 (no compiler, a bad `$CXX`, another platform; a warning says why) or
 `JAXINFER_CPU_KERNELS=0` is set, `enabled()` is False and the engine keeps
 the pure-XLA path and plain [I, O] weights; both compute the same functions
@@ -106,6 +107,12 @@ def sources() -> list[pathlib.Path]:
     return sorted(SOURCE_DIR.glob("*.cc"))
 
 
+def headers() -> list[pathlib.Path]:
+    """The headers those sources include (every `jaxinfer/kernels/*.h`, in
+    name order): part of the build key, never compiled on their own."""
+    return sorted(SOURCE_DIR.glob("*.h"))
+
+
 def _compiler() -> str:
     """$CXX if set (it must exist), else the first of c++, g++, clang++ on PATH."""
     if os.environ.get("CXX"):
@@ -141,10 +148,10 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
     Args:
       out_dir: where builds are kept; default `<jaxinfer cache dir>/kernels`.
     Returns:
-      path of the shared library, named by a hash of the sources, the flags,
-      the jaxlib version and the host CPU's feature flags (`-march=native`),
-      so a stale build or one made for another CPU is never loaded. A cached
-      build needs no compiler.
+      path of the shared library, named by a hash of the sources and
+      headers, the flags, the jaxlib version and the host CPU's feature
+      flags (`-march=native`), so a stale build or one made for another CPU
+      is never loaded. A cached build needs no compiler.
     Raises:
       KernelBuildError: the build is not cached and there is no compiler, the
         compiler failed (its output attached), or the new library fails its
@@ -158,8 +165,9 @@ def build(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
 
     srcs = sources()
     flags = _flags()
-    key = hashlib.sha256("\0".join([*(f"{p.name}\0{p.read_text()}" for p in srcs), " ".join(flags),
-                                    jaxlib.__version__, _host_cpu()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(f"{p.name}\0{p.read_text()}" for p in [*srcs, *headers()]),
+                                    " ".join(flags), jaxlib.__version__,
+                                    _host_cpu()]).encode()).hexdigest()[:16]
     out_dir = pathlib.Path(out_dir) if out_dir else _default_dir()
     path = out_dir / f"cpu_kernels-{key}.so"
     if path.exists():
@@ -286,7 +294,7 @@ def _require_enabled():
 def read_sum(x: jax.Array) -> jax.Array:
     """Sum of a float32 vector [n] -> float32 [], read once front to back by a
     plain C++ loop split over XLA's thread pool: the bench's own memory-read
-    probe (`jaxinfer.tools.bench.machine`), beside XLA's reductions.
+    probe (`jaxinfer_tools.bench.machine`), beside XLA's reductions.
 
     Raises:
       ValueError: x is not a float32 vector.

@@ -41,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxinfer.models import roofline as model_metrics
+from jaxinfer.cache.sizes import kv_bytes_per_position
 from jaxinfer.serving.request import Request, Timings
 from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
@@ -112,7 +112,7 @@ class OpenAIServer:
         self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
         dtype_bytes = np.dtype(llm.cache_dtype).itemsize
         self.metrics = ServerMetrics(settings.model_name,
-                                     model_metrics.kv_bytes_per_position(llm.config, dtype_bytes))
+                                     kv_bytes_per_position(llm.config, dtype_bytes))
         self.created = int(time.time())
         self.app = self._build_app()
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.models import roofline
+from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 
 # What an attention FLOP of a prompt chunk costs in matmul FLOPs: the
 # matmuls run at about 2.5x the FLOP/s of the ragged attention kernel, with
@@ -27,15 +26,57 @@ ATTENTION_FLOP_COST = 2.5
 LONG_CHUNK_GROWTH = 1.5
 
 
-def chunk_cost(config: ModelConfig, start: int, length: int) -> float:
-    """The cost of prefilling positions [start, start + length) of one row,
-    in matmul FLOPs: its matmul FLOPs plus ATTENTION_FLOP_COST times its
-    attention FLOPs (`models.roofline.chunk_flops`).
+def layer_matmul_params(config: ModelConfig) -> int:
+    """Weights of one decoder layer's matmuls (D hidden, N query heads, K kv
+    heads, H head_dim, F mlp hidden): q, k, v, o projections and the gated
+    MLP, D*N*H + 2*D*K*H + N*H*D + 3*D*F."""
+    c = config
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return attn + mlp
+
+
+def causal_keys(config: ModelConfig, prompt_len: int) -> int:
+    """Keys the queries at positions 0..T-1 of one prompt attend, themselves
+    included, summed over positions and layers (closed form): T(T+1)/2 per
+    full layer; W(W+1)/2 + (T - W) * W per sliding layer of window W when T > W."""
+    t = prompt_len
+    total = 0
+    for kind in config.attention_types:
+        w = config.sliding_window if kind == SLIDING_ATTENTION else None
+        if w is None or t <= w:
+            total += t * (t + 1) // 2
+        else:
+            total += w * (w + 1) // 2 + (t - w) * w
+    return total
+
+
+def chunk_flops(config: ModelConfig, start: int, length: int) -> tuple[int, int]:
+    """FLOPs of prefilling positions [start, start + length) of one row whose
+    earlier positions are cached, no LM head, as (matmuls, attention):
+    (length * 2 * L * layer_matmul_params, 4*N*H * (causal_keys(start +
+    length) - causal_keys(start))). A multiply-add is 2 FLOPs; attention
+    counts q.k and weights.v over the keys the mask lets each query see.
 
     Raises:
       ValueError: start < 0 or length < 0.
     """
-    matmuls, attention = roofline.chunk_flops(config, start, length)
+    if start < 0 or length < 0:
+        raise ValueError(f"chunk_flops needs start >= 0 and length >= 0, got {start}, {length}")
+    c = config
+    keys = causal_keys(c, start + length) - causal_keys(c, start)
+    return length * 2 * c.num_layers * layer_matmul_params(c), 4 * c.num_heads * c.head_dim * keys
+
+
+def chunk_cost(config: ModelConfig, start: int, length: int) -> float:
+    """The cost of prefilling positions [start, start + length) of one row,
+    in matmul FLOPs: its matmul FLOPs plus ATTENTION_FLOP_COST times its
+    attention FLOPs (`chunk_flops`).
+
+    Raises:
+      ValueError: start < 0 or length < 0.
+    """
+    matmuls, attention = chunk_flops(config, start, length)
     return matmuls + ATTENTION_FLOP_COST * attention
 
 
@@ -56,4 +97,5 @@ def long_chunk(cost: Callable[[int, int], float], start: int, tokens: int) -> in
     return lo
 
 
-__all__ = ["ATTENTION_FLOP_COST", "LONG_CHUNK_GROWTH", "chunk_cost", "long_chunk"]
+__all__ = ["ATTENTION_FLOP_COST", "LONG_CHUNK_GROWTH", "causal_keys", "chunk_cost", "chunk_flops",
+           "layer_matmul_params", "long_chunk"]

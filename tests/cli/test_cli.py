@@ -103,7 +103,7 @@ def test_the_issue_command_reaches_the_config_not_argparse(capsys, no_weights, t
     """`generate model=... --prompt "Hi" temperature=0` once failed with
     "unrecognized arguments: temperature=0"; now both keys reach the config.
     The same for bench, through `jaxinfer bench` and its own main."""
-    from jaxinfer.tools.bench import run as bench_run
+    from jaxinfer_tools.bench import run as bench_run
 
     rc, out, err = run(capsys, "model=no-such-model", "--prompt", "Hi", "temperature=0")
     assert rc == 2 and out == ""
@@ -116,6 +116,26 @@ def test_the_issue_command_reaches_the_config_not_argparse(capsys, no_weights, t
         assert call(["top_k=1", "--paged", "--config", str(config), "temprature=1"]) == 2
         assert capsys.readouterr().err.startswith(
             "jaxinfer bench: error: unknown config keys ['temprature']; known keys: [")
+
+
+def test_tool_commands_say_what_to_install_without_the_tools_package(capsys, monkeypatch):
+    """bench, eval, trace and train-toy live in jaxinfer_tools, beside the
+    package: without it each exits 2 with one line naming what to install,
+    and the command list still shows them."""
+    import importlib.util
+
+    import jaxinfer.cli as cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == cli.TOOLS_PACKAGE else find_spec(name, *a))
+    for command in ("bench", "eval", "trace", "train-toy"):
+        assert main([command, "--config", "x.yaml"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"jaxinfer {command}: error: {cli.TOOLS_MISSING}\n"
+        assert "jaxinfer_tools" in err and "pip install" in err
+    assert main(["--help"]) == 0
+    assert "needs the jaxinfer_tools package" in " ".join(capsys.readouterr().out.split())
 
 
 def test_commands_without_overrides_refuse_a_key_value(capsys):

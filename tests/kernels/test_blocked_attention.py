@@ -112,10 +112,10 @@ def test_bad_shapes_and_blocks_are_errors():
 
 
 def test_attention_bench_prints_one_row_per_length(capsys):
-    """`python -m jaxinfer.tools.bench.attention` runs and reports each length
+    """`python -m jaxinfer_tools.bench.attention` runs and reports each length
     (the kernel's columns filled where the CPU kernels run)."""
     from jaxinfer.kernels import cpu as cpu_kernels
-    from jaxinfer.tools.bench.attention import main
+    from jaxinfer_tools.bench.attention import main
 
     assert main(["--lengths", "16,40", "--repeats", "1"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()

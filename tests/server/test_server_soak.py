@@ -44,7 +44,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from jaxinfer.tools.toy import CORPUS  # noqa: E402
+from jaxinfer_tools.toy import CORPUS  # noqa: E402
 from toy_server import CHAT, COMPLETIONS, MODEL, assert_idle_and_clean, toy_server  # noqa: E402
 
 pytestmark = pytest.mark.slow

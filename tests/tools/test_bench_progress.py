@@ -3,7 +3,7 @@ redirected stderr (a log file, CI) gets no tqdm lines."""
 
 import io
 
-from jaxinfer.tools.bench.run import progress_bar
+from jaxinfer_tools.bench.run import progress_bar
 
 
 class _Terminal(io.StringIO):

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxinfer.tools.bench.serving import LONG_OUTPUT, QUICK_SERVING, ServingSweep, make_trace, mixed_trace
+from jaxinfer_tools.bench.serving import LONG_OUTPUT, QUICK_SERVING, ServingSweep, make_trace, mixed_trace
 
 
 @pytest.mark.parametrize("sweep,expected", [(ServingSweep(), 2048 + LONG_OUTPUT),
@@ -29,7 +29,7 @@ def test_every_trace_request_fits_the_sweeps_max_seq_len(sweep, expected):
 
 
 def test_worker_error_tail_drops_progress_bars():
-    from jaxinfer.tools.bench.common import error_tail
+    from jaxinfer_tools.bench.common import error_tail
 
     stderr = ("Loading weights:   0%|          | 0/272 [00:00<?, ?it/s]\r"
               "Loading weights: 100%|##########| 272/272 [00:00<00:00, 22271.37it/s]\n"
@@ -59,7 +59,7 @@ class _WordTokenizer:
 
 
 def test_serve_load_traces_have_the_sweeps_lengths():
-    from jaxinfer.tools.bench.serve_compare import LoadSweep, make_traces
+    from jaxinfer_tools.bench.serve_compare import LoadSweep, make_traces
 
     sweep = LoadSweep(num_requests=12, short_requests=5, long_prompts=3)
     t = make_traces(_WordTokenizer(), sweep)
@@ -88,7 +88,7 @@ def test_serve_load_traces_have_the_sweeps_lengths():
 
 
 def test_serve_load_request_bodies():
-    from jaxinfer.tools.bench.serve_load import chunk_text, request_body
+    from jaxinfer_tools.bench.serve_load import chunk_text, request_body
 
     path, body = request_body("m", "hi", 8, chat=True)
     assert path == "/v1/chat/completions"
@@ -106,8 +106,8 @@ def test_serve_load_request_bodies():
 
 
 def test_serve_load_summaries_count_chunk_gaps_and_tokens():
-    from jaxinfer.tools.bench.serve_load import RequestResult, summarize_load
-    from jaxinfer.tools.bench.serve_workloads import summarize_long_prompts
+    from jaxinfer_tools.bench.serve_load import RequestResult, summarize_load
+    from jaxinfer_tools.bench.serve_workloads import summarize_long_prompts
 
     a = RequestResult(ok=True, ttft=0.5, e2e=1.0, output_tokens=17, gaps=[0.1, 0.4],
                       chunk_tokens=[1, 8, 8])
@@ -129,8 +129,8 @@ def _run(rate, ttft_p99, gap_p99, tok_s, failed=0):
 
 
 def test_serve_targets_from_a_hand_made_summary():
-    from jaxinfer.tools.bench.serve_compare import LoadSweep
-    from jaxinfer.tools.bench.serve_report import best_rate, serve_targets
+    from jaxinfer_tools.bench.serve_compare import LoadSweep
+    from jaxinfer_tools.bench.serve_report import best_rate, serve_targets
 
     servers = {
         "jaxinfer": {"rates": {"1": _run(1.0, 0.3, 0.05, 100.0), "2": _run(2.0, 0.8, 0.12, 190.0),
@@ -165,9 +165,9 @@ def test_serve_targets_from_a_hand_made_summary():
 def test_a_target_no_run_measured_is_not_measured_never_met():
     """Neither side meeting the SLO, or a ratio's figure missing, is "not
     measured" in every bench sweep's targets and tables (`targets.verdict`)."""
-    from jaxinfer.tools.bench import report, speculative, structured, targets
-    from jaxinfer.tools.bench.serve_compare import LoadSweep
-    from jaxinfer.tools.bench.serve_report import serve_targets
+    from jaxinfer_tools.bench import report, speculative, structured, targets
+    from jaxinfer_tools.bench.serve_compare import LoadSweep
+    from jaxinfer_tools.bench.serve_report import serve_targets
 
     late = {"rates": {"1": _run(1.0, 5.0, 0.1, 60.0)}}                  # ran, met no rate
     rows = serve_targets({"jaxinfer": late, "vllm": late, "llamacpp": late}, LoadSweep())
@@ -189,7 +189,7 @@ def test_a_target_no_run_measured_is_not_measured_never_met():
 
 
 def test_saturation_rule():
-    from jaxinfer.tools.bench.serve_compare import saturated
+    from jaxinfer_tools.bench.serve_compare import saturated
 
     assert saturated({"request_throughput": 1.3, "ttft_s": {"p99": 6.0}}, 2.0, 1.0)
     assert not saturated({"request_throughput": 1.5, "ttft_s": {"p99": 60.0}}, 2.0, 1.0)
@@ -200,8 +200,8 @@ def test_saturation_rule():
 def test_missing_peers_are_skipped_with_the_reason(monkeypatch, tmp_path):
     import pathlib
 
-    from jaxinfer.tools.bench import serve_peers
-    from jaxinfer.tools.bench.serve_compare import LoadSweep, peer_names, run_servers
+    from jaxinfer_tools.bench import serve_peers
+    from jaxinfer_tools.bench.serve_compare import LoadSweep, peer_names, run_servers
 
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
     servers = run_servers(["vllm", "llamacpp"], config="c.yaml", overrides=(), gguf="m.gguf",
@@ -224,7 +224,7 @@ def test_missing_peers_are_skipped_with_the_reason(monkeypatch, tmp_path):
 
 
 def test_server_commands(monkeypatch, tmp_path):
-    from jaxinfer.tools.bench import serve_peers
+    from jaxinfer_tools.bench import serve_peers
 
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
     exe = tmp_path / "peers" / "llama-server" / "build" / "bin" / "llama-server"
@@ -242,7 +242,7 @@ def test_server_commands(monkeypatch, tmp_path):
 
 
 def test_llama_cpp_flags_follow_the_cpu_and_a_build_for_other_flags_is_not_used(monkeypatch, tmp_path):
-    from jaxinfer.tools.bench import serve_peers
+    from jaxinfer_tools.bench import serve_peers
 
     avx2 = serve_peers.llama_cmake_flags({"avx", "avx2", "fma", "f16c", "sse4_2"})
     assert avx2 == ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
@@ -294,9 +294,9 @@ def test_serve_load_harness_against_a_fake_server(tmp_path):
     import pathlib
     import sys
 
-    from jaxinfer.tools.bench.serve_compare import (LoadSweep, _Runner, free_port, make_traces,
+    from jaxinfer_tools.bench.serve_compare import (LoadSweep, _Runner, free_port, make_traces,
                                                     start_server)
-    from jaxinfer.tools.bench.serve_report import format_load, plot_load, serve_targets
+    from jaxinfer_tools.bench.serve_report import format_load, plot_load, serve_targets
 
     sweep = LoadSweep(rates=(50.0,), num_requests=4, prompt_len=(4, 8), output_len=(2, 4),
                       warmup_requests=2, short_requests=4, short_concurrency=2, short_prompt_len=(2, 4),
@@ -339,7 +339,7 @@ def test_process_footprint_sums_the_process_tree():
     import sys
     import time
 
-    from jaxinfer.tools.bench.serve_workloads import process_footprint
+    from jaxinfer_tools.bench.serve_workloads import process_footprint
 
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
@@ -362,7 +362,7 @@ def test_process_footprint_sums_the_process_tree():
 
 
 def test_pack_prompts_fills_each_step_first_come_first_served():
-    from jaxinfer.tools.bench.steps import pack_prompts
+    from jaxinfer_tools.bench.steps import pack_prompts
 
     assert pack_prompts([300, 300], 512) == [[(0, 0, 300), (1, 0, 212)], [(1, 212, 300)]]
     assert pack_prompts([512], 512) == [[(0, 0, 512)]]
@@ -376,7 +376,7 @@ def test_pack_prompts_fills_each_step_first_come_first_served():
 def test_slot_tables_split_the_pool_in_shuffled_pages():
     from types import SimpleNamespace
 
-    from jaxinfer.tools.bench.steps import slot_tables
+    from jaxinfer_tools.bench.steps import slot_tables
 
     # P = 7 pages over S = 3 slots: 7 // 3 = 2 pages each (page 1 unused), then 7 ("no page")
     tables = slot_tables(SimpleNamespace(max_num_seqs=3, pages_per_seq=4, num_pages=7), seed=0)
@@ -395,7 +395,7 @@ def test_filled_slots_decode_the_prompts_greedy_continuation():
 
     from jaxinfer.cache.kv import init_cache
     from jaxinfer.engine import phases
-    from jaxinfer.tools.bench import steps
+    from jaxinfer_tools.bench import steps
     from jaxinfer.weights.prepare import prepare_params
     from tiny import TINY_LLAMA, random_params
 
@@ -419,7 +419,7 @@ def test_filled_slots_decode_the_prompts_greedy_continuation():
 
 
 def test_target_row_judges_each_comparison():
-    from jaxinfer.tools.bench.report import target_row, targets_table
+    from jaxinfer_tools.bench.report import target_row, targets_table
 
     assert target_row("a", 0.5, ">=", 0.5) == {"name": "a", "value": 0.5, "op": ">=", "goal": 0.5,
                                                "result": "PASS"}
@@ -451,7 +451,7 @@ def _paged_results():
 
 
 def test_paged_targets_from_hand_made_figures():
-    from jaxinfer.tools.bench import paged
+    from jaxinfer_tools.bench import paged
 
     results = _paged_results()
     got = paged.targets(results)
@@ -480,7 +480,7 @@ def test_paged_sweep_takes_the_config_s_page_size():
     import dataclasses
 
     from jaxinfer.config import GenerationConfig
-    from jaxinfer.tools.bench import paged
+    from jaxinfer_tools.bench import paged
 
     cfg = GenerationConfig(model="smollm2-135m-instruct")
     assert paged.for_config(paged.PagedSweep(), cfg).page_size == cfg.page_size == 16
@@ -492,9 +492,9 @@ def test_paged_sweep_takes_the_config_s_page_size():
 def test_paged_measurements_on_a_tiny_model():
     """The --paged sweep's three measurements end to end on a tiny random
     model (no machine probe): shapes of the figures and the prefix-cache hits."""
-    from jaxinfer.models import roofline
+    from jaxinfer_tools import roofline
     from jaxinfer.serving.llm import LLM
-    from jaxinfer.tools.bench import paged
+    from jaxinfer_tools.bench import paged
     from tiny import TINY_LLAMA, random_params
 
     llm = LLM(TINY_LLAMA, random_params(TINY_LLAMA), max_seq_len=128)
@@ -519,7 +519,7 @@ def test_paged_measurements_on_a_tiny_model():
 
 
 def test_serving_targets_from_hand_made_runs():
-    from jaxinfer.tools.bench.serving import QUICK_SERVING, ServingSweep, serving_targets
+    from jaxinfer_tools.bench.serving import QUICK_SERVING, ServingSweep, serving_targets
 
     runs = {"continuous_saturation": {"request_throughput": 0.5, "output_tokens_per_s": 60.0},
             "static_saturation": {"request_throughput": 0.2},

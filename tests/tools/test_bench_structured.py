@@ -10,8 +10,8 @@ import pytest
 from jaxinfer.config import StructuredOutput
 from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving.llm import LLM
-from jaxinfer.tools.bench import structured as S
-from jaxinfer.tools.bench.run import _add_arguments
+from jaxinfer_tools.bench import structured as S
+from jaxinfer_tools.bench.run import _add_arguments
 from structured_cases import CONFIG, VOCAB, ascii_tokenizer
 from tiny import random_params
 
@@ -96,7 +96,7 @@ def test_llama_server_runs_through_a_stand_in_server(tmp_path, monkeypatch):
     import pathlib
     import sys
 
-    from jaxinfer.tools.bench import structured_peer as P
+    from jaxinfer_tools.bench import structured_peer as P
 
     script = pathlib.Path(__file__).parents[1] / "fake_openai_server.py"
     sent = []
@@ -114,7 +114,7 @@ def test_llama_server_runs_through_a_stand_in_server(tmp_path, monkeypatch):
 
 
 def test_llama_server_not_set_up_is_skipped_with_the_reason(tmp_path, monkeypatch):
-    from jaxinfer.tools.bench import structured_peer as P
+    from jaxinfer_tools.bench import structured_peer as P
 
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
     out = P.run_llama_server("m.gguf", ["a"], 5, 64, S.SCHEMA, tmp_path, setup=False)

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import roofline as metrics
+from jaxinfer_tools import roofline as metrics
 from jaxinfer.weights.prepare import prepare_params
-from jaxinfer.tools.eval import accuracy
-from jaxinfer.tools.eval.run import TEXT, format_report
+from jaxinfer_tools.eval import accuracy
+from jaxinfer_tools.eval.run import TEXT, format_report
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 
@@ -93,7 +93,7 @@ def test_decode_step_bytes_by_hand():
     position of one layer 2*K*H*4 = 128 bytes; a step at context 3 reads
     B*L*3 entries and writes B*L: B=2 -> 3,072 bytes of K/V, + B*D*4 = 256
     of embedding rows; int8 K/V: (1 + 4/H) / 4 of float32's."""
-    from jaxinfer.tools.eval import speed
+    from jaxinfer_tools.eval import speed
 
     params = random_params(TINY_LLAMA, seed=0)
     weights = metrics.stored_weight_bytes(params)
@@ -106,8 +106,8 @@ def test_decode_step_bytes_by_hand():
 def test_bench_roofline_counts_the_weights_as_stored():
     """`jaxinfer bench` (tools.bench.sweep.Cells) counts bfloat16 weights
     under float32 activations at their stored bytes, as the speed table does."""
-    from jaxinfer.tools.bench.sweep import Cells
-    from jaxinfer.tools.eval import speed
+    from jaxinfer_tools.bench.sweep import Cells
+    from jaxinfer_tools.eval import speed
 
     raw = random_params(TINY_LLAMA, seed=0)
     f32 = Cells(TINY_LLAMA, prepare_params(raw, TINY_LLAMA), max_seq_len=32)
@@ -123,7 +123,7 @@ def test_speed_rows_run_the_serving_step():
     """The speed table's cells run the serving step on a tiny model (so a
     changed runner signature breaks this test, not the benchmark), with the
     int8 KV pool (its scales are copied into every slot too)."""
-    from jaxinfer.tools.eval import speed
+    from jaxinfer_tools.eval import speed
 
     config = TINY_LLAMA
     params = prepare_params(random_params(config, seed=0), config)
@@ -142,7 +142,7 @@ def test_llamacpp_worker_failures_say_why():
     """A worker killed by SIGILL (a llama-cpp-python built for another CPU)
     names the signal and the fix; other failures keep stderr's tail."""
     import signal
-    from jaxinfer.tools.eval import speed
+    from jaxinfer_tools.eval import speed
 
     assert speed._worker_result(0, 'log\n{"tpot_s": 0.5}\n', "") == {"tpot_s": 0.5}
     assert speed._worker_result(-int(signal.SIGILL), "", "") == {"skipped": (
@@ -160,7 +160,7 @@ def test_speed_table_lists_both_llamacpp_peers_and_says_why_one_is_missing(tmp_p
     """`--llamacpp` rows: one per measured peer, with its TPOT and tokens/s;
     a peer that was not measured is a line saying why. llama-server is never
     built by the speed tool: not built means skipped."""
-    from jaxinfer.tools.eval import speed
+    from jaxinfer_tools.eval import speed
 
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
     peer = speed.llama_server_speed("model.gguf", 100)

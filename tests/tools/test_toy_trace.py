@@ -17,8 +17,8 @@ import reference
 from jaxinfer.engine import phases as engine
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.weights.prepare import prepare_params
-from jaxinfer.tools import toy
-from jaxinfer.tools.trace import run as trace
+from jaxinfer_tools import toy
+from jaxinfer_tools.trace import run as trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY_YAML = ROOT / "configs" / "toy-two-layer.yaml"

@@ -141,13 +141,13 @@ def test_unknown_weight_format_is_an_error():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from jaxinfer.tools.eval.run import load_variants
+    from jaxinfer_tools.eval.run import load_variants
 
     return load_variants("smollm2-135m-instruct", ["int8", "q4", "q4-a8"])
 
 
 def _greedy_text(config, tokenizer, params, prompt: str, new_tokens: int = 16) -> str:
-    from jaxinfer.tools.eval.accuracy import greedy_tokens
+    from jaxinfer_tools.eval.accuracy import greedy_tokens
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     out = greedy_tokens(params, jnp.asarray([ids], jnp.int32), config=config, new_tokens=new_tokens)
@@ -166,8 +166,8 @@ def test_smollm2_quantized_answers_the_readme_prompt(smollm2, weights):
 def _accuracy(model, weights) -> dict:
     """`accuracy.compare_on_text` of the `weights` variants against float32 on
     Pride and Prejudice ch. 1-2 (jaxinfer eval's text and 512-token chunks)."""
-    from jaxinfer.tools.eval import accuracy
-    from jaxinfer.tools.eval.run import TEXT
+    from jaxinfer_tools.eval import accuracy
+    from jaxinfer_tools.eval.run import TEXT
 
     config, tokenizer, _, prepared = model
     bos = tokenizer.bos_token_id if tokenizer.add_bos else None
@@ -197,7 +197,7 @@ def test_gemma3_int8_accuracy_bounds():
     """Gemma 3 270M under int8 (8-bit blocks of 16; the file's Q8_0 head kept)
     within issue 19's bounds on the same text: perplexity within 1%, mean KL
     within 1e-3 nats (measured +0.01% and 5.5e-4, docs/quantization.md)."""
-    from jaxinfer.tools.eval.run import load_variants
+    from jaxinfer_tools.eval.run import load_variants
 
     result = _accuracy(load_variants("gemma3-270m", ["int8"]), ("int8",))
     int8 = result["int8"]

@@ -1,2 +1,0 @@
-"""`jaxinfer bench`: the command is `jaxinfer.tools.bench.run`; the sweep,
-machine probes, peers, targets, report and plots are its sibling modules."""

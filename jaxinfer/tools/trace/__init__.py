@@ -1,1 +1,0 @@
-"""`jaxinfer trace` (see `jaxinfer.tools.trace.run`)."""

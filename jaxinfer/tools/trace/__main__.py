@@ -1,5 +1,0 @@
-import sys
-
-from jaxinfer.tools.trace.run import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from jaxinfer_tools.bench.run import main
+
+sys.exit(main())

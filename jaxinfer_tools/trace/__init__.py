@@ -1,0 +1,1 @@
+"""`jaxinfer trace` (see `jaxinfer_tools.trace.run`)."""
