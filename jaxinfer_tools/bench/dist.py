@@ -1,7 +1,7 @@
 """Benchmark of tensor parallelism and prefill/decode disaggregation.
 
     python -m jaxinfer_tools.bench.dist --config configs/smollm2-135m-instruct.yaml [--quick]
-        [--parts tp,transfer,serving] [--out bench-out]
+        [--parts tp,transfer,serving] [--out DIR] [--pages docs/bench]
 
 Each part runs in fresh processes (JAX fixes its device count at start):
 
@@ -48,7 +48,8 @@ from jaxinfer_tools.bench.serving import mixed_trace
 from jaxinfer_tools.bench.serving import run_jaxinfer
 from jaxinfer_tools.bench.common import loadavg
 from jaxinfer_tools.bench.machine import cpu_info
-from jaxinfer_tools.bench.report import target_row, write_results
+from jaxinfer_tools.bench.report import (default_out, source_commit, target_row, write_page,
+                                         write_results)
 
 MARKER = "@@bench-dist@@ "
 
@@ -285,7 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/smollm2-135m-instruct.yaml")
     p.add_argument("--quick", action="store_true", help="shorter traces and fewer repeats")
     p.add_argument("--parts", default="tp,transfer,serving")
-    p.add_argument("--out", default="bench-out")
+    p.add_argument("--out", help="folder for the JSON and the report (default: a new temporary folder)")
+    p.add_argument("--pages", metavar="DIR", help="also rewrite DIR/dist.md in place (docs/bench)")
     p.add_argument("--part", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -296,9 +298,12 @@ def main(argv=None) -> int:
     cfg = GenerationConfig.load(a.config)
     log = lambda msg: print(f"[bench dist] {msg}", file=sys.stderr, flush=True)
     results = run_all(cfg.model, a.quick, a.parts.split(","), log)
-    results.update(cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
+    results.update(cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   commit=source_commit())
     report = format_report(results)
-    paths = write_results(results, a.out, f"dist-{time.strftime('%Y%m%d-%H%M%S')}", report=report)
+    paths = write_results(results, a.out or default_out(), "dist", report=report)
+    if a.pages:
+        paths["page"] = write_page(results, report, a.pages, "dist")
     print(report)
     log("wrote " + ", ".join(paths.values()))
     return 0

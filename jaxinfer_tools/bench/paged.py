@@ -246,4 +246,5 @@ def cmd_paged(args, cfg, sweep: PagedSweep) -> int:
     """`jaxinfer bench --paged`: run, print the report, write JSON / Markdown."""
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[paged] {msg}", file=sys.stderr, flush=True))
-    return publish(run_paged(cfg, for_config(sweep, cfg), log), cfg, args.out, "paged", format_paged)
+    return publish(run_paged(cfg, for_config(sweep, cfg), log), cfg, args.out, "paged", format_paged,
+                   pages=args.pages)

@@ -1,5 +1,14 @@
-"""The bench's report: a Markdown summary of a results dict and the JSON /
-Markdown files a run writes."""
+"""The bench's report: a Markdown summary of a results dict and the files a
+run writes.
+
+A run writes its JSON (every sample), its Markdown report and its plot into
+an output folder the user names (`--out`), by default a fresh temporary
+folder (`default_out`), never into the source tree; names carry the sweep
+and the model, not a date. Given `--pages DIR` (docs/bench in a checkout),
+it also rewrites that sweep's page, `DIR/<page>.md` (and `<page>.png`), in
+place: a header with the run's time, commit, CPU and flags and load
+average, then the report with its targets.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,12 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from typing import Optional, Sequence
 from jaxinfer_tools.bench.machine import cpu_info
 from jaxinfer_tools.bench.targets import verdict
@@ -206,22 +221,83 @@ def write_results(results: dict, out_dir: str, stem: str, report: Optional[str] 
     return paths
 
 
-def publish(results: dict, cfg, out_dir: str, kind: str, format_fn, plot_fn=None) -> int:
-    """Finish a sweep's results (model, CPU, timestamp), write them as
-    `<out_dir>/<kind>-<model>-<time>.json` / `.md` (the report from
-    `format_fn(results)`) and, given `plot_fn(results, path)`, a `.png`;
-    print the report, and return 0 (the exit status)."""
-    import pathlib
-    import sys
-    import time
+def default_out() -> str:
+    """A fresh temporary folder for one run's JSON, report, plots and logs."""
+    return tempfile.mkdtemp(prefix="jaxinfer-bench-")
 
 
-    results.update(model=cfg.model, cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"))
-    stem = f"{kind}-{pathlib.Path(cfg.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+def source_commit() -> Optional[str]:
+    """The commit of the jaxinfer checkout this code runs from, with
+    "+changes" when its tree differs from it; None outside a git checkout
+    (an installed wheel) or without git."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True,  # noqa: E731
+                                        text=True, timeout=10)
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _loadavgs(results: dict) -> tuple:
+    env = results.get("env") or {}
+    return (env.get("loadavg_start", results.get("loadavg_start")),
+            env.get("loadavg_end", results.get("loadavg_end")))
+
+
+def page_header(results: dict, page: str) -> str:
+    """The lines a results page starts with: title, then the run's time,
+    commit, CPU (model, cores, feature flags) and load average at start and
+    end; whatever the results do not hold reads "not recorded"."""
+    env = results.get("env") or {}
+    cpu = results.get("cpu") or env.get("cpu") or {}
+    start, end = _loadavgs(results)
+    missing = "not recorded"
+    flags = " ".join(cpu.get("features") or []) or missing
+    rows = [("run", results.get("timestamp") or env.get("timestamp") or missing),
+            ("commit", results.get("commit") or missing),
+            ("CPU", f"{cpu.get('model', missing)}, {cpu.get('cores', '?')} cores" if cpu else missing),
+            ("CPU flags", flags if cpu else missing),
+            ("load average", f"start {start or missing}, end {end or missing}")]
+    return "\n".join([f"# {page}: {results.get('model', '?')}", "", "| | |", "|---|---|"]
+                     + [f"| {k} | {v} |" for k, v in rows])
+
+
+def write_page(results: dict, report: str, pages_dir: str, page: str,
+               png: Optional[str] = None) -> str:
+    """Rewrite `<pages_dir>/<page>.md` with `page_header` and `report` (and
+    copy `png` to `<pages_dir>/<page>.png`); returns the page's path."""
+    os.makedirs(pages_dir, exist_ok=True)
+    path = os.path.join(pages_dir, f"{page}.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page_header(results, page) + "\n\n" + report.rstrip("\n") + "\n")
+    if png:
+        shutil.copyfile(png, os.path.join(pages_dir, f"{page}.png"))
+    return path
+
+
+def publish(results: dict, cfg, out_dir: Optional[str], kind: str, format_fn, plot_fn=None,
+            pages: Optional[str] = None) -> int:
+    """Finish a sweep's results (model, CPU, timestamp, commit), write them
+    as `<out_dir>/<kind>-<model>.json` / `.md` (the report from
+    `format_fn(results)`; out_dir None: `default_out()`) and, given
+    `plot_fn(results, path)`, a `.png`; given `pages`, rewrite the page
+    `<pages>/<kind>.md` (`write_page`). Print the report and return 0 (the
+    exit status)."""
+    results.update(model=cfg.model, cpu=cpu_info(), timestamp=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   commit=source_commit())
+    out_dir = out_dir or default_out()
+    stem = f"{kind}-{pathlib.Path(cfg.model).stem}"
     report = format_fn(results)
     paths = write_results(results, out_dir, stem, report=report)
     if plot_fn is not None:
         paths["png"] = plot_fn(results, f"{out_dir}/{stem}.png")
+    if pages:
+        paths["page"] = write_page(results, report, pages, kind, paths.get("png"))
     print(report)
-    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
+    print("[jaxinfer bench] wrote " + ", ".join(str(p) for p in paths.values() if p), file=sys.stderr)
     return 0

@@ -30,8 +30,11 @@ greedy, with no stop tokens so every row generates exactly the asked count:
   its own quantization), as throughput ratios jaxinfer / peer; a peer that is
   not installed is skipped with the reason.
 
-Results: `<out>/<model>-<timestamp>.json`, `.md` (the table also printed)
-and `.png` (roofline, latency vs batch, latency vs prompt length).
+Results: `<out>/bench-<model>.json`, `.md` (the table also printed) and
+`.png` (roofline, latency vs batch, latency vs prompt length), `--out` by
+default a new temporary folder; with `--pages DIR` the page `DIR/bench.md`
+(and the sweeps' pages, `DIR/<sweep>.md`) is rewritten in place
+(`report.write_page`).
 
 This module is the command (arguments, the run's order, the worker entry
 points); the jobs live beside it: `sweep` (jaxinfer's measurements),
@@ -62,7 +65,8 @@ from jaxinfer_tools.bench.machine import cpu_info, measure_machine, torch_matmul
 from jaxinfer_tools.bench.paged import QUICK_PAGED, PagedSweep, cmd_paged
 from jaxinfer_tools.bench.peers import peer_worker, run_peers
 from jaxinfer_tools.bench.plots import plot_results
-from jaxinfer_tools.bench.report import format_report, write_results
+from jaxinfer_tools.bench.report import (default_out, format_report, source_commit, write_page,
+                                         write_results)
 from jaxinfer_tools.bench.serve_compare import QUICK_LOAD, LoadSweep, cmd_serve_load
 from jaxinfer_tools.bench.serving import QUICK_SERVING, ServingSweep, cmd_serving, hf_serving_worker
 from jaxinfer_tools.bench.speculative import QUICK_SPEC, SpecSweep, cmd_speculative
@@ -166,6 +170,8 @@ def _load_sweep_from_args(args):
 
 
 def cmd_bench(args) -> int:
+    if args.out is None:
+        args.out = default_out()
     if args.serve_load:
 
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
@@ -186,13 +192,17 @@ def cmd_bench(args) -> int:
         cfg = GenerationConfig.load(args.config, tuple(args.overrides))
         return cmd_serving(args, cfg, QUICK_SERVING if args.quick else ServingSweep())
     results = run_bench(args)
-    stem = f"{_model_stem(results['model'])}-{time.strftime('%Y%m%d-%H%M%S')}"
+    results["commit"] = source_commit()
+    stem = f"bench-{_model_stem(results['model'])}"
     paths = write_results(results, args.out, stem)
     if not args.no_plot:
         paths["png"] = plot_results(results, os.path.join(args.out, f"{stem}.png"))
-    print(format_report(results))
+    report = format_report(results)
+    if args.pages:
+        paths["page"] = write_page(results, report, args.pages, "bench", paths.get("png"))
+    print(report)
     print_targets(results["targets"])
-    print("[jaxinfer bench] wrote " + ", ".join(paths.values()), file=sys.stderr)
+    print("[jaxinfer bench] wrote " + ", ".join(str(p) for p in paths.values() if p), file=sys.stderr)
     return 0
 
 
@@ -230,7 +240,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, help="--serve-load: requests per rate")
     p.add_argument("--max-concurrency", type=int,
                    help="--serve-load: requests in flight at most (default: unbounded)")
-    p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    p.add_argument("--out", help="folder for the JSON, the report, plots and logs (default: a new "
+                                 "temporary folder, printed at the end)")
+    p.add_argument("--pages", metavar="DIR",
+                   help="also rewrite this sweep's results page in DIR in place (docs/bench in a "
+                        "checkout): bench.md, paged.md, serving.md, serve-load.md, structured.md or "
+                        "speculative.md, and its plot")
     p.add_argument("--peers", choices=("all", "hf", "llamacpp", "vllm", "none"), default="all",
                    help="peers to compare with when installed (default all; hf is not a "
                         "--serve-load peer, vllm only one)")
@@ -325,7 +340,7 @@ def _setup_peers_main(argv: Sequence[str]) -> int:
     p.add_argument("--config", required=True, help="YAML generation config (its model's GGUF)")
     p.add_argument("--no-smoke", action="store_true", help="set up only; start no server")
     p.add_argument("--with-jaxinfer", action="store_true", help="smoke-test `jaxinfer serve` too")
-    p.add_argument("--out", default="bench-out", help="folder for the servers' logs")
+    p.add_argument("--out", help="folder for the servers' logs (default: a new temporary folder)")
     a = p.parse_args(argv)
     return setup_peers(a.setup_peers, a.config, smoke=not a.no_smoke, with_jaxinfer=a.with_jaxinfer,
                        out=a.out)

@@ -50,7 +50,6 @@ import pathlib
 import shutil
 import socket
 import sys
-import time
 from typing import Optional, Sequence
 
 from jaxinfer.testing import XLA_CACHE_ENV, Tokenizer, resolve_model
@@ -353,7 +352,7 @@ def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
     traces = make_traces(tok, sweep)
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[serve-load] {msg}", file=sys.stderr, flush=True))
-    logs = pathlib.Path(args.out) / f"serve-load-logs-{time.strftime('%Y%m%d-%H%M%S')}"
+    logs = pathlib.Path(args.out) / "serve-load-logs"
     results = {"gguf": gguf, "sweep": dataclasses.asdict(sweep), "cpu_count": os.cpu_count(),
                "loadavg_start": loadavg(), "logs": str(logs),
                "trace": {"prompt_tokens": [list(t.prompt_tokens) for t in traces.rates],
@@ -364,5 +363,5 @@ def cmd_serve_load(args, cfg, sweep: LoadSweep) -> int:
     results["loadavg_end"] = loadavg()
     results["targets"] = serve_targets(results["servers"], sweep)
     return publish(results, cfg, args.out, "serve-load", format_load,
-                   None if args.no_plot else plot_load)
+                   None if args.no_plot else plot_load, pages=args.pages)
 

@@ -9,6 +9,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Optional
 
 from jaxinfer import GenerationConfig
 from jaxinfer.testing import XLA_CACHE_ENV, Tokenizer, resolve_model
@@ -16,14 +17,16 @@ from jaxinfer_tools.bench.serve_compare import LoadSweep, free_port, peer_names
 from jaxinfer_tools.bench.serve_peers import MODEL_NAME, PeerUnavailable, server_command
 from jaxinfer_tools.bench.serve_workloads import ServerProcess, first_request
 from jaxinfer_tools.bench.serve_peers import peers_dir, setup_info
+from jaxinfer_tools.bench.report import default_out
 
 
 def setup_peers(choice: str, config: str, smoke: bool = True, with_jaxinfer: bool = False,
-                out: str = "bench-out") -> int:
+                out: Optional[str] = None) -> int:
     """Set up the peers of `choice` ("all" or one of PEERS) for `config`'s
     GGUF and, with `smoke`, start each server once (jaxinfer too with
     `with_jaxinfer`, on $JAXINFER_XLA_CACHE_DIR where set, else on an
-    empty compilation cache under `out`), send it one streamed
+    empty compilation cache under `out`, by default a new temporary
+    folder, as the servers' logs), send it one streamed
     completion and one streamed chat request of 8 tokens, and stop it.
     Prints one JSON line per server ({"server", "setup_s" (this call's
     seconds of set-up, 0 when it was set up before), "setup" (the recorded
@@ -36,7 +39,7 @@ def setup_peers(choice: str, config: str, smoke: bool = True, with_jaxinfer: boo
     gguf = str(resolve_model(cfg.model))
     tok = Tokenizer.from_source(gguf)
     count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
-    logs = pathlib.Path(out) / f"setup-peers-{time.strftime('%Y%m%d-%H%M%S')}"
+    logs = pathlib.Path(out or default_out()) / "setup-peers"
     names = (["jaxinfer"] if with_jaxinfer else []) + peer_names(choice)[1:]
     log = lambda msg: print(f"[setup-peers] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     sweep, failed = LoadSweep(), 0

@@ -370,4 +370,4 @@ def cmd_serving(args, cfg, sweep: ServingSweep) -> int:
     results.update(dtype=cfg.dtype, decode_chunk=cfg.decode_chunk,
                    prefill_chunk_size=cfg.prefill_chunk_size)
     return publish(results, cfg, args.out, "serving", format_serving,
-                   None if args.no_plot else plot_serving)
+                   None if args.no_plot else plot_serving, pages=args.pages)

@@ -246,4 +246,5 @@ def cmd_speculative(args, cfg, sweep: SpecSweep) -> int:
     peers = [] if args.peers in ("none", "hf") else ["llamacpp"]
     log = (lambda msg: None) if args.no_progress else (
         lambda msg: print(f"[speculative] {msg}", file=sys.stderr, flush=True))
-    return publish(run_speculative(cfg, sweep, peers, log), cfg, args.out, "speculative", format_speculative)
+    return publish(run_speculative(cfg, sweep, peers, log), cfg, args.out, "speculative",
+                   format_speculative, pages=args.pages)

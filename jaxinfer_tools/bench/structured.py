@@ -255,4 +255,4 @@ def cmd_structured(args, cfg, sweep: StructSweep) -> int:
             gguf, texts, sweep.new_tokens, sweep.max_seq_len, SCHEMA, logs,
             setup=not args.no_peer_setup, log=log)
     results = {**measure_structured(base, sweep, log, peer), "dtype": cfg.dtype, "weights": cfg.weights}
-    return publish(results, cfg, args.out, "structured", format_structured)
+    return publish(results, cfg, args.out, "structured", format_structured, pages=args.pages)

@@ -1,6 +1,7 @@
 """`jaxinfer eval`: accuracy of quantized weights (and KV caches) against float32.
 
-    jaxinfer eval --config configs/smollm2-135m-instruct.yaml [--weights int8,q4] [--out eval-out]
+    jaxinfer eval --config configs/smollm2-135m-instruct.yaml [--weights int8,q4]
+                  [--out DIR] [--pages docs/bench]
 
 Loads the model once per weight format (`weights.prepare.prepare_params(weights=...)`;
 "q4" and "int8" start from a GGUF file's blocks, `load_gguf(keep_quantized=True)`), then
@@ -27,11 +28,14 @@ import argparse
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxinfer_tools.bench.machine import cpu_info
+from jaxinfer_tools.bench.report import default_out, source_commit, write_page
 from jaxinfer_tools.eval import accuracy
 from jaxinfer import GenerationConfig
 from jaxinfer.testing import (WEIGHT_FORMATS, enable_compilation_cache, load_gguf, load_model,
@@ -180,13 +184,18 @@ def cmd_eval(args) -> int:
     enable_compilation_cache()
     result = run_eval(model, _csv(args.weights), _csv(args.kv_cache_dtypes), args.chunk,
                       args.prompts, args.prompt_len, args.new_tokens, not args.no_llamacpp)
-    out = pathlib.Path(args.out)
+    result.update(commit=source_commit(), cpu=cpu_info())
+    out = pathlib.Path(args.out or default_out())
     out.mkdir(parents=True, exist_ok=True)
     stem = f"eval-{pathlib.Path(model).stem}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     report = format_report(result)
     (out / f"{stem}.md").write_text(report)
+    if args.pages:
+        write_page(result, report, args.pages, "eval")
     print(report)
+    page = f", {args.pages}/eval.md" if args.pages else ""
+    print(f"[jaxinfer eval] wrote {out}/{stem}.json, .md{page}", file=sys.stderr)
     return 0
 
 
@@ -217,7 +226,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per greedy prompt")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's perplexity")
-    p.add_argument("--out", default="eval-out", help="folder for the JSON and Markdown report")
+    p.add_argument("--out", help="folder for the JSON and Markdown report (default: a new temporary "
+                                 "folder)")
+    p.add_argument("--pages", metavar="DIR",
+                   help="also rewrite DIR/eval.md in place (docs/bench in a checkout)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -224,6 +224,44 @@ def test_report_and_json_writer(tmp_path):
         assert piece in md, piece
 
 
+def test_publish_rewrites_its_page_in_place_and_keeps_json_out_of_it(tmp_path, monkeypatch, capsys):
+    """A sweep's results go to the output folder under names without a date;
+    --pages rewrites <pages>/<kind>.md in place, headed by the run's time,
+    commit, CPU and flags and load average ("not recorded" where absent)."""
+    import types
+
+    from jaxinfer_tools.bench import report
+
+    monkeypatch.setattr(report, "cpu_info", lambda: {"model": "Test CPU 9000", "cores": 2,
+                                                      "features": ["avx2", "avx512f"]})
+    monkeypatch.setattr(report, "source_commit", lambda: "abc1234")
+    cfg = types.SimpleNamespace(model="models/tiny.gguf")
+    out, pages = tmp_path / "out", tmp_path / "pages"
+    for value in (1.5, 2.5):
+        results = {"loadavg_start": [0.5, 0.4, 0.3],
+                   "targets": [report.target_row("a ratio", value, ">=", 2.0)]}
+        assert report.publish(results, cfg, str(out), "paged", lambda r: report_text(r),
+                              pages=str(pages)) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["paged-tiny.json", "paged-tiny.md"]
+    assert sorted(p.name for p in pages.iterdir()) == ["paged.md"]
+    page = (pages / "paged.md").read_text()
+    assert page.startswith("# paged: models/tiny.gguf\n")
+    for piece in ("| commit | abc1234 |", "| CPU | Test CPU 9000, 2 cores |", "| CPU flags | avx2 avx512f |",
+                  "| load average | start [0.5, 0.4, 0.3], end not recorded |", "| a ratio | 2.5 |"):
+        assert piece in page, piece
+    assert "| 1.5 |" not in page and json.loads((out / "paged-tiny.json").read_text())["commit"] == "abc1234"
+    capsys.readouterr()
+    monkeypatch.setattr(report.tempfile, "mkdtemp", lambda prefix: str(tmp_path / f"{prefix}tmp"))
+    report.publish({}, cfg, None, "structured", lambda r: "x")
+    assert (tmp_path / "jaxinfer-bench-tmp" / "structured-tiny.json").exists()
+
+
+def report_text(results: dict) -> str:
+    from jaxinfer_tools.bench import report
+
+    return "\n".join(report.targets_table(results["targets"]))
+
+
 def test_report_formats_partial_and_unmeasured_results(capsys):
     from jaxinfer_tools.bench import report, targets
 
