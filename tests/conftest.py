@@ -5,6 +5,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 
 # XLA:CPU compile options for the test run, set before JAX starts its backend
 # (processes the tests start inherit them): compiling is most of the run's
@@ -32,6 +33,15 @@ if os.environ.get(TEST_XLA_FLAGS_ENV) != "default":
 # whose entries would carry programs from one test into another. Its own tests pass
 # a store explicitly.
 os.environ["JAXINFER_EXECUTABLE_STORE"] = "0"
+
+# A folder for the whole test run, shared by its test processes (pytest -n's
+# workers inherit it from the process that started them) and removed by that
+# process when the run ends (`pytest_unconfigure`).
+RUN_DIR_ENV = "JAXINFER_TEST_RUN_DIR"
+_OWNS_RUN_DIR = RUN_DIR_ENV not in os.environ
+if _OWNS_RUN_DIR:
+    os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="jaxinfer-test-run-")
+RUN_DIR = pathlib.Path(os.environ[RUN_DIR_ENV])
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -65,6 +75,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "default_xla_flags(skip_allowed=False): run in a child pytest "
                                        "with XLA's default compile flags; a skip there fails the test "
                                        "unless skip_allowed (tests/conftest.py)")
+    (RUN_DIR / "hf-gguf").mkdir(parents=True, exist_ok=True)
     folder = _xla_cache_dir()
     if folder:
         jax.config.update("jax_compilation_cache_dir", folder)
@@ -76,6 +87,11 @@ def pytest_configure(config):
         os.environ.update(JAX_COMPILATION_CACHE_DIR=folder,
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def pytest_unconfigure(config):
+    if _OWNS_RUN_DIR:
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -133,22 +149,39 @@ def load_hf_gguf(gguf_path, keep_dir=None):
     first load and read back on later ones: transformers' GGUF conversion is
     slow (docs/testing.md has the figures) and it cannot `save_pretrained` a
     model it loaded from GGUF; the pickle gives back the same weights,
-    config and tokenizer."""
+    config and tokenizer. The pickle is named by the file's resolved path,
+    size and modification time and by the transformers and torch versions,
+    and written under a file lock then renamed into place: the test
+    processes of one run (`pytest -n`) share one conversion per model."""
+    import filelock
     import torch
     import transformers
 
-    kept = None
     if keep_dir is not None:
-        key = hashlib.sha256(str(pathlib.Path(gguf_path).resolve()).encode()).hexdigest()[:16]
-        kept = pathlib.Path(keep_dir) / f"{pathlib.Path(gguf_path).stem}-{key}.pt"
-        if kept.is_file():
-            model, tok = torch.load(kept, weights_only=False)
-            return model.eval(), tok
+        path = pathlib.Path(gguf_path).resolve()
+        stat = path.stat()
+        key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
+                             f"{torch.__version__}".encode()).hexdigest()[:16]
+        kept = pathlib.Path(keep_dir) / f"{path.stem}-{key}.pt"
+        with filelock.FileLock(f"{kept}.lock"):
+            if not kept.is_file():
+                model, tok = _convert_hf_gguf(gguf_path)
+                torch.save((model, tok), f"{kept}.partial")
+                os.replace(f"{kept}.partial", kept)
+                return model.eval(), tok
+        model, tok = torch.load(kept, weights_only=False)
+        return model.eval(), tok
+    return _convert_hf_gguf(gguf_path)
+
+
+def _convert_hf_gguf(gguf_path):
+    """transformers' own GGUF reader and conversion, float32, eval mode."""
+    import torch
+    import transformers
+
     folder, name = str(gguf_path.parent), gguf_path.name
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    if kept is not None:
-        torch.save((model, tok), kept)
     return model.eval(), tok
 
 
@@ -186,17 +219,16 @@ def real_model_path():
 
 
 @pytest.fixture(scope="session")
-def hf_gguf(tmp_path_factory):
+def hf_gguf():
     """`.get(gguf path)` -> (transformers model, tokenizer), one model held at a
-    time across the session (see `OneAtATime`); the last module using a model
-    calls `.clear()`, and the session's end releases whatever is left. A
-    model asked for again is read back from the session's pickle of it
-    (`load_hf_gguf`'s keep_dir), deleted at the session's end."""
-    keep_dir = tmp_path_factory.mktemp("hf-gguf")
-    holder = OneAtATime(lambda path: load_hf_gguf(path, keep_dir))
+    time in each test process (see `OneAtATime`); the last module using a
+    model calls `.clear()`, and the session's end releases whatever is left.
+    Each model is converted once per test run and read back from the run's
+    pickle of it by every later ask, in any of the run's test processes
+    (`load_hf_gguf`'s keep_dir: `RUN_DIR`, deleted when the run ends)."""
+    holder = OneAtATime(lambda path: load_hf_gguf(path, RUN_DIR / "hf-gguf"))
     yield holder
     holder.clear()
-    shutil.rmtree(keep_dir, ignore_errors=True)
 
 
 # --- the two-layer toy model, trained once per session -----------------------------------
