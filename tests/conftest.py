@@ -1,3 +1,4 @@
+import dataclasses
 import gc
 import hashlib
 import json
@@ -258,26 +259,53 @@ def toy_folder(toy_trained, toy_config, tmp_path_factory):
     return path
 
 
-CHILD_TIMEOUT_S = 1800   # a `default_xla_flags` child; the longest took about 130 s on 2 cores
+CHILD_TIMEOUT_S = 1800   # one module's `default_xla_flags` child (tests/serving/test_deterministic.py: its 11)
+
+
+# One child pytest per test module: its marked tests that this process runs, in one run
+# (a child's start, imports and compiles are shared by the module's tests).
+_CHILD_RUNS: dict = {}
+
+
+def _junit_key(nodeid: str) -> str:
+    """The "classname::name" of a test in a JUnit report (`child_pytest.read_junit`)."""
+    path, *names = nodeid.split("::")
+    return ".".join([path.removesuffix(".py").replace("/", ".")] + names[:-1]) + "::" + names[-1]
+
+
+def _module_child(item) -> child_pytest.ChildRun:
+    """The child pytest, with XLA's default flags, of every `default_xla_flags`
+    test of `item`'s module that this process runs (started by the first)."""
+    module = item.nodeid.split("::")[0]
+    if module not in _CHILD_RUNS:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env[TEST_XLA_FLAGS_ENV] = "default"
+        if ORIGINAL_XLA_FLAGS is not None:
+            env["XLA_FLAGS"] = ORIGINAL_XLA_FLAGS
+        nodeids = [i.nodeid for i in item.session.items if i.nodeid.split("::")[0] == module
+                   and i.get_closest_marker("default_xla_flags") is not None]
+        _CHILD_RUNS[module] = child_pytest.run(["-m", "slow or not slow", *nodeids], env=env,
+                                               timeout_s=CHILD_TIMEOUT_S)
+    return _CHILD_RUNS[module]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked `default_xla_flags`, in a run with the fast-compile flags,
-    runs instead in a child pytest with XLA's default flags. It passes when
-    the child ran it and it passed (`child_pytest.check`): a child that
-    skipped it fails it, unless the marker says `skip_allowed=True` (a
-    real-model test whose model cannot be fetched), and then it is skipped
-    with the child's reason."""
+    runs instead in a child pytest with XLA's default flags (one child per
+    module, `_module_child`). It passes when the child ran it and it passed
+    (`child_pytest.check` on its own outcome): a child that skipped it fails
+    it, unless the marker says `skip_allowed=True` (a real-model test whose
+    model cannot be fetched), and then it is skipped with the child's
+    reason. A test missing from the child's report fails with the child's output."""
     marker = pyfuncitem.get_closest_marker("default_xla_flags")
     if marker is None or os.environ.get(TEST_XLA_FLAGS_ENV) == "default":
         return None
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env[TEST_XLA_FLAGS_ENV] = "default"
-    if ORIGINAL_XLA_FLAGS is not None:
-        env["XLA_FLAGS"] = ORIGINAL_XLA_FLAGS
-    child = child_pytest.run(["-m", "slow or not slow", pyfuncitem.nodeid], env=env,
-                             timeout_s=CHILD_TIMEOUT_S)
-    child_pytest.check(child, skip_allowed=marker.kwargs.get("skip_allowed", False),
+    child = _module_child(pyfuncitem)
+    key = _junit_key(pyfuncitem.nodeid)
+    mine = {key: child.outcomes[key]} if key in child.outcomes else {}
+    failed = not mine or mine[key][0] in ("failed", "error")
+    child_pytest.check(dataclasses.replace(child, outcomes=mine, returncode=int(failed)),
+                       skip_allowed=marker.kwargs.get("skip_allowed", False),
                        what="XLA's default flags")
     return True

@@ -97,3 +97,21 @@ def test_real_model_server_test_without_its_model_is_skipped_not_passed(tmp_path
     assert outcome == "skipped", parent.describe()
     assert reason.startswith("child pytest (XLA's default flags) skipped: model "
                              "smollm2-135m-instruct unavailable: could not fetch model"), reason
+
+
+def test_each_test_of_a_module_child_is_found_by_its_node_id(tmp_path):
+    """conftest runs a module's `default_xla_flags` tests in one child and
+    reads each test's own outcome under `_junit_key(its node id)`: a class,
+    parameters and a subfolder name it as the child's report does."""
+    from conftest import _junit_key
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_two.py").write_text(
+        "import pytest\n\n\nclass TestK:\n    @pytest.mark.parametrize('n', [1, 2])\n"
+        "    def test_p(self, n):\n        assert n == 1\n\n\ndef test_f():\n    pass\n")
+    child = child_pytest.run(["sub/test_two.py"], cwd=tmp_path, timeout_s=120)
+    nodeids = ["sub/test_two.py::TestK::test_p[1]", "sub/test_two.py::TestK::test_p[2]",
+               "sub/test_two.py::test_f"]
+    assert {_junit_key(n): child.outcomes[_junit_key(n)][0] for n in nodeids} == {
+        "sub.test_two.TestK::test_p[1]": "passed", "sub.test_two.TestK::test_p[2]": "failed",
+        "sub.test_two::test_f": "passed"}
