@@ -11,51 +11,36 @@ segment (position p = seg_pos[r] + i) attends over the slot's positions
 [max(0, p - W + 1), p] (W: the window of a sliding layer; [0, p] on full
 layers): causal inside the segment, everything cached before it.
 
-`AttentionBackend` says how: `XLA` gathers each query block's pages into
-dense rows (any platform, any pool dtype, soft-caps); `CPU_KERNELS` runs the
-C++ kernel (`kernels.ragged`) where it applies (float32 pools, no soft-cap)
-and the XLA path elsewhere. The backend is chosen once, when a model is
-loaded (`choose_backend`), and passed to the compiled step as a static
-argument: nothing reads a global switch while tracing.
+`AttentionBackend` says how, one module per backend (`engine.backends`):
+`XLA` gathers each query block's pages into dense rows (any platform, any
+pool dtype, soft-caps); `CPU_KERNELS` runs the C++ kernel (`kernels.ragged`)
+where it applies (float32 pools, no soft-cap); `PALLAS` runs the Pallas
+kernel (`kernels.pallas_ragged`: every pool dtype, soft-caps). A call the
+chosen backend does not apply to runs the XLA path. The backend is chosen
+once, when a model is loaded (`choose_backend`), and passed to the compiled
+step as a static argument: nothing reads a global switch while tracing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer import pytree
-from jaxinfer.cache import paged
 from jaxinfer.cache.kv import LayerKV
+from jaxinfer.engine import backends
+from jaxinfer.engine.backends import CPU_KERNELS, PALLAS, XLA, AttentionBackend
+from jaxinfer.engine.backends.xla import XLA_QUERY_BLOCK, attend_xla
 from jaxinfer.kernels import cpu as cpu_kernels
-from jaxinfer.kernels import ragged as ragged_kernel
-from jaxinfer.nn import masked_softmax
 
-# Query tokens per block of the XLA path (each block gathers its tokens' pages).
-XLA_QUERY_BLOCK = 8
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionBackend:
-    """How attention runs inside a compiled step (hashable: a static argument).
-
-    Attributes:
-      name: "xla" or "cpu_kernels".
-    """
-
-    name: str
-
-    @property
-    def kernels(self) -> bool:
-        return self.name == "cpu_kernels"
-
-
-XLA = AttentionBackend("xla")
-CPU_KERNELS = AttentionBackend("cpu_kernels")
+# Names a backend of `engine.backends.BACKENDS` for every model this process loads.
+BACKEND_ENV = "JAXINFER_ATTENTION_BACKEND"
+# Platforms whose models get the Pallas backend unless BACKEND_ENV says otherwise.
+PALLAS_PLATFORMS = ("gpu", "tpu")
 
 
 def slow_dtype_notice(dtype) -> str:
@@ -96,14 +81,31 @@ def serving_dtypes(dtype: str, weights: str, notice: bool = True) -> tuple[str, 
     return "float32", weights
 
 
-def choose_backend(dtype=jnp.float32) -> AttentionBackend:
-    """CPU_KERNELS when the C++ kernels are enabled here (CPU, one device,
-    `JAXINFER_CPU_KERNELS` not 0, the library builds) and the activations
-    are float32; XLA otherwise. Called once per loaded model.
+def choose_backend(dtype=jnp.float32, platform: str | None = None) -> AttentionBackend:
+    """The attention backend of a model with activations of `dtype` on
+    `platform` (default `jax.default_backend()`), called once per loaded model:
+
+    - `$JAXINFER_ATTENTION_BACKEND` when set (a key of `engine.backends.BACKENDS`;
+      "pallas" off GPUs and TPUs runs through Pallas' interpreter, slowly);
+    - PALLAS on "gpu" and "tpu";
+    - CPU_KERNELS when the C++ kernels are enabled here (CPU, one device,
+      `JAXINFER_CPU_KERNELS` not 0, the library builds) and the activations
+      are float32;
+    - XLA otherwise.
 
     Logs `slow_dtype_notice(dtype)` (one WARNING line on this module's
     logger) when the kernels are enabled but `dtype` is not float32: such a
-    model runs, only slowly."""
+    model runs, only slowly.
+
+    Raises:
+      ValueError: `$JAXINFER_ATTENTION_BACKEND` names no backend.
+    """
+    platform = platform or jax.default_backend()
+    named = os.environ.get(BACKEND_ENV)
+    if named:    # Pallas compiles for accelerators only: elsewhere its interpreter runs it
+        return AttentionBackend(named, interpret=named == "pallas" and platform not in PALLAS_PLATFORMS)
+    if platform in PALLAS_PLATFORMS:
+        return PALLAS
     if not cpu_kernels.enabled():
         return XLA
     if jnp.dtype(dtype) != jnp.float32:
@@ -132,44 +134,15 @@ class Segments:
     token_valid: jax.Array
 
 
-def _xla_block(qb, slot, pos, valid, kv: LayerKV, block_tables, window: int, softcap):
-    """Attention of one block of query tokens qb [Q, K, G, H] over their slots' pages."""
-    tables = block_tables[jnp.clip(slot, 0, block_tables.shape[0] - 1)]     # [Q, M]
-    keys, values = paged.gather_rows(kv, tables)                           # [Q, K, H, S], [Q, K, S, H]
-    scores = jnp.einsum("QKGH,QKHS->QKGS", qb.astype(jnp.float32), keys.astype(jnp.float32))
-    if softcap:
-        scores = softcap * jnp.tanh(scores / softcap)
-    key_pos = jnp.arange(keys.shape[-1], dtype=jnp.int32)[None, :]
-    mask = valid[:, None] & (key_pos <= pos[:, None])
-    if window:
-        mask &= pos[:, None] - key_pos < window
-    weights = masked_softmax(scores, mask[:, None, None, :])
-    return jnp.einsum("QKGS,QKSH->QKGH", weights, values.astype(jnp.float32)).astype(qb.dtype)
-
-
-def attend_xla(q: jax.Array, kv: LayerKV, block_tables: jax.Array, seg: Segments, window: int,
-               softcap=None, block: int = XLA_QUERY_BLOCK) -> jax.Array:
-    """Ragged attention in plain JAX: q [T, K, G, H] (pre-scaled) over the
-    pool `kv` (K/V of the step already written) -> [T, K, G, H]; tokens of
-    no segment get zeros. Memory: one block of `block` tokens' gathered
-    pages at a time (`lax.map`)."""
-    t = q.shape[0]
-    n = -(-t // block)
-    pad = lambda x, fill: jnp.concatenate([x, jnp.full((n * block - t,) + x.shape[1:], fill, x.dtype)])
-    args = (pad(q, 0).reshape(n, block, *q.shape[1:]), pad(seg.token_slot, 0).reshape(n, block),
-            pad(seg.token_pos, 0).reshape(n, block), pad(seg.token_valid, False).reshape(n, block))
-    out = jax.lax.map(lambda a: _xla_block(*a, kv, block_tables, window, softcap), args)
-    return out.reshape(n * block, *q.shape[1:])[:t]
-
-
 def attend(backend: AttentionBackend, q: jax.Array, kv: LayerKV, block_tables: jax.Array,
            seg: Segments, window: int, softcap=None) -> jax.Array:
-    """Ragged attention of q [T, K, G, H] over a layer's pool: the C++ kernel
-    where `backend` has it and it applies (float32 pool, no soft-cap), else
-    `attend_xla`."""
-    if (backend.kernels and not softcap and kv.plain
-            and q.dtype == kv.keys.dtype == jnp.float32):
-        return ragged_kernel.ragged_paged_attention(q, kv.keys, kv.values, block_tables, seg.slot,
-                                                    seg.start, seg.length, seg.position,
-                                                    window=window or None)
-    return attend_xla(q, kv, block_tables, seg, window, softcap)
+    """Ragged attention of q [T, K, G, H] (pre-scaled) over a layer's pool
+    (the step's K/V already written) -> [T, K, G, H], tokens of no segment
+    zeros: through `backend` where it applies (`engine.backends`), else the
+    XLA path."""
+    return backends.attend(backend, q, kv, block_tables, seg, window, softcap)
+
+
+__all__ = ["AttentionBackend", "BACKEND_ENV", "CPU_KERNELS", "PALLAS", "PALLAS_PLATFORMS", "Segments",
+           "XLA", "XLA_QUERY_BLOCK", "attend", "attend_xla", "bfloat16_on_cpu_notice",
+           "choose_backend", "serving_dtypes", "slow_dtype_notice"]

@@ -1,0 +1,59 @@
+"""Attention backends of the serving step's ragged paged attention: each is
+one module here with
+
+    applies(backend, q, kv, softcap) -> bool    may it serve this layer's call (static facts)
+    attend(backend, q, kv, block_tables, seg, window, softcap) -> out
+
+over the contract of `engine.ragged.attend` (q [T, K, G, H] pre-scaled, the
+layer's pool `kv` with the step's K/V already written, block tables [S, M],
+the step's `Segments`; out [T, K, G, H], zeros for tokens of no segment).
+A call the chosen backend does not apply to runs on `xla`, which serves
+every pool dtype, soft-cap and platform. Adding a backend is one module and
+one line in `BACKENDS`; `engine.ragged.choose_backend` picks one per loaded
+model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.engine.backends import cpu_kernels, pallas, xla
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """How attention runs inside a compiled step (hashable: a static argument).
+
+    Attributes:
+      name: a key of `BACKENDS`.
+      interpret: run a Pallas kernel through Pallas' interpreter (any
+        platform, CPU included; how the tests run the "pallas" backend).
+    """
+
+    name: str
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {self.name!r}; one of {sorted(BACKENDS)}")
+
+    @property
+    def kernels(self) -> bool:
+        """The C++ CPU kernels serve this backend's attention."""
+        return self.name == "cpu_kernels"
+
+
+BACKENDS = {"xla": xla, "cpu_kernels": cpu_kernels, "pallas": pallas}
+
+XLA = AttentionBackend("xla")
+CPU_KERNELS = AttentionBackend("cpu_kernels")
+PALLAS = AttentionBackend("pallas")
+
+
+def attend(backend: AttentionBackend, q, kv, block_tables, seg, window: int, softcap=None):
+    """Ragged attention of q [T, K, G, H] over a layer's pool through
+    `backend` where it applies, else through `xla`."""
+    chosen = BACKENDS[backend.name]
+    if chosen is not xla and chosen.applies(backend, q, kv, softcap):
+        return chosen.attend(backend, q, kv, block_tables, seg, window, softcap)
+    return xla.attend(backend, q, kv, block_tables, seg, window, softcap)

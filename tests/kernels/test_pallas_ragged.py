@@ -1,0 +1,127 @@
+"""The Pallas ragged paged attention kernel (`kernels.pallas_ragged`, the
+`pallas` attention backend), run through Pallas' interpreter on CPU: the kernel against the float64 reference of tests/kernels/test_ragged_attention.py
+  (atol 2e-6, as the C++ kernel there), decode-only and mixed steps, page
+  sizes 8 and 16, windows; against the XLA path (atol 2e-6) with soft-caps
+and int8 pools, which the reference does not model. Served end to end:
+tests/engine/test_pallas_backend.py."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.cache.int8 import quantize_kv
+from jaxinfer.cache.kv import LayerKV
+from jaxinfer.engine import ragged
+from jaxinfer.engine.backends import AttentionBackend
+from jaxinfer.kernels.pallas_ragged import ragged_paged_attention_pallas
+from test_ragged_attention import HEADS, HEAD_IDS, _step, reference_ragged
+
+ATOL = 2e-6
+# scores of tens: float32 rounding grows with them (1.2e-5 at most seen, on the XLA path)
+SCALED_ATOL = 2.5e-5
+INTERPRET = AttentionBackend("pallas", interpret=True)
+MIXED = [(r, r, 1, pos) for r, pos in enumerate([3, 17, 31, 64, 90, 127, 200, 255])] + [
+    (8, 10, 37, 50), (9, 50, 100, 0)]          # 8 decodes, a chunk at 50, a whole prompt
+
+
+def _pallas(args, window, **kw):
+    out = ragged_paged_attention_pallas(*args, window=window, interpret=True, **kw)
+    return np.asarray(out)
+
+
+def _covered(args) -> np.ndarray:
+    covered = np.zeros(args[0].shape[0], bool)
+    for start, n in zip(args[5], args[6]):
+        if n > 0:
+            covered[start:start + n] = True
+    return covered
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("ps", [8, 16])
+@pytest.mark.parametrize("window", [None, 16, 100])
+def test_kernel_matches_the_float64_reference(heads, ps, window):
+    for segments, t in ([(r, r, 1, pos) for r, pos in enumerate([0, 1, 15, 16, 63, 64, 130, 511])],
+                        8), (MIXED, 160):
+        args, window = _step(segments, t, heads, ps, window)
+        got = _pallas(args, window)
+        assert got.shape == args[0].shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, reference_ragged(*args, window), atol=ATOL, rtol=0)
+        assert np.all(got[~_covered(args)] == 0.0)
+
+
+def _segments(args) -> ragged.Segments:
+    """The step's `Segments` as the engine builds them, for the XLA path."""
+    q, _, _, tables, slot, start, n, pos = args
+    t = q.shape[0]
+    inside = (np.arange(t)[:, None] >= start) & (np.arange(t)[:, None] < start + n)
+    seg = inside.argmax(1)
+    valid = inside.any(1)
+    token_slot = np.where(valid, slot[seg], tables.shape[0]).astype(np.int32)
+    token_pos = np.where(valid, pos[seg] + np.arange(t) - start[seg], 0).astype(np.int32)
+    return ragged.Segments(*(jnp.asarray(a) for a in (slot, start, n, pos, token_slot, token_pos,
+                                                       valid)))
+
+
+def reference_softcapped(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
+                         window, softcap):
+    """`reference_ragged` (float64, token by token) with scores s mapped to
+    softcap * tanh(s / softcap) before the softmax (softcap None: as they are)."""
+    q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
+    ps = k_pages.shape[-1]
+    out = np.zeros_like(q)
+    for r in range(len(seg_len)):
+        for i in range(seg_len[r]):
+            t, p = seg_start[r] + i, seg_pos[r] + i
+            positions = np.arange(0 if window is None else max(0, p - window + 1), p + 1)
+            pages = np.asarray(block_tables)[seg_slot[r], positions // ps]
+            scores = np.einsum("kgh,nkh->kgn", q[t], k_pages[pages, :, :, positions % ps])
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            weights /= weights.sum(-1, keepdims=True)
+            out[t] = np.einsum("kgn,nkh->kgh", weights, v_pages[pages, :, positions % ps, :])
+    return out
+
+
+@pytest.mark.parametrize("heads", HEADS[:2], ids=HEAD_IDS[:2])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("softcap,int8", [(50.0, False), (None, True), (30.0, True)],
+                         ids=["softcap", "int8", "softcap-int8"])
+def test_kernel_matches_the_xla_path_with_softcaps_and_int8_pools(heads, window, softcap, int8):
+    """Soft-capped scores of tens (queries x 20) and int8 pools: the kernel
+    and the XLA path both within SCALED_ATOL of the float64 reference on
+    the same (dequantized) values, where the scores' float32 rounding grows
+    with their size."""
+    args, window = _step(MIXED, 160, heads, 16, window)
+    q, k, v, tables = args[:4]
+    q = q * (20.0 if softcap else 1.0)
+    # the XLA path reads every gathered column (masked after): no NaN in the pool
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    tables = np.where(tables < 0, 0, tables)
+    if int8:
+        (k_codes, k_scale), (v_codes, v_scale) = (
+            quantize_kv(jnp.asarray(k).transpose(0, 3, 1, 2)), quantize_kv(jnp.asarray(v)
+                                                                            .transpose(0, 2, 1, 3)))
+        kv = LayerKV(k_codes.transpose(0, 2, 3, 1), v_codes.transpose(0, 2, 1, 3),
+                     k_scale.transpose(0, 2, 1), v_scale.transpose(0, 2, 1))
+    else:
+        kv = LayerKV(jnp.asarray(k), jnp.asarray(v))
+    plain = [np.asarray(x) for x in kv.dequantized()]
+    want = reference_softcapped(q, *plain, tables, *args[4:], window, softcap)
+    seg = _segments((q, k, v, tables, *args[4:]))
+    xla = np.asarray(ragged.attend_xla(jnp.asarray(q), kv, jnp.asarray(tables), seg, window or 0,
+                                       softcap))
+    got = np.asarray(ragged.attend(INTERPRET, jnp.asarray(q), kv, jnp.asarray(tables), seg,
+                                   window or 0, softcap))
+    atol = SCALED_ATOL if softcap else ATOL
+    np.testing.assert_allclose(xla, want, atol=atol, rtol=0, err_msg="xla")
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg="pallas")
+    assert np.abs(want).max() > 0.1
+
+
+def test_int8_pages_without_scales_are_refused():
+    args, _ = _step(MIXED, 160, HEADS[0], 16, None)
+    codes = [np.zeros(a.shape, np.int8) for a in args[1:3]]
+    with pytest.raises(ValueError, match="int8 pages need key_scale and value_scale"):
+        ragged_paged_attention_pallas(args[0], *codes, *args[3:], interpret=True)
