@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI) over the serving engine.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: Server-Sent Events)
+    POST /v1/messages (Anthropic; server.messages)   POST /v1/responses (server.responses_api)
     GET  /v1/models             GET  /health           GET  /metrics (Prometheus)
     POST /tokenize              POST /detokenize
 
@@ -47,15 +48,19 @@ from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.guard import Guard, json_error
+from jaxinfer.server.messages import MessagesRoute
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
-from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, TokenizeRequest, check_messages,
-                                      error_body)
+from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCompletionRequest,
+                                      CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                      check_messages, error_body)
 from jaxinfer.server.responses import Choice, Formatter, TokenText
-from jaxinfer.server.tools import auto_tool_calls, forced_tool_calls, renders_hermes
+from jaxinfer.server.responses_api import ResponsesRoute
+from jaxinfer.server.tools import renders_hermes
+from jaxinfer.server.turns import THINK_START, TurnParser, TurnPlan, parse_turn, thinks
 from jaxinfer.serving.thread import EngineError
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/responses", "/v1/models", "/health", "/metrics",
           "/tokenize", "/detokenize")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty")
@@ -137,6 +142,10 @@ class OpenAIServer:
         app.add_exception_handler(Exception, self._on_exception)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
+        messages = MessagesRoute(self)
+        app.post("/v1/messages")(messages.create)
+        app.post("/v1/messages/count_tokens")(messages.count_tokens)
+        app.post("/v1/responses")(ResponsesRoute(self).create)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics_text)
@@ -221,26 +230,46 @@ class OpenAIServer:
     # --- completions ---------------------------------------------------------------------
 
     async def chat_completions(self, body: ChatCompletionRequest, request: HTTPRequest):
+        ids, plan = await self.prepare_chat(body)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return await self._generate(body, [ids], top, True, request, limit_param, "messages", plan)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], TurnPlan]:
+        """Check a chat request and render its prompt: (prompt ids, how to
+        read the reply). Raises APIError (400) for any fault, before any work."""
         self._check_common(body)
         check_messages(body.messages)
         tools = body.auto_tools()
-        if body.stream and (body.forced_tool() is not None or tools):
-            raise APIError(400, "streamed tool calls are not supported", param="stream")
-        if tools and not self.llm.tokenizer.renders_tools:
+        tok = self.llm.tokenizer
+        if tools and not tok.renders_tools:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs a chat template '
                            "that renders tools, and this model's does not: name a function in "
                            'tool_choice, or give "required" with one tool', param="tool_choice")
         await self._compile_structured(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}",
+                           param="chat_template_kwargs")
+        if not tok.has_chat_template:
+            raise APIError(400, "this model has no chat template: use /v1/completions",
+                           param="messages")
+        if tools:
+            kwargs["tools"] = [dict(t) for t in tools]
         messages = [m.as_template_input() for m in body.messages]
         try:
-            ids = self.llm.encode_prompt(self.llm.tokenizer.encode_prompt(messages, True, tools))
+            ids = self.llm.encode_prompt(tok.apply_chat_template(messages, **kwargs))
         except Exception as e:  # noqa: BLE001 - a template that rejects the messages
             raise APIError(400, f"messages: {e}", param="messages") from None
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await self._generate(body, [ids], top, True, request, limit_param, "messages")
+        forced = body.forced_tool()
+        reasoning = thinks(tok.chat_template) and body.structured_output() is None
+        opened = reasoning and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(
+            THINK_START)
+        return ids, TurnPlan(reasoning, opened, forced["name"] if forced else None,
+                             bool(tools) and renders_hermes(tok.chat_template))
 
     async def completions(self, body: CompletionRequest, request: HTTPRequest):
         self._check_common(body)
@@ -325,8 +354,10 @@ class OpenAIServer:
                     raise APIError(400, str(e), param=param) from None
         return out
 
-    async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
-                        request: HTTPRequest, limit_param: str, prompt_param: str):
+    def submit(self, body, prompts: list[list[int]], top: Optional[int], limit_param: str,
+               prompt_param: str) -> tuple:
+        """Submit one engine request per choice: (the `RequestGroup`, its
+        `Choice`s). Raises APIError: 400 (limits), 503 (queue full, engine stopped)."""
         requests = self._requests(body, prompts, top, limit_param, prompt_param)
         try:
             group = self.engine.submit(requests)
@@ -340,13 +371,12 @@ class OpenAIServer:
         t0 = time.perf_counter()
         for r in requests:
             self.metrics.request_started(len(r.prompt_ids))
-        choices = [Choice(prompt=i // body.n, timings=Timings(arrival=t0)) for i in range(len(requests))]
-        lengths = [len(p) for p in prompts]
-        fmt = Formatter(chat, self.settings.model_name, top, self.token_text)
-        if body.stream:
-            return StreamingResponse(self._stream(group, choices, lengths, fmt, body.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return group, [Choice(prompt=i // body.n, timings=Timings(arrival=t0))
+                       for i in range(len(requests))]
+
+    async def collect(self, group, choices: list[Choice], request: HTTPRequest) -> bool:
+        """Await every event of `group` into `choices`; False when the client
+        went away (the group is aborted). Raises APIError 500 for a failed request."""
         try:
             async for index, event in group.events(self.settings.poll_s, request.is_disconnected):
                 self._record(choices[index], event)
@@ -357,15 +387,48 @@ class OpenAIServer:
             raise APIError(500, str(e), type="server_error") from None
         finally:
             self._close(group, choices)
-        if any(c.finish_reason == "abort" for c in choices):
+        return not any(c.finish_reason == "abort" for c in choices)
+
+    async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
+                        request: HTTPRequest, limit_param: str, prompt_param: str,
+                        plan: Optional[TurnPlan] = None):
+        group, choices = self.submit(body, prompts, top, limit_param, prompt_param)
+        lengths = [len(p) for p in prompts]
+        fmt = Formatter(chat, self.settings.model_name, top, self.token_text)
+        if body.stream:
+            parsers = [TurnParser(plan) for _ in choices] if plan is not None else None
+            return StreamingResponse(self._stream(group, choices, lengths, fmt, body.include_usage,
+                                                  parsers),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if not await self.collect(group, choices, request):
             return Response(status_code=499)      # the client went away: nobody reads this
         response = fmt.response(choices, lengths)
-        tool = body.forced_tool() if chat else None
-        if tool is not None:
-            return forced_tool_calls(response, tool)
-        if chat and body.auto_tools() and renders_hermes(self.llm.tokenizer.chat_template):
-            return auto_tool_calls(response)
+        if plan is not None:
+            for item, choice in zip(response["choices"], choices):
+                fmt.set_turn(item, parse_turn(plan, "".join(choice.text)), plan.reasoning)
         return response
+
+    async def turn_deltas(self, group, choices: list[Choice], plan: TurnPlan,
+                          request: Optional[HTTPRequest] = None):
+        """The `turns` deltas of a one-choice group as they stream; the group
+        is closed at the end (or when the consumer stops; with `request`, when
+        its client goes away: the choice then finishes "abort"). Raises
+        APIError 500 for a failed request or engine."""
+        parser = TurnParser(plan)
+        gone = request.is_disconnected if request is not None else None
+        try:
+            async for index, event in group.events(self.settings.poll_s if gone else None, gone):
+                self._record(choices[index], event)
+                if event.finish_reason == "error":      # a FailedOutput (serving.faults)
+                    raise APIError(500, f"the request failed: {event.error}", type="server_error",
+                                   code="request_failed")
+                for delta in parser.feed(event.text) + (parser.finish() if event.finished else []):
+                    yield delta
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from None
+        finally:
+            self._close(group, choices)
 
     def _record(self, choice: Choice, event) -> None:
         choice.add(event, time.perf_counter())
@@ -382,9 +445,10 @@ class OpenAIServer:
                 self.metrics.request_finished("abort", None)
 
     async def _stream(self, group, choices: list[Choice], lengths: list[int], fmt: Formatter,
-                      include_usage: bool):
-        """SSE lines: (chat: a role chunk per choice,) a chunk per text piece, a
-        finish chunk per choice, (the usage chunk,) then `data: [DONE]`."""
+                      include_usage: bool, parsers: Optional[list[TurnParser]] = None):
+        """SSE lines: (chat: a role chunk per choice,) a chunk per text piece
+        (with `parsers`: per reasoning, content or tool-call delta), a finish
+        chunk per choice, (the usage chunk,) then `data: [DONE]`."""
         try:
             if fmt.chat:
                 for index, choice in enumerate(choices):
@@ -397,9 +461,17 @@ class OpenAIServer:
                     yield _sse(error_body(f"the request failed: {event.error}", "server_error",
                                           code="request_failed"))
                     break
-                if event.text or (fmt.top is not None and event.logprobs):
-                    yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,
-                                         include_usage=include_usage))
+                if parsers is None:
+                    if event.text or (fmt.top is not None and event.logprobs):
+                        yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,
+                                             include_usage=include_usage))
+                else:
+                    deltas = parsers[index].feed(event.text)
+                    if event.finished:
+                        deltas += parsers[index].finish()
+                    for chunk in fmt.delta_chunks(index, choice, deltas, event.logprobs,
+                                                  include_usage):
+                        yield _sse(chunk)
                 if event.finished:
                     yield _sse(fmt.chunk(index, choice, None, None, event.finish_reason,
                                          include_usage=include_usage))

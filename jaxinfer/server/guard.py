@@ -1,5 +1,6 @@
-"""The HTTP edge in front of the OpenAI app: OpenAI's JSON errors, and the
-middleware that counts responses, checks the API key and bounds the body."""
+"""The HTTP edge in front of the OpenAI app: OpenAI's JSON errors
+(Anthropic's on /v1/messages routes), and the middleware that counts
+responses, checks the API key and bounds the body."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from jaxinfer.server.protocol import error_body
+from jaxinfer.server.protocol import anthropic_error_body, error_body
+
+
+def anthropic_error(status: int, message: str, code: Optional[str] = None) -> JSONResponse:
+    """An Anthropic error response: {"type": "error", "error": {"type", "message"}}."""
+    return JSONResponse(anthropic_error_body(status, message), status_code=status)
 
 
 def json_error(status: int, message: str, type: str = "invalid_request_error",
@@ -44,21 +50,26 @@ class Guard:
             await send(message)
 
         settings = self.server.settings
+        error = anthropic_error if path.startswith("/v1/messages") else (
+            lambda status, message, code: json_error(status, message, code=code))
         if settings.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            return await json_error(401, "invalid or missing API key: send 'Authorization: Bearer "
-                                    "<key>'", code="invalid_api_key")(scope, receive, counted_send)
+            return await error(401, "invalid or missing API key: send 'Authorization: Bearer "
+                               "<key>' (or 'x-api-key: <key>')", code="invalid_api_key")(
+                scope, receive, counted_send)
         replay = await self._read_limited(scope, receive, settings.max_request_bytes)
         if replay is None:
-            return await json_error(413, f"request body exceeds {settings.max_request_bytes} bytes",
-                                    code="request_too_large")(scope, receive, counted_send)
+            return await error(413, f"request body exceeds {settings.max_request_bytes} bytes",
+                               code="request_too_large")(scope, receive, counted_send)
         await self.app(scope, replay, counted_send)
 
     def _authorized(self, scope) -> bool:
+        """`Authorization: Bearer KEY` or (Anthropic's) `x-api-key: KEY`."""
         headers = dict(scope["headers"])
+        expected = self.server.settings.api_key.encode()
         given = headers.get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
-        expected = self.server.settings.api_key.encode()
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), expected) or bearer
 
     @staticmethod
     async def _read_limited(scope, receive, limit: int):

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxinfer.config import StructuredOutput
 from jaxinfer.serving.request import MAX_LOGPROBS
 from jaxinfer.sampling import MAX_SEED
+from jaxinfer.server.turns import template_message
 
 # Choices per request at most (each one is a request in the engine).
 MAX_N = 64
@@ -61,6 +62,18 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error JSON: {"type": "error", "error": {"type": <the
+    status's, `ANTHROPIC_ERROR_TYPES`>, "message"}}."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                       "message": message}}
+
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: JSON numbers like 1e400 parse to inf; they are out of range, not values
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -86,6 +99,9 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
     def content_error(self) -> Optional[str]:
         """Why this message's content is not acceptable, or None."""
@@ -97,15 +113,22 @@ class ChatMessage(_Strict):
                 "got null")
 
     def as_template_input(self) -> dict:
-        """{"role", "content"} with the content parts joined into one string."""
+        """{"role", "content"} with the content parts joined into one string,
+        and `name`, `tool_calls` (arguments as objects: `turns.template_message`),
+        `tool_call_id` and `reasoning_content` when given."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         out = {"role": self.role, "content": content if content is not None else ""}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+        for field in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            if getattr(self, field) is not None:
+                out[field] = getattr(self, field)
+        return template_message(out)
 
+
+# Template variables a request's chat_template_kwargs may not set (the server sets them).
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "chat_template",
+                            "tokenize")
 
 # Request fields of the OpenAI API that jaxinfer does not implement: an error when set
 # to anything but these "off" values.
@@ -225,12 +248,15 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions. `max_completion_tokens` wins over
-    `max_tokens` when both are given."""
+    `max_tokens` when both are given. `chat_template_kwargs` (vLLM's: e.g.
+    {"enable_thinking": false}) are passed to the chat template as
+    variables, except the names in `RESERVED_TEMPLATE_KWARGS`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def new_token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -29,6 +29,11 @@ from typing import Optional
 from jaxinfer.serving.request import RequestOutput, Timings
 
 
+def call_id() -> str:
+    """A new tool call id ("call_" and 24 hex digits)."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 class TokenText:
     """Token id -> its text, cached (see the module docstring)."""
 
@@ -92,9 +97,12 @@ class Choice:
     num_tokens: int = 0
     finish_reason: Optional[str] = None
     text_offset: int = 0
+    calls: list = dataclasses.field(default_factory=list)    # streamed tool calls' ids
+    token_ids: list = dataclasses.field(default_factory=list)
 
     def add(self, event: RequestOutput, now: float) -> None:
         self.text.append(event.text)
+        self.token_ids += event.token_ids
         self.logprobs += event.logprobs or []
         self.num_tokens += len(event.token_ids)
         self.timings.record(now, len(event.token_ids))
@@ -169,10 +177,55 @@ class Formatter:
         else:
             item["text"] = text or ""
         item["logprobs"] = self._logprobs(logprobs, choice) if logprobs else None
-        item["finish_reason"] = finish_reason
+        item["finish_reason"] = ("tool_calls" if finish_reason == "stop" and choice.calls
+                                 else finish_reason)
         out = {**self._head(True), "choices": [item]}
         if include_usage:
             out["usage"] = None
+        return out
+
+    @staticmethod
+    def set_turn(item: dict, turn, reasoning: bool) -> None:
+        """A whole chat choice `item` as the reply's `turns.Turn`: content,
+        `tool_calls` when it has calls (finish_reason "stop" becomes
+        "tool_calls"), `reasoning_content` when the template thinks."""
+        message = {"role": "assistant", "content": turn.content}
+        if reasoning:
+            message["reasoning_content"] = turn.reasoning
+        if turn.calls:
+            message["tool_calls"] = [
+                {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+                for name, args in turn.calls]
+            if item["finish_reason"] == "stop":
+                item["finish_reason"] = "tool_calls"
+        item["message"] = message
+
+    def delta_chunks(self, index: int, choice: Choice, deltas: list, logprobs: Optional[list],
+                     include_usage: bool) -> list[dict]:
+        """Chunks for a choice's `turns` deltas: {"reasoning_content"},
+        {"content"}, or {"tool_calls": [{index, id, type, function: {name,
+        arguments: ""}}]} for a call's start and then [{index, function:
+        {arguments}}] fragments. The event's log-probs ride on the first
+        chunk (on an empty delta when there is none)."""
+        out = []
+        for delta in deltas:
+            kind = delta[0]
+            if kind == "reasoning":
+                d = {"reasoning_content": delta[1]}
+            elif kind == "content":
+                d = {"content": delta[1]}
+            elif kind == "call":
+                choice.calls.append(call_id())
+                d = {"tool_calls": [{"index": delta[1], "id": choice.calls[-1], "type": "function",
+                                     "function": {"name": delta[2], "arguments": ""}}]}
+            else:
+                d = {"tool_calls": [{"index": delta[1], "function": {"arguments": delta[2]}}]}
+            chunk = self.chunk(index, choice, None, logprobs if not out else None,
+                               include_usage=include_usage)
+            chunk["choices"][0]["delta"] = d
+            out.append(chunk)
+        if not out and self.top is not None and logprobs:
+            out.append(self.chunk(index, choice, None, logprobs, include_usage=include_usage))
         return out
 
     def usage_chunk(self, choices: list[Choice], prompt_lengths: list[int]) -> dict:

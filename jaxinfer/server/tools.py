@@ -1,10 +1,11 @@
-"""Tool calls in chat responses (docs/structured.md, "Tools").
+"""Tool calls in chat replies (docs/structured.md, "Tools"); the reply's
+text is read by `turns.TurnParser`.
 
 Two ways a reply carries calls:
 
 * forced (`tool_choice` "required" or naming a function): the reply is
   constrained to the function's `parameters` schema, and its whole text is
-  that call's `arguments` (`forced_tool_calls`);
+  that call's `arguments`;
 * "auto" (or `tools` without `tool_choice`): the tools go to the chat
   template, which must render them (`Tokenizer.renders_tools`), and the
   model writes free text. When the template is one that asks for Hermes-style
@@ -21,10 +22,6 @@ from typing import Optional
 
 HERMES_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-
-
-def _call(id_: str, name: str, arguments: str) -> dict:
-    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parse_hermes(text: str) -> Optional[tuple[Optional[str], list[tuple[str, str]]]]:
@@ -51,36 +48,6 @@ def parse_hermes(text: str) -> Optional[tuple[Optional[str], list[tuple[str, str
         calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
     content = text[:text.find(HERMES_START)]
     return (content or None), calls
-
-
-def forced_tool_calls(response: dict, tool: dict) -> dict:
-    """`response` (a chat completion) with each choice's text as the
-    arguments of a call to `tool` (a `tools[i]["function"]` dict);
-    finish_reason "stop" becomes "tool_calls"."""
-    for i, c in enumerate(response["choices"]):
-        call = _call(f"call_{response['id'][-12:]}{i}", tool["name"], c["message"]["content"])
-        c["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
-        if c["finish_reason"] == "stop":
-            c["finish_reason"] = "tool_calls"
-    return response
-
-
-def auto_tool_calls(response: dict) -> dict:
-    """`response` with Hermes-style calls parsed out of each choice's text
-    (`parse_hermes`): a choice with calls gets `tool_calls`, the text before
-    them as content, and finish_reason "tool_calls" in place of "stop"; a
-    choice without stays as it is."""
-    for i, c in enumerate(response["choices"]):
-        parsed = parse_hermes(c["message"]["content"])
-        if parsed is None:
-            continue
-        content, calls = parsed
-        c["message"] = {"role": "assistant", "content": content, "tool_calls": [
-            _call(f"call_{response['id'][-10:]}{i}_{j}", name, args)
-            for j, (name, args) in enumerate(calls)]}
-        if c["finish_reason"] == "stop":
-            c["finish_reason"] = "tool_calls"
-    return response
 
 
 def renders_hermes(template: Optional[str]) -> bool:

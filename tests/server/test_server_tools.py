@@ -1,9 +1,10 @@
-"""Tool calls without a server: Hermes-style parsing of free text, the
-response rewrites, and whether a chat template renders tools."""
+"""Tool calls without a server: Hermes-style parsing of free text and
+whether a chat template renders tools (the reply's reading:
+test_server_reasoning_tools.py)."""
 
 import pytest
 
-from jaxinfer.server.tools import auto_tool_calls, forced_tool_calls, parse_hermes, renders_hermes
+from jaxinfer.server.tools import parse_hermes, renders_hermes
 from structured_cases import ascii_tokenizer
 
 
@@ -26,32 +27,6 @@ def test_parse_hermes_splits_content_and_calls():
 ])
 def test_parse_hermes_leaves_text_without_well_formed_calls(text):
     assert parse_hermes(text) is None
-
-
-def _response(*texts, finish="stop"):
-    return {"id": "chatcmpl-0123456789abcdef", "choices": [
-        {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": finish}
-        for i, t in enumerate(texts)]}
-
-
-def test_auto_tool_calls_rewrites_only_choices_with_calls():
-    out = auto_tool_calls(_response('Hi<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
-                                    "plain"))
-    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hi", "tool_calls": [
-        {"id": "call_6789abcdef0_0", "type": "function",
-         "function": {"name": "f", "arguments": '{"a": 1}'}}]}
-    assert out["choices"][0]["finish_reason"] == "tool_calls"
-    assert out["choices"][1] == _response("x", "plain")["choices"][1]
-    cut = auto_tool_calls(_response('<tool_call>{"name": "f", "arguments": {}}', finish="length"))
-    assert cut["choices"][0]["finish_reason"] == "length"
-
-
-def test_forced_tool_calls_wraps_the_text_as_arguments():
-    out = forced_tool_calls(_response('{"a": 1}'), {"name": "f", "parameters": {}})
-    assert out["choices"][0] == {"index": 0, "finish_reason": "tool_calls", "message": {
-        "role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_456789abcdef0", "type": "function",
-             "function": {"name": "f", "arguments": '{"a": 1}'}}]}}
 
 
 @pytest.mark.parametrize("template, renders", [
