@@ -1,15 +1,15 @@
 // CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.cpu_kernels):
 //   JaxinferDecodeAttention  attention of one new token per row over its K/V cache buffer
-//   JaxinferPagedDecodeAttention  the same over a paged cache, pages read in place
 //   JaxinferChunkAttention   T new tokens per row, each with its own mask, over the buffer
 //   JaxinferCausalAttention  T tokens per row, causal by position, flash-style (prefill)
 //   JaxinferRaggedPagedAttention  a step's ragged segments of query tokens over a paged cache
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 //   JaxinferArgmaxFirst      each row's first maximum (greedy sampling)
-// FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
+// FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()). What this
+// file shares with quant_kernels.cc (vectors, exp, the thread-pool split) is in common.h.
 //
-// Both split their work into units shared by the calling thread and tasks it schedules
-// on XLA's intra-op thread pool (SharedWork below).
+// Each kernel splits its work into units shared by the calling thread and tasks it
+// schedules on XLA's intra-op thread pool (parallel_units, common.h).
 //
 // --- Decode attention ---
 // One new query token per row attends over the row's K/V cache buffer:
@@ -50,19 +50,6 @@
 // Flash-style (online softmax over key blocks), so the scores of a unit never exceed one
 // block, and key blocks outside every query's band are never read; see causal_unit.
 //
-// --- Paged decode attention ---
-// The same computation over a paged cache (PagedAttention, Kwon et al., SOSP 2023):
-//   q           f32  [B, K, G, H]
-//   k_pages     f32  [P, K, H, ps]  the pool of P pages of ps positions (keys minor)
-//   v_pages     f32  [P, K, ps, H]
-//   block_table s32  [B, M]         row b's position p lives in page block_table[b, p / ps]
-//   mask        pred [B, M * ps]    true = visible (index p = position p)
-//   out         f32  [B, K, G, H]
-// Each (row, kv head) unit reads the pages that overlap its visible span in place, as one
-// run of positions per page (`Run`): the dense kernel's loops over runs instead of one
-// contiguous span, so the sums are the dense kernel's, in the same order. Every
-// block-table entry of a visible position must name a page in [0, P).
-//
 // --- Packed matmul ---
 //   x      f32 [M, I]      M rows (tokens) of I input features
 //   packed f32 [P, I, 48]  W [I, O] cut into P = ceil(O / 48) column panels, the last one
@@ -77,78 +64,33 @@
 // benchmarks/README.md compares it with XLA:CPU's dots at the model's shapes. Work units
 // are (panel, block of up to 64 rows).
 
-#include <algorithm>
 #include <cmath>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-// Register blocking, chosen by the instruction set the build targets (-march=native, so
-// the CPU's own features): with AVX-512 (32 registers of 16 floats) one vector is 16
-// lanes and a matmul register block is 8 rows x 3 vectors (24 accumulators); with AVX2
-// (16 registers of 8 floats) 8 lanes and 4 rows x 3 vectors (12 accumulators). Either way
-// the block plus the 3 weight vectors and a broadcast fit the register file, so nothing
-// spills. kPanel (weight panel width) = 3 vectors; Python reads it (jaxinfer_panel_width).
+// Register blocking, chosen by the instruction set the build targets (kLanes, common.h):
+// with AVX-512 (32 registers of 16 floats) a matmul register block is 8 rows x 3 vectors
+// (24 accumulators); with AVX2 (16 registers of 8 floats) 4 rows x 3 vectors (12
+// accumulators). Either way the block plus the 3 weight vectors and a broadcast fit the
+// register file, so nothing spills. kPanel (weight panel width) = 3 vectors; Python reads
+// it (jaxinfer_panel_width).
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kRowBlock = 8;
 #else
-constexpr int kLanes = 8;
 constexpr int kRowBlock = 4;
 #endif
 constexpr int kPanelVectors = 3;
 constexpr int kPanel = kLanes * kPanelVectors;
 
-// kLanes floats in GCC/Clang vector extensions; unaligned loads and stores go through
-// the aligned(4) variants.
-typedef float v16 __attribute__((vector_size(4 * kLanes)));
-typedef float v16u __attribute__((vector_size(4 * kLanes), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t vu16 __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t vu16u __attribute__((vector_size(4 * kLanes), aligned(4)));
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline vu16 load_u32(const uint32_t* p) { return *reinterpret_cast<const vu16u*>(p); }
-inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-inline v16 splat(float x) { return v16{} + x; }
 template <typename To, typename From>
 inline To bit_cast(From x) {
   To y;
   std::memcpy(&y, &x, sizeof y);
   return y;
-}
-
-// exp(x) for x <= 0 (positive inputs are clamped to 0, below -87 to -87): x = n ln2 + r
-// with a two-part ln2 (Cody and Waite), exp(r) by the degree-6 polynomial of Cephes' expf,
-// 2^n built in the exponent bits. Relative error about 1e-7.
-inline v16 exp_nonpositive(v16 x) {
-  x = x > splat(0.0f) ? splat(0.0f) : x;
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // a * b + c rounded once, as an explicit instruction: the compiler's own contraction of
@@ -200,8 +142,8 @@ struct Dims {
 };
 
 // A run of consecutive cached positions stored contiguously: the key of its s-th position
-// is k[h * stride + s] (h = 0..H-1), its value v[s * H + h]. A dense row's visible span is
-// one run; a paged row's is one run per page it overlaps, in position order.
+// is k[h * stride + s] (h = 0..H-1), its value v[s * H + h]. A row's visible span is one
+// run or several, in position order; the sums do not depend on how it is cut.
 struct Run {
   const float* k;
   const float* v;
@@ -211,8 +153,7 @@ struct Run {
 
 // scores[g, s] = sum_h q[g, h] k[h, s] for the positions s of the runs (n in all, in order),
 // GN query heads at a time. Each run's rows of k are read front to back, kRows at once, so
-// the run streams sequentially; every score sums over h in the same order whatever the runs
-// (a paged row's scores are the dense kernel's, bit for bit).
+// the run streams sequentially; every score sums over h in the same order whatever the runs.
 template <int GN>
 void scores(const float* q, int64_t H, const Run* runs, int64_t num_runs, float* sc, int64_t ld,
             int64_t n) {
@@ -282,22 +223,6 @@ void weighted_values(const float* w, int64_t ld, const Run* runs, int64_t num_ru
     }
 }
 
-// Runs F<GN> over the G query heads of a kv head in groups of at most 4 (register budget).
-template <template <int> class F, typename... Args>
-void by_head_group(int64_t G, int64_t stride_first, int64_t stride_last, const float* first,
-                   float* last, Args... args) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* a = first + g0 * stride_first;
-    float* b = last + g0 * stride_last;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: F<1>::run(a, b, args...); break;
-      case 2: F<2>::run(a, b, args...); break;
-      case 3: F<3>::run(a, b, args...); break;
-      default: F<4>::run(a, b, args...); break;
-    }
-  }
-}
-
 template <int GN>
 struct Scores {
   static void run(const float* q, float* sc, int64_t H, const Run* runs, int64_t num_runs, int64_t ld,
@@ -313,14 +238,6 @@ struct WeightedValues {
     weighted_values<GN>(w, ld, runs, num_runs, H, out);
   }
 };
-
-// The visible span [lo, hi) of a row's mask of S entries (lo == hi: nothing visible).
-inline void visible_span(const bool* visible, int64_t S, int64_t& lo, int64_t& hi) {
-  lo = 0;
-  hi = S;
-  while (lo < S && !visible[lo]) ++lo;
-  while (hi > lo && !visible[hi - 1]) --hi;
-}
 
 // Scratch for a unit whose span is [lo, lo + n): G rows of scores and a keep row (1 where
 // visible, 0 elsewhere and in the padding), each ld = n rounded up to kLanes long.
@@ -340,22 +257,7 @@ void masked_softmax_rows(float* sc, int64_t G, int64_t n, int64_t ld) {
   for (int64_t g = 0; g < G; ++g) {  // masked softmax in place, over [0, ld)
     float* row = sc + g * ld;
     std::fill(row + n, row + ld, 0.0f);
-    v16 mx = splat(-3.0e38f);
-    for (int64_t s = 0; s < ld; s += kLanes) {
-      const v16 x = load(keep + s) > splat(0.0f) ? load(row + s) : mx;
-      mx = x > mx ? x : mx;
-    }
-    float row_max = mx[0];
-    for (int j = 1; j < kLanes; ++j) row_max = std::max(row_max, mx[j]);
-    v16 sum = {};
-    for (int64_t s = 0; s < ld; s += kLanes) {
-      const v16 e = exp_nonpositive(load(row + s) - row_max) * load(keep + s);
-      store(row + s, e);
-      sum += e;
-    }
-    float total = 0.0f;
-    for (int j = 0; j < kLanes; ++j) total += sum[j];
-    const v16 inv = splat(1.0f / total);  // total >= 1: the max itself contributes exp(0)
+    const v16 inv = splat(1.0f / masked_exp_row(row, keep, ld));  // the sum is >= 1
     for (int64_t s = 0; s < ld; s += kLanes) store(row + s, load(row + s) * inv);
   }
 }
@@ -367,11 +269,7 @@ template <typename RunsOf>
 void attend_span(int64_t G, int64_t H, const float* q, const bool* visible, int64_t S, float* o,
                  std::vector<float>& scratch, RunsOf runs_of) {
   int64_t lo, hi, ld;
-  visible_span(visible, S, lo, hi);
-  if (lo == hi) {
-    std::fill(o, o + G * H, 0.0f);
-    return;
-  }
+  if (!visible_span(visible, S, lo, hi, o, G * H)) return;
   const int64_t n = hi - lo;
   float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
   thread_local std::vector<Run> runs;
@@ -393,59 +291,6 @@ void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, co
                 runs.push_back(Run{k + bk * H * S + lo, v + (bk * S + lo) * H, S, hi - lo});
               });
 }
-
-struct PagedDims {
-  int64_t B, K, G, H, P, ps, M;
-};
-
-// One (row, kv head) unit of a paged cache: one run per page its span overlaps, read in place.
-void attend_paged_unit(const PagedDims& d, int64_t unit, const float* q, const float* kp,
-                       const float* vp, const int32_t* block_table, const bool* mask, float* out,
-                       std::vector<float>& scratch) {
-  const int64_t H = d.H, ps = d.ps, S = d.M * ps, b = unit / d.K, kh = unit % d.K;
-  const int32_t* pages = block_table + b * d.M;
-  attend_span(d.G, H, q + unit * d.G * H, mask + b * S, S, out + unit * d.G * H, scratch,
-              [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
-                for (int64_t i = lo / ps; i <= (hi - 1) / ps; ++i) {  // [a, z): the span in page i
-                  const int64_t a = std::max(lo, i * ps), z = std::min(hi, (i + 1) * ps);
-                  const int64_t base = pages[i] * d.K + kh, off = a - i * ps;
-                  runs.push_back(Run{kp + base * H * ps + off, vp + (base * ps + off) * H, ps, z - a});
-                }
-              });
-}
-
-// Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
-// pool tasks, which claim units from a shared counter. Returns when every unit is done.
-// A task that starts late finds nothing left, so the caller never waits on a task that
-// has not started (no deadlock when the pool is busy).
-template <typename Unit>
-void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
-  struct Shared {
-    Shared(Unit unit, int64_t units) : unit(unit), units(units) {}
-    Unit unit;
-    int64_t units;
-    std::atomic<int64_t> next{0}, finished{0};
-    void run() {
-      for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-        unit(u);
-        finished.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto shared = std::make_shared<Shared>(unit, units);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->run(); });
-  shared->run();
-  // Every unit is claimed; wait for the ones other threads are still computing.
-  while (shared->finished.load(std::memory_order_acquire) < units) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-}
-
-using Tensor4 = ffi::Buffer<ffi::F32, 4>;
-using Mask2 = ffi::Buffer<ffi::PRED, 2>;
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v, Mask2 mask,
                            ffi::Result<Tensor4> out) {
@@ -749,35 +594,6 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v
 
 using Table2 = ffi::Buffer<ffi::S32, 2>;
 
-ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v, Table2 table,
-                                Mask2 mask, ffi::Result<Tensor4> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = table.dimensions(),
-             md = mask.dimensions();
-  const PagedDims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[1]};
-  if (kd[1] != d.K || kd[2] != d.H || vd[0] != d.P || vd[1] != d.K || vd[2] != d.ps ||
-      vd[3] != d.H || td[0] != d.B || md[0] != d.B || md[1] != d.M * d.ps)
-    return ffi::Error::InvalidArgument(
-        "paged_decode_attention: expected q [B,K,G,H], k [P,K,H,ps], v [P,K,ps,H], "
-        "block_table [B,M], mask [B,M*ps]");
-  const int32_t* tp = table.typed_data();
-  const bool* mp = mask.typed_data();
-  for (int64_t b = 0; b < d.B; ++b) {  // the pages each row's visible span reads must exist
-    int64_t lo, hi;
-    visible_span(mp + b * d.M * d.ps, d.M * d.ps, lo, hi);
-    for (int64_t i = lo / d.ps; lo < hi && i <= (hi - 1) / d.ps; ++i)
-      if (tp[b * d.M + i] < 0 || tp[b * d.M + i] >= d.P)
-        return ffi::Error::InvalidArgument(
-            "paged_decode_attention: a visible position's block-table entry is not a page");
-  }
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float* op = out->typed_data();
-  parallel_units(pool, d.B * d.K, [=](int64_t unit) {
-    thread_local std::vector<float> scratch;
-    attend_paged_unit(d, unit, qp, kp, vp, tp, mp, op, scratch);
-  });
-  return ffi::Error::Success();
-}
-
 // --- Ragged paged attention ---
 // One scheduler step's T query tokens, flat, in R segments, over a paged cache that already
 // holds the step's own K/V (the caller writes them first):
@@ -808,10 +624,9 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
 // (the values' scalar column tail by explicit FMAs). So a prompt run whole, in chunks or one
 // token at a time gives bitwise identical outputs, whatever the page size
 // (tests/kernels/test_ragged_attention.py).
-// One-token segments (decode) take the same path: reading keys in place, it is no slower
-// than PagedDecodeAttention on SmolLM2's decode shapes (measured when this kernel was added;
-// gathering every key block into the copy, as ps = 8 still does with AVX-512, about doubled
-// its time there).
+// One-token segments (decode) take the same path: reading keys in place, it ran SmolLM2's
+// decode shapes as fast as a decode-only paged kernel did; gathering every key block into
+// the copy, as ps = 8 still does with AVX-512, about doubled its time there.
 struct RaggedDims {
   int64_t T, K, G, H, P, ps, S, M, R, window;
   int64_t Tq;  // query tokens per unit
@@ -1240,16 +1055,12 @@ void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const uint32_t* w, f
 constexpr bool kHasBf16Dot = false;
 #endif
 
-using Matrix2 = ffi::Buffer<ffi::F32, 2>;
 using Panels3 = ffi::Buffer<ffi::F32, 3>;
 using Bf16Panels3 = ffi::Buffer<ffi::BF16, 3>;
 
-// The rows operand of the packed matmuls: x's first `rows` rows (clamped to [0, M]) are
-// computed, the other rows of out are zeros (a serving step's padding).
-using Rows = ffi::BufferR0<ffi::S32>;
-
+// valid_rows (common.h), with the other rows of out [M, O] zeroed.
 inline int64_t computed_rows(Rows& rows, float* out, int64_t M, int64_t O) {
-  const int64_t n = std::clamp<int64_t>(rows.typed_data()[0], 0, M);
+  const int64_t n = valid_rows(rows, M);
   std::fill(out + n * O, out + M * O, 0.0f);
   return n;
 }
@@ -1373,10 +1184,7 @@ ArgmaxPart argmax_span(const float* x, int64_t a, int64_t b) {
   return part;
 }
 
-using Matrix2f = ffi::Buffer<ffi::F32, 2>;
-using Vector1s = ffi::Buffer<ffi::S32, 1>;
-
-ffi::Error ArgmaxFirst(ffi::ThreadPool pool, Matrix2f x, ffi::Result<Vector1s> out) {
+ffi::Error ArgmaxFirst(ffi::ThreadPool pool, Matrix2 x, ffi::Result<Vector1i> out) {
   const int64_t B = x.dimensions()[0], V = x.dimensions()[1];
   if (out->dimensions()[0] != B)
     return ffi::Error::InvalidArgument("argmax_first: expected x [B, V] and out [B]");
@@ -1468,16 +1276,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCausalAttention, CausalAttention,
                                   .Attr<int64_t>("window")
                                   .Ret<Tensor5>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Table2>()
-                                  .Arg<Mask2>()
-                                  .Ret<Tensor4>());
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1512,8 +1310,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferArgmaxFirst, ArgmaxFirst,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2f>()
-                                  .Ret<Vector1s>());
+                                  .Arg<Matrix2>()
+                                  .Ret<Vector1i>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferReadSum, ReadSum,
                               ffi::Ffi::Bind()

@@ -5,7 +5,8 @@
 //                                with int8_activations, x rounded to int8 first (AVX512-VNNI or AVX2)
 //   JaxinferBf16Matmul           x @ W, W bfloat16
 //   JaxinferDecodeAttentionInt8  decode attention over an int8 K/V cache buffer
-// FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
+// FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()). What this
+// file shares with cpu_kernels.cc (vectors, exp, the thread-pool split) is in common.h.
 //
 // --- Quantized matmuls ---
 // W [K, N] is packed, like jaxinfer.kernels.cpu.PackedWeight, into P = ceil(N / 48) column
@@ -45,42 +46,15 @@
 // The same function as cpu_kernels.cc's JaxinferDecodeAttention on the dequantized K/V: the
 // key scale multiplies each score, and the value scale is folded into each softmax weight.
 
-#include <algorithm>
-#include <atomic>
 #include <cstdlib>
-#include <cstdint>
-#include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-// One vector: 16 float lanes with AVX-512, 8 with AVX2 (and the scalar fallback), so that a
-// vector is one register either way (a 64-byte vector on AVX2 is two, and GCC keeps arrays
-// of them in memory).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float v16 __attribute__((vector_size(4 * kLanes)));
-typedef float v16u __attribute__((vector_size(4 * kLanes), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(4 * kLanes)));
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-inline v16 splat(float x) { return v16{} + x; }
 // kLanes codes to float32 lanes. GCC 12 lowers __builtin_convertvector from 8- and 16-bit
 // lanes to scalar code, so the AVX-512 and AVX2 builds use the conversion instructions.
 #if defined(__AVX512F__)
@@ -141,42 +115,6 @@ inline v16 load_bf16(const uint16_t* p) {
   return r;
 }
 #endif
-
-// Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
-// pool tasks that claim units from a shared counter; returns when every unit is done. A task
-// that starts late finds nothing left, so the caller never waits on one that has not
-// started. (The scheme of cpu_kernels.cc, plus yielding while it waits.)
-template <typename Unit>
-void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
-  struct Shared {
-    Shared(Unit unit, int64_t units) : unit(unit), units(units) {}
-    Unit unit;
-    int64_t units;
-    std::atomic<int64_t> next{0}, finished{0};
-    void run() {
-      for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-        unit(u);
-        finished.fetch_add(1, std::memory_order_release);
-      }
-    }
-  };
-  auto shared = std::make_shared<Shared>(unit, units);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, units - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->run(); });
-  shared->run();
-  // Wait for units other threads are still computing: spin briefly, then yield the core,
-  // so that a helper the OS preempted mid-unit (a busy machine) gets it back at once
-  // instead of after this thread's time slice.
-  for (int spins = 0; shared->finished.load(std::memory_order_acquire) < units; ++spins) {
-    if (spins < 256) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
 
 // Software prefetch of the weight codes `prefetch_distance` bytes ahead of the read, into
 // every cache level (T0): on Intel the hardware prefetcher alone left the code stream
@@ -491,16 +429,9 @@ void quant_matmul(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
   });
 }
 
-using Matrix2 = ffi::Buffer<ffi::F32, 2>;
 using Int8Panels = ffi::Buffer<ffi::S8, 3>;
 using Q4Panels = ffi::Buffer<ffi::U8, 3>;
 using Bf16Panels = ffi::Buffer<ffi::BF16, 3>;
-// The rows operand: how many leading rows of x to compute (clamped to [0, M]).
-using Rows = ffi::BufferR0<ffi::S32>;
-
-inline int64_t valid_rows(Rows& rows, int64_t M) {
-  return std::clamp<int64_t>(rows.typed_data()[0], 0, M);
-}
 
 // Checks x [M, K], codes [P, K / step, 48], scale/min [P, nb, 48] (nb dividing K into blocks
 // of an even number of rows when step is 2) and out [M, N] with (P - 1) * 48 < N <= P * 48.
@@ -894,25 +825,6 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuf
 
 // --- int8 decode attention ---
 
-// exp(x) for x <= 0 (clamped to [-87, 0]): Cody-Waite reduction, Cephes' expf polynomial,
-// 2^n in the exponent bits; relative error about 1e-7 (as in cpu_kernels.cc).
-inline v16 exp_nonpositive(v16 x) {
-  x = x > splat(0.0f) ? splat(0.0f) : x;
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 struct AttnDims {
   int64_t B, K, G, H, S;
 };
@@ -966,21 +878,6 @@ void int8_weighted_values(const float* w, int64_t ld, int64_t n, const int8_t* v
     }
 }
 
-template <template <int> class F, typename... Args>
-void by_head_group(int64_t G, int64_t stride_first, int64_t stride_last, const float* first,
-                   float* last, Args... args) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* a = first + g0 * stride_first;
-    float* b = last + g0 * stride_last;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: F<1>::run(a, b, args...); break;
-      case 2: F<2>::run(a, b, args...); break;
-      case 3: F<3>::run(a, b, args...); break;
-      default: F<4>::run(a, b, args...); break;
-    }
-  }
-}
-
 template <int GN>
 struct Int8Scores {
   static void run(const float* q, float* sc, int64_t H, const int8_t* k, int64_t S, int64_t ld,
@@ -1012,13 +909,8 @@ void attend_unit_int8(const AttnDims& d, int64_t unit, const AttnArgs& a, std::v
   const int64_t G = d.G, H = d.H, S = d.S;
   const bool* visible = a.mask + (unit / d.K) * S;
   float* o = a.out + unit * G * H;
-  int64_t lo = 0, hi = S;
-  while (lo < S && !visible[lo]) ++lo;
-  while (hi > lo && !visible[hi - 1]) --hi;
-  if (lo == hi) {
-    std::fill(o, o + G * H, 0.0f);
-    return;
-  }
+  int64_t lo, hi;
+  if (!visible_span(visible, S, lo, hi, o, G * H)) return;
   const int64_t n = hi - lo, ld = (n + kLanes - 1) / kLanes * kLanes;
   scratch.assign((G + 2) * ld, 0.0f);
   float* sc = scratch.data();
@@ -1031,35 +923,17 @@ void attend_unit_int8(const AttnDims& d, int64_t unit, const AttnArgs& a, std::v
     ks[s] = kscale[s];
   }
   by_head_group<Int8Scores>(G, H, ld, a.q + unit * G * H, sc, H, a.k + unit * H * S + lo, S, ld, n);
-  for (int64_t g = 0; g < G; ++g) {  // scale, masked softmax, value scale; over [0, ld)
+  for (int64_t g = 0; g < G; ++g) {  // key scale, masked softmax, value scale; over [0, ld)
     float* row = sc + g * ld;
-    v16 mx = splat(-3.0e38f);
-    for (int64_t s = 0; s < ld; s += kLanes) {
-      const v16 x = load(row + s) * load(ks + s);
-      store(row + s, x);
-      const v16 y = load(keep + s) > splat(0.0f) ? x : mx;
-      mx = y > mx ? y : mx;
-    }
-    float row_max = mx[0];
-    for (int j = 1; j < kLanes; ++j) row_max = std::max(row_max, mx[j]);
-    v16 sum = {};
-    for (int64_t s = 0; s < ld; s += kLanes) {
-      const v16 e = exp_nonpositive(load(row + s) - row_max) * load(keep + s);
-      store(row + s, e);
-      sum += e;
-    }
-    float total = 0.0f;
-    for (int j = 0; j < kLanes; ++j) total += sum[j];
-    const float inv = 1.0f / total;  // total >= 1: the max itself contributes exp(0)
+    for (int64_t s = 0; s < ld; s += kLanes) store(row + s, load(row + s) * load(ks + s));
+    const float inv = 1.0f / masked_exp_row(row, keep, ld);  // the sum is >= 1
     for (int64_t s = 0; s < n; ++s) row[s] *= inv * vscale[s];
   }
   by_head_group<Int8WeightedValues>(G, ld, H, sc, o, ld, n, a.v + (unit * S + lo) * H, H);
 }
 
-using Tensor4 = ffi::Buffer<ffi::F32, 4>;
 using Codes4 = ffi::Buffer<ffi::S8, 4>;
 using Scales3 = ffi::Buffer<ffi::F32, 3>;
-using Mask2 = ffi::Buffer<ffi::PRED, 2>;
 
 ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, Tensor4 q, Codes4 k, Scales3 k_scale, Codes4 v,
                                Scales3 v_scale, Mask2 mask,

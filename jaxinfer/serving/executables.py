@@ -15,7 +15,7 @@ trace instead, and keeps the executable itself
   installed packages (a "python:" model, research code), and of every
   module it imports from outside them, so an edited model is compiled again;
 * a fingerprint of everything else a trace can read: jaxinfer's source files
-  (.py and .cc), the Python, jax and jaxlib versions, the platform and its
+  (.py, .cc and .h), the Python, jax and jaxlib versions, the platform and its
   version, JAX's config values (its cache settings aside), the
   `JAXINFER_*` and `XLA_*` environment variables and the CPU's flags.
 
@@ -264,7 +264,7 @@ def brought_digest() -> str:
 def _source_digest() -> str:
     root = pathlib.Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc", ".h")):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
