@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import collections
 import dataclasses
 import json
 import time
@@ -52,7 +53,7 @@ from jaxinfer.server.messages import MessagesRoute
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCompletionRequest,
                                       CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                      check_messages, error_body)
+                                      can_start, check_messages, error_body)
 from jaxinfer.server.responses import Choice, Formatter, TokenText
 from jaxinfer.server.responses_api import ResponsesRoute
 from jaxinfer.server.tools import renders_hermes
@@ -119,6 +120,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(settings.model_name,
                                      kv_bytes_per_position(llm.config, dtype_bytes))
         self.created = int(time.time())
+        self._startable: collections.OrderedDict = collections.OrderedDict()
         self.app = self._build_app()
 
     # --- the app -------------------------------------------------------------------------
@@ -307,11 +309,20 @@ class OpenAIServer:
         loop), so that a bad one is a 400 before any work starts."""
         spec = body.structured_output()
         if spec is not None:
+            param = _constraint_param(body)
             try:
-                await asyncio.to_thread(self.llm.grammars.compile, spec)
+                compiled = await asyncio.to_thread(self.llm.grammars.compile, spec)
             except ValueError as e:
-                param = _constraint_param(body)
                 raise APIError(400, f"{param}: {e}", param=param) from None
+            ok = self._startable.pop(spec, None)       # the answer per spec, kept (LRU)
+            if ok is None:
+                ok = await asyncio.to_thread(can_start, compiled, self.llm.grammars.vocab_size)
+            self._startable[spec] = ok
+            while len(self._startable) > 256:
+                self._startable.popitem(last=False)
+            if not ok:
+                raise APIError(400, f"{param}: no token of this model's vocabulary can start "
+                               "the text it allows", param=param)
 
     def _check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.settings.model_name:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.config import StructuredOutput
 from jaxinfer.serving.request import MAX_LOGPROBS
 from jaxinfer.sampling import MAX_SEED
+from jaxinfer.sampling.host_grammar import HostGrammar
 from jaxinfer.server.turns import template_message
 
 # Choices per request at most (each one is a request in the engine).
@@ -319,6 +321,25 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, f"tool_choice names no function in tools: {choice!r}",
                            param="tool_choice")
         return functions[name]
+
+
+def can_start(compiled, vocab_size: int) -> bool:
+    """Whether a compiled constraint (`GrammarCompiler.compile`'s result)
+    allows some first token: a vocabulary that cannot write its text (JSON
+    with no '{' token) allows none, and the request would fail in the engine."""
+    if isinstance(compiled, HostGrammar):       # the mask's tokens, checked by consuming one
+        words = np.zeros((1, (vocab_size + 31) // 32), np.int32)
+        compiled.matcher().fill(words, 0)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
+        for token in np.flatnonzero(bits)[:8]:
+            try:
+                compiled.matcher([int(token)])
+                return True
+            except ValueError:      # masked in but refused (the toy's <unk>)
+                continue
+        return False
+    first = compiled.initial
+    return bool(compiled.starts[first + 1] > compiled.starts[first] or compiled.final[first])
 
 
 def check_messages(messages: list[ChatMessage]) -> None:

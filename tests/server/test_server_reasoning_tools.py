@@ -140,3 +140,14 @@ def test_tool_call_turns_reach_the_template(served):
         {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert r.usage.prompt_tokens == len('u:hia:(set_colour{"colour": "red"})t:done')
+
+
+def test_a_constraint_no_token_can_start_is_400(served):
+    """The character vocabulary has no 'é': the request is refused before it
+    runs (it would fail in the engine at its first token)."""
+    _, client = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, extra_body={"guided_regex": "é+"})
+    assert e.value.body["message"] == ("guided_regex: no token of this model's vocabulary can "
+                                       "start the text it allows")
+    assert e.value.body["param"] == "guided_regex"
