@@ -1,13 +1,18 @@
-"""A hypothesis fuzz of `jaxinfer serve`'s two completion routes on the
-trained toy (max_seq_len 32): generated bodies (valid ones, valid ones with
-fields replaced by junk, wrong types, nulls, huge numbers, unicode, nested
-junk, raw bytes) each get a 2xx or a 4xx with OpenAI's error JSON; never a
-500, a hang (each answer within the client's timeout) or a dead engine.
-1,000 bodies per route. In the slow set: the first use of each sampling
-variant compiles its programs, minutes in all on a busy machine.
+"""A hypothesis fuzz of `jaxinfer serve`'s completion, chat, Messages
+(Anthropic) and Responses routes on the trained toy (max_seq_len 32):
+generated bodies (valid ones, valid ones with fields replaced by junk, wrong
+types, nulls, huge numbers, unicode, nested junk, raw bytes; chat with
+tools, tool_choice and response_format; the new routes with their content
+blocks, items, tools, tool_choice and text.format) each get a 2xx or a 4xx
+with the route's error JSON; never a 500, a hang (each answer within the
+client's timeout) or a dead engine; at the end every slot and page is free.
+1,000 bodies per route ($JAXINFER_FUZZ_CASES for a shorter run). In the
+slow set: the first use of each sampling variant compiles its programs,
+and each schema its grammar, minutes in all on a busy machine.
 """
 
 import json
+import os
 import traceback
 
 import pytest
@@ -16,9 +21,10 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from toy_server import CHAT, COMPLETIONS, MODEL, toy_server  # noqa: E402
+from toy_server import CHAT, COMPLETIONS, MODEL, assert_idle_and_clean, toy_server  # noqa: E402
 
-FUZZ_CASES = 1000           # per route
+FUZZ_CASES = int(os.environ.get("JAXINFER_FUZZ_CASES", 1000))           # per route
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +93,8 @@ def _bodies(draw, route: dict):
     if kind == "junk":
         return draw(JUNK)
     fields = {**_VALID, **route}
-    required = {"model": st.just(MODEL), **{k: route[k] for k in ("messages", "prompt") if k in route}}
+    required = {"model": st.just(MODEL), **{k: route[k] for k in ("messages", "prompt", "input")
+                                            if k in route}}
     body = draw(st.fixed_dictionaries(required, optional={k: v for k, v in fields.items()
                                                           if k not in required}))
     if kind != "valid":
@@ -101,9 +108,74 @@ def _bodies(draw, route: dict):
     return body
 
 
+# A few schemas only: each new one compiles its grammar (seconds on the toy's vocabulary).
+_SCHEMA = st.sampled_from([{"type": "object", "properties": {"a": {"type": "integer"}}},
+                           {"type": "object", "properties": {"b": {"enum": ["x", "y"]}}}])
+_TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]), "parameters": _SCHEMA})})
 CHAT_BODIES = _bodies({"messages": st.lists(_MESSAGE, min_size=1, max_size=3),
                        "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
-                       "max_completion_tokens": st.integers(1, 4)})
+                       "max_completion_tokens": st.integers(1, 4),
+                       "tools": st.lists(_TOOL, max_size=2),
+                       "tool_choice": st.sampled_from(["none", "auto", "required"]) | st.builds(
+                           lambda n: {"type": "function", "function": {"name": n}},
+                           st.sampled_from(["f", "g", "h"])),
+                       "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])
+                       | st.builds(lambda s: {"type": "json_schema", "json_schema": {"schema": s}},
+                                   _SCHEMA),
+                       "chat_template_kwargs": st.dictionaries(_TEXT, JUNK, max_size=2)})
+
+_BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": _TEXT, "name": _TEXT,
+                           "input": st.dictionaries(_TEXT, JUNK, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": _TEXT},
+                          optional={"content": _TEXT | st.lists(st.fixed_dictionaries(
+                              {"type": st.just("text"), "text": _TEXT}), max_size=2),
+                              "is_error": st.booleans()}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "image", "document"])},
+                          optional={"thinking": _TEXT, "source": JUNK}),
+    JUNK)
+_ANTHROPIC_TOOL = st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
+                                         "input_schema": _SCHEMA},
+                                        optional={"description": _TEXT, "type": st.sampled_from(
+                                            ["custom", "bash_20250124"])})
+MESSAGES_BODIES = _bodies({
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant"]),
+        "content": _TEXT | st.lists(_BLOCK, max_size=3)}), min_size=1, max_size=3),
+    "max_tokens": st.integers(1, 4), "system": _TEXT | st.lists(_PART, max_size=2),
+    "stop_sequences": st.lists(_TEXT, max_size=2), "tools": st.lists(_ANTHROPIC_TOOL, max_size=2),
+    "tool_choice": st.builds(lambda t, n: {"type": t, "name": n},
+                             st.sampled_from(["auto", "any", "tool", "none", "x"]),
+                             st.sampled_from(["f", "g"])),
+    "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"},
+                                 {"type": "x"}]),
+    "metadata": st.just({"user_id": "u"})})
+_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant",
+                                                    "tool"]),
+                           "content": _TEXT | st.lists(st.fixed_dictionaries({
+                               "type": st.sampled_from(["input_text", "output_text",
+                                                        "input_image"]), "text": _TEXT}),
+                               max_size=2)}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": _TEXT,
+                           "name": _TEXT, "arguments": _TEXT}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _TEXT,
+                           "output": _TEXT}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "x"])}),
+    JUNK)
+RESPONSES_BODIES = _bodies({
+    "input": _TEXT | st.lists(_ITEM, min_size=1, max_size=3), "instructions": _TEXT,
+    "max_output_tokens": st.integers(1, 4), "store": st.sampled_from([False, None, True]),
+    "tools": st.lists(st.builds(lambda n, p: {"type": "function", "name": n, "parameters": p},
+                                st.sampled_from(["f", "g"]), _SCHEMA), max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
+    "text": st.builds(lambda f: {"format": f}, st.sampled_from([{"type": "text"},
+                                                                {"type": "json_object"}])
+                      | st.builds(lambda s: {"type": "json_schema", "name": "s", "schema": s},
+                                  _SCHEMA)),
+    "previous_response_id": st.just("resp_1"), "parallel_tool_calls": st.booleans()})
 COMPLETION_BODIES = _bodies({"prompt": _TEXT | _IDS | st.lists(_TEXT, min_size=1, max_size=2)
                              | st.lists(_IDS, min_size=1, max_size=2),
                              "logprobs": st.integers(0, 3)})
@@ -114,23 +186,44 @@ def _engine_error(server) -> str:
     return "" if error is None else "".join(traceback.format_exception(error))
 
 
-def _check_answer(r, server) -> None:
-    """2xx (a stream's events are JSON, none an error) or 4xx with OpenAI's error JSON."""
+def _events(r) -> list[dict]:
+    """A stream's data lines as JSON ([DONE] dropped)."""
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def _check_answer(r, server, path: str = CHAT) -> None:
+    """2xx (a stream's events are JSON, none an error) or 4xx with the
+    route's error JSON (Anthropic's on /v1/messages, else OpenAI's)."""
     assert r.status_code < 500, (r.text, _engine_error(server))
     if r.status_code >= 400:
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}
+        body = r.json()
+        if path == MESSAGES:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+            error = body["error"]
+        else:
+            error = body["error"]
+            assert set(error) == {"message", "type", "param", "code"}
         assert isinstance(error["message"], str) and error["message"]
         assert error["type"] == "invalid_request_error"
         return
-    if r.headers["content-type"].startswith("text/event-stream"):
-        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert lines[-1] == "[DONE]"
-        for line in lines[:-1]:
-            assert "error" not in json.loads(line), line
+    streamed = r.headers["content-type"].startswith("text/event-stream")
+    if path == MESSAGES:
+        events = _events(r) if streamed else [r.json()]
+        assert all(e["type"] != "error" for e in events), events
+        last = events[-1] if not streamed else events[-2]["delta"]
+        assert last["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+    elif path == RESPONSES:
+        events = _events(r) if streamed else [{"response": r.json()}]
+        assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+    elif streamed:
+        assert r.text.rstrip().endswith("data: [DONE]")
+        for event in _events(r):
+            assert "error" not in event, event
     else:
         choices = r.json()["choices"]
-        assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices)
+        assert choices and all(c["finish_reason"] in ("stop", "length", "tool_calls")
+                               for c in choices)
 
 
 def _fuzz_test(path: str, bodies, cases: int):
@@ -142,16 +235,19 @@ def _fuzz_test(path: str, bodies, cases: int):
     def test(server, http, body):
         raw = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
         _check_answer(http.post(path, content=raw, headers={"Content-Type": "application/json"}),
-                      server[0])
+                      server[0], path)
     return test
 
 
 test_fuzz_chat_completions = _fuzz_test(CHAT, CHAT_BODIES, FUZZ_CASES)
 test_fuzz_completions = _fuzz_test(COMPLETIONS, COMPLETION_BODIES, FUZZ_CASES)
+test_fuzz_messages = _fuzz_test(MESSAGES, MESSAGES_BODIES, FUZZ_CASES)
+test_fuzz_responses = _fuzz_test(RESPONSES, RESPONSES_BODIES, FUZZ_CASES)
 
 
 def test_the_server_is_alive_after_the_fuzz(server, http):
     assert server[0].engine.engine.error is None
+    assert_idle_and_clean(server[0])
     assert http.get("/health").json() == {"status": "ok"}
     body = json.dumps({"model": MODEL, "prompt": "你好", "max_tokens": 2}).encode()
     r = http.post(COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
