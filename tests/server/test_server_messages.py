@@ -6,6 +6,7 @@ blocks, tool_use (forced and auto) and a tool_result round trip,
 count_tokens, and Anthropic's error JSON for bad input."""
 
 import json
+import pathlib
 import re
 
 import pytest
@@ -17,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 from agent_cases import HERMES, MODEL, TOOL, agent_server, forced_output  # noqa: E402
+from jaxinfer.server import ServerThread, build_server  # noqa: E402
 
 HI = [{"role": "user", "content": "hi"}]
 SCHEMA = TOOL["function"]["parameters"]
@@ -167,3 +169,42 @@ def test_sdk_errors_and_an_unknown_model(served):
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"].startswith("malformed JSON body")
+
+
+def _readme_block(containing: str) -> str:
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if containing in b]
+    return block.replace('model="smollm2-135m-instruct"', f'model="{MODEL}"')
+
+
+def test_the_readme_example_runs_as_written(served, capsys):
+    """README's Messages and streamed tool call example, after its tool
+    example, against this server (only the model name and the URL differ)."""
+    _, url, _, chat = served
+    namespace = {"client": chat}
+    exec(_readme_block("response_format"), namespace)
+    code = _readme_block("anthropic.Anthropic").replace("http://127.0.0.1:8000", url)
+    capsys.readouterr()
+    exec(code, namespace)
+    text, arguments = capsys.readouterr().out.splitlines()
+    assert text == namespace["message"].content[0].text
+    jsonschema.validate(json.loads(arguments), namespace["weather"]["function"]["parameters"])
+
+
+def test_api_key_as_x_api_key_or_bearer_and_anthropic_401(served):
+    server = served[0]
+    keyed = build_server(server.llm, model_name=MODEL, max_num_seqs=2, max_waiting_requests=4,
+                         api_key="k3y")
+    with ServerThread(keyed.app) as url:
+        body = {"model": MODEL, "max_tokens": 2, "messages": HI}
+        r = httpx.post(url + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 401 and r.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": "invalid or missing API key: send "
+            "'Authorization: Bearer <key>' (or 'x-api-key: <key>')"}}
+        for headers in ({"x-api-key": "k3y"}, {"Authorization": "Bearer k3y"}):
+            assert httpx.post(url + "/v1/messages", json=body, headers=headers,
+                              timeout=300).status_code == 200
+        assert anthropic.Anthropic(base_url=url, api_key="k3y", max_retries=0).messages.create(
+            **body).usage.output_tokens == 2
+        r = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -186,7 +186,7 @@ def _readme_block(containing: str) -> str:
 def test_the_readme_example_runs_as_written(client, capsys):
     """README's structured-output example, run against this server (only the
     model name differs): its request fields are ones the server takes."""
-    code = _readme_block("tool_choice")
+    code = _readme_block("response_format")
     assert code.count('model="smollm2-135m-instruct"') == 2
     namespace = {"client": client}
     exec(code.replace('model="smollm2-135m-instruct"', 'model="tiny"'), namespace)
