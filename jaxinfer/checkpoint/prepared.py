@@ -24,8 +24,10 @@ prepared params depend on:
 * the dtype, and the kernel packing: whether weights are packed, and
   `kernels.packed.PACK_VERSION` / the build's panel width;
 * the layout: a digest of the source code of the modules that produce the
-  params (`PRODUCER_MODULES`), so a changed conversion, layout or packing never
-  reuses an old entry, plus the jax, numpy and gguf versions and this module's
+  params (`PRODUCER_MODULES`: the shared conversion, packing and quantization
+  code, and the modules of every built-in model family, taken from the
+  registry), so a changed conversion, layout or packing never reuses an old
+  entry, plus the jax, numpy and gguf versions and this module's
   `FORMAT_VERSION`.
 
 Any pytree works (dicts, tuples, lists, None, and `jaxinfer.pytree` (or `flax.struct`) dataclasses
@@ -61,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.progress import Progress
 from jaxinfer.kernels import cpu as cpu_kernels
@@ -71,15 +74,17 @@ from jaxinfer.config import cache_dir
 FORMAT_VERSION = 2   # 2: tensors 64-byte aligned (mapped without a copy)
 SWITCH = "JAXINFER_LOAD_CACHE"     # "0" turns the load cache off
 log = logging.getLogger(__name__)
-# Modules whose code decides the prepared params' values or layout. A module
-# added to that path (e.g. a quantizer prepare_params calls) belongs here.
-PRODUCER_MODULES = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.kernels.packed",
-                    "jaxinfer.config", "jaxinfer.config.model",
-                    "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
-                    "jaxinfer.checkpoint.gguf_blocks", "jaxinfer.checkpoint.safetensors",
-                    "jaxinfer.weights.quant", "jaxinfer.models.base", "jaxinfer.models.hf_keys",
-                    "jaxinfer.models.gguf_keys", "jaxinfer.models.llama", "jaxinfer.models.gemma3",
-                    "jaxinfer.models.qwen3", "jaxinfer.pytree")
+# Modules whose code decides the prepared params' values or layout: the shared
+# path, by hand (a module added to it, e.g. a quantizer prepare_params calls,
+# belongs here), then every built-in family's modules, from the registry.
+_SHARED_PRODUCERS = ("jaxinfer.weights.prepare", "jaxinfer.kernels.cpu", "jaxinfer.kernels.packed",
+                     "jaxinfer.config", "jaxinfer.config.model",
+                     "jaxinfer.checkpoint.convert", "jaxinfer.checkpoint.gguf",
+                     "jaxinfer.checkpoint.gguf_blocks", "jaxinfer.checkpoint.safetensors",
+                     "jaxinfer.weights.quant", "jaxinfer.models.base", "jaxinfer.models.hf_keys",
+                     "jaxinfer.models.gguf_keys", "jaxinfer.pytree")
+PRODUCER_MODULES = tuple(dict.fromkeys(
+    [*_SHARED_PRODUCERS, *(name for f in models.BUILT_IN for name in models.family_modules(f))]))
 _META = "jaxinfer"                 # safetensors header metadata key of our JSON
 # Older entries kept per (source, dtype, packing) besides the newest, e.g. for
 # two checkouts of different code sharing one cache; the rest are deleted.

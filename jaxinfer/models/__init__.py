@@ -4,22 +4,24 @@ A family (`models.base.Family`: names, config parsing, weight names, layout
 fixes, preparation and the embed / layer / unembed forward) is one module;
 this registry maps `ModelConfig.arch`, Hugging Face model types and GGUF
 architectures to families. The checkpoint readers and the engine ask it,
-so a new family is one module plus one `register` line below, and research
-code can register its own at run time (examples/byo_model.py).
+so a new family is one module plus one `register` line below (the load
+cache's key follows the registry: `BUILT_IN`, `family_modules`), and
+research code can register its own at run time (examples/byo_model.py).
 
     family(config.arch).layer(p, x, kv, rope, attend, config)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from jaxinfer.models import gemma3, llama, qwen3
 from jaxinfer.models.base import CheckpointError, Family
 
-__all__ = ["CheckpointError", "Family", "families", "family", "family_for_gguf",
-           "family_for_hf", "gguf_architectures", "hf_architecture_type", "hf_model_types",
-           "register"]
+__all__ = ["BUILT_IN", "CheckpointError", "Family", "families", "family", "family_for_gguf",
+           "family_for_hf", "family_modules", "gguf_architectures", "hf_architecture_type",
+           "hf_model_types", "register"]
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -77,6 +79,14 @@ def families() -> tuple[Family, ...]:
     return tuple(_FAMILIES.values())
 
 
+def family_modules(f: Family) -> tuple[str, ...]:
+    """The names of the modules that define `f`'s functions, in field order:
+    its own module and those it borrows from (Qwen3's forward is Llama's)."""
+    names = (getattr(getattr(f, field.name), "__module__", None)
+             for field in dataclasses.fields(f) if callable(getattr(f, field.name)))
+    return tuple(dict.fromkeys(name for name in names if name))
+
+
 def hf_model_types() -> tuple[str, ...]:
     """Every Hugging Face model type a registered family reads, in registration order."""
     return tuple(t for f in _FAMILIES.values() for t in f.hf_model_types)
@@ -107,3 +117,6 @@ def family_for_gguf(architecture: Optional[str]) -> Optional[Family]:
 register(llama.FAMILY)
 register(gemma3.FAMILY)
 register(qwen3.FAMILY)
+
+# The families registered above, on import; `families()` also holds those registered later.
+BUILT_IN: tuple[Family, ...] = families()

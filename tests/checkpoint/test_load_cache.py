@@ -6,8 +6,10 @@ Fast tests use a tiny Hugging Face folder; the slow one the real SmolLM2 GGUF.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import pkgutil
 import re
 import warnings
 
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import models
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.checkpoint import prepared as load_cache
@@ -175,6 +178,23 @@ def test_stale_code_is_a_miss_and_old_entries_are_pruned(cache_root, folder, mon
         load_params(folder, prepared=True)
     assert load_cache.STATS.misses == 4 and load_cache.STATS.hits == 0
     assert len(entries(cache_root)) == load_cache.KEEP_OTHERS + 1
+
+
+def test_every_built_in_family_module_is_a_producer():
+    """A family module under jaxinfer/models (one with a FAMILY) is registered, and its
+    code, with every module its functions come from, is in the load cache's key: a new
+    family needs no edit of PRODUCER_MODULES, and one left out of the registry fails here."""
+    family_modules = [m for m in (importlib.import_module(f"jaxinfer.models.{info.name}")
+                                  for info in pkgutil.iter_modules(models.__path__))
+                      if isinstance(getattr(m, "FAMILY", None), models.Family)]
+    assert {m.__name__ for m in family_modules} >= {"jaxinfer.models.llama", "jaxinfer.models.gemma3",
+                                                     "jaxinfer.models.qwen3"}
+    for module in family_modules:
+        assert any(module.FAMILY is f for f in models.BUILT_IN), f"{module.__name__} is not registered"
+        assert module.__name__ in load_cache.PRODUCER_MODULES
+    for f in models.BUILT_IN:
+        assert set(models.family_modules(f)) <= set(load_cache.PRODUCER_MODULES), f.name
+    assert "jaxinfer.models.llama" in models.family_modules(models.family("qwen3"))  # borrowed
 
 
 def test_changed_source_is_a_miss(cache_root, folder):
