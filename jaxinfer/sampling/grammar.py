@@ -52,7 +52,7 @@ from outlines_core.json_schema import build_regex_from_schema
 from jaxinfer.config.sampling import StructuredOutput
 from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.host_grammar import (ANY_OBJECT, HostGrammar, HostMatcher, TokenTable,
-                                            closed_objects, host_grammar_text)
+                                            closed_objects, host_grammar_text, library_errors)
 from jaxinfer.sampling.structured import MIN_LIVE_ROWS, GrammarTables, pad_tables
 
 # Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
@@ -79,12 +79,8 @@ def constraint_regex(spec: StructuredOutput) -> str:
     if spec.choice is not None:
         return "(" + "|".join(escape_literal(c) for c in spec.choice) + ")"
     schema = ANY_OBJECT if spec.json_object else spec.json_schema
-    try:
+    with library_errors("json_schema"):
         return build_regex_from_schema(schema)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
-        raise ValueError(f"json_schema: {e}") from None
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -374,12 +370,8 @@ class GrammarCompiler:
         if self.max_table_bytes <= 0:
             return self._host(spec, "max_table_bytes is 0: every constraint is masked on the host")
         regex = constraint_regex(spec)
-        try:
+        with library_errors("structured output"):
             index = outlines_core.Index(regex, self.vocabulary())
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
-            raise ValueError(f"structured output: {e}") from None
         grammar = grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
         if grammar.nbytes > self.max_table_bytes:
             return self._host(spec, f"its automaton needs {grammar.nbytes / 2**20:.1f} MiB of device "

@@ -7,9 +7,10 @@ for automata too large for the device tables (`grammar.GrammarCompiler`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import llguidance
 import llguidance.numpy
@@ -54,15 +55,24 @@ def host_grammar_text(spec: StructuredOutput) -> str:
         kind, text = "choice", json.dumps(list(spec.choice))
     else:
         kind, text = "json_schema", ANY_OBJECT if spec.json_object else spec.json_schema
-    try:
+    with library_errors("structured output"):
         if kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(closed_objects(json.loads(text))), overrides={"whitespace_pattern": WHITESPACE})
         return llguidance.grammar_from(kind, text)
+
+
+@contextlib.contextmanager
+def library_errors(what: str) -> Iterator[None]:
+    """Raise what a grammar library (llguidance, outlines-core) raises in the
+    block, its Rust panics (BaseException) included, as ValueError("<what>:
+    <message>"); KeyboardInterrupt and SystemExit pass through."""
+    try:
+        yield
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # the library's errors, and a Rust panic (a BaseException)
-        raise ValueError(f"structured output: {e}") from None
+        raise ValueError(f"{what}: {e}") from None
 
 
 class TokenTable:
@@ -139,4 +149,5 @@ class HostGrammar:
         return HostMatcher(self, tokens)
 
 
-__all__ = ["ANY_OBJECT", "HostGrammar", "HostMatcher", "TokenTable", "closed_objects", "host_grammar_text"]
+__all__ = ["ANY_OBJECT", "HostGrammar", "HostMatcher", "TokenTable", "closed_objects", "host_grammar_text",
+           "library_errors"]
