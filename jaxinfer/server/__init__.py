@@ -8,9 +8,11 @@ the continuous-batching engine. Needs the `serve` extra
         ...
 
 Modules: `app` (routes, errors, auth, body limit), `protocol` (request
-models), `responses` (OpenAI response shapes), `async_engine` (the engine
-thread seen from asyncio), `prometheus` (metrics), `run` (the command,
-warm-up, uvicorn).
+models), `responses` (OpenAI response shapes), `turns` (a reply read as
+reasoning, content and tool calls, streamed or whole), `tools` (Hermes-style
+calls), `messages` (Anthropic's Messages API), `responses_api` (OpenAI's
+Responses API, stateless), `async_engine` (the engine thread seen from
+asyncio), `prometheus` (metrics), `run` (the command, warm-up, uvicorn).
 """
 
 from jaxinfer.server.run import ServerThread, build_server, warm_up

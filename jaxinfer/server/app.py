@@ -48,7 +48,7 @@ from jaxinfer.serving.request import Request, Timings
 from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
-from jaxinfer.server.guard import Guard, json_error
+from jaxinfer.server.guard import Guard, anthropic_error, json_error
 from jaxinfer.server.messages import MessagesRoute
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCompletionRequest,
@@ -173,11 +173,15 @@ class OpenAIServer:
 
     @staticmethod
     async def _on_http_error(request, exc: HTTPException):
+        if request.url.path.startswith("/v1/messages"):       # Anthropic's error shape there
+            return anthropic_error(exc.status_code, str(exc.detail))
         return json_error(exc.status_code, str(exc.detail),
                           code="not_found" if exc.status_code == 404 else None)
 
     @staticmethod
     async def _on_exception(request, exc: Exception):
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error(500, f"internal error: {exc!r}")
         return json_error(500, f"internal error: {exc!r}", type="server_error")
 
     # --- plain routes --------------------------------------------------------------------

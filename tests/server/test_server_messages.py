@@ -169,6 +169,9 @@ def test_sdk_errors_and_an_unknown_model(served):
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"].startswith("malformed JSON body")
+    r = httpx.post(url + "/v1/messages/nope", json={}, timeout=60)
+    assert r.status_code == 404 and r.json() == {"type": "error", "error": {
+        "type": "not_found_error", "message": "Not Found"}}
 
 
 def _readme_block(containing: str) -> str:
