@@ -11,6 +11,7 @@ from jaxinfer.engine import phases as engine
 from jaxinfer.parallel import sharding
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.serving.llm import LLM
+from jaxinfer.config import CacheConfig, SchedulerConfig
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.sampling import SamplingParams
@@ -105,8 +106,9 @@ def equivalence(model: str, tps: list, dp: int = 1) -> dict:
 def _state_specs(llm, mesh) -> dict:
     """The `PartitionSpec`s `sharding.place` gives an int8 paged cache and
     the row state of a 4-slot runner on `mesh`."""
-    runner = ModelRunner(llm.config, llm.params, max_num_seqs=4, max_seq_len=64, page_size=4,
-                         num_pages=8, kv_cache_dtype="int8", programs=llm.programs, backend=llm.backend)
+    runner = ModelRunner(llm.config, llm.params,
+                         CacheConfig(max_seq_len=64, page_size=4, num_pages=8, kv_cache_dtype="int8"),
+                         SchedulerConfig(max_num_seqs=4), programs=llm.programs, backend=llm.backend)
     cache, rows = sharding.place((runner.cache, runner.rows), mesh, llm.sharding_plan)
     spec = lambda x: [a if isinstance(a, str) or a is None else list(a) for a in getattr(x.sharding, "spec", ())]   # one device: replicated
     kv = cache.layers[0]

@@ -15,7 +15,14 @@ see, writing, growing and copying:
   `int8`   the int8 codec any layout stores K/V with (codes plus a float32
            scale per token per kv head), and its decode-attention kernel
   `sizes`  what a position costs in bytes, from the model's shape
+  `layouts`  `LAYOUTS`, the serving layouts by name ("paged", "paged_ring"),
+           each answering what it supports (prefix caching, page transfer,
+           TP re-layout); a `CacheConfig` names one (`resolve_layout`)
 A layout answers the engine's questions itself (`LayerKV.plain`,
 `LayerKV.decode_attention`, `PagedKVCache.layer_tables`): no layout or
 codec branch lives outside here.
 """
+
+from jaxinfer.cache.layouts import LAYOUTS, get_layout, resolve_layout
+
+__all__ = ["LAYOUTS", "get_layout", "resolve_layout"]

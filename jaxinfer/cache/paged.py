@@ -36,7 +36,7 @@ import numpy as np
 from jaxinfer import pytree
 from jaxinfer.cache.int8 import quantize_kv
 from jaxinfer.cache.kv import KV_CACHE_DTYPES, LayerKV
-from jaxinfer.config import FULL_ATTENTION, ModelConfig
+from jaxinfer.config import FULL_ATTENTION, CacheConfig, ModelConfig
 
 
 @pytree.dataclass
@@ -250,6 +250,72 @@ def import_pages(cache: PagedKVCache, pages: jax.Array, data: tuple[LayerKV, ...
     donated): received pages into the decode side's pool. Raises as
     `write_pages`, when tracing (before anything is donated)."""
     return write_pages(cache, pages, repeat_kv_heads(data, from_repeat, to_repeat))
+
+
+class PagedLayout:
+    """The paged layout as `cache.LAYOUTS` serves it: what it supports, and
+    its pool. A layout is one such object; the engine, the scheduler and
+    disaggregation ask it instead of testing a flag.
+
+    Attributes:
+      name: its key in `cache.LAYOUTS`.
+      prefix_caching: a slot's pages hold all its positions of every layer
+        by page id, so a cached prefix can be shared (and is on by default).
+      page_transfer: pages can be read out and written in by id
+        (`export_pages` / `import_pages`: disaggregated prefill).
+      tp_relayout: a transfer can re-lay out KV heads for another
+        tensor-parallel degree (`repeat_kv_heads`).
+    """
+
+    name = "paged"
+    prefix_caching = True
+    page_transfer = True
+    tp_relayout = True
+
+    def fits(self, config: ModelConfig) -> bool:
+        """Whether `config`'s model can use this layout (every model here)."""
+        return True
+
+    def check(self, cache: CacheConfig) -> None:
+        """Raise ValueError, before anything is allocated, where `cache`
+        asks for what this layout does not support."""
+        if cache.prefix_caching and not self.prefix_caching:
+            raise ValueError(f"prefix_caching is not supported by the {self.name!r} KV-cache "
+                             "layout; set prefix_caching to false (or leave it unset)")
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Raise ValueError where `config`'s model cannot use this layout (never here)."""
+
+    def require(self, feature: str, what: str) -> None:
+        """Raise ValueError naming `what` unless this layout supports
+        `feature` ("prefix_caching", "page_transfer" or "tp_relayout")."""
+        if not getattr(self, feature):
+            raise ValueError(f"{what} needs {feature.replace('_', ' ')}, which the {self.name!r} "
+                             "KV-cache layout does not support")
+
+    def ring_pages(self, config: ModelConfig, cache: CacheConfig, step_tokens: int) -> int:
+        """Pages per slot kept outside the host's pool (0 here)."""
+        return 0
+
+    def pool_costs(self, config: ModelConfig, cache: CacheConfig, num_slots: int,
+                   step_tokens: int) -> tuple[int, int]:
+        """(bytes of one host page, bytes outside the host's pool) for sizing
+        a KV budget; `cache.dtype` must be set."""
+        return page_nbytes(config, cache.page_size, store_dtype(cache)), 0
+
+    def init(self, config: ModelConfig, cache: CacheConfig, num_slots: int,
+             step_tokens: int) -> PagedKVCache:
+        """An empty cache of `num_slots` slots and `cache.num_pages` pages
+        (`cache.dtype` and `num_pages` must be set); `step_tokens` is the
+        most tokens one slot writes in a step."""
+        return init_paged_cache(config, num_slots, cache.num_pages, cache.page_size,
+                                jnp.dtype(cache.dtype), cache.kv_cache_dtype)
+
+
+def store_dtype(cache: CacheConfig):
+    """The K/V storage dtype of `cache` (`cache.dtype` set): "int8", or a jnp dtype."""
+    name = cache.kv_cache_dtype or cache.dtype
+    return name if name == "int8" else jnp.dtype(name)
 
 
 def page_nbytes(config: ModelConfig, page_size: int, dtype) -> int:

@@ -53,8 +53,8 @@ import jax.numpy as jnp
 
 from jaxinfer import pytree
 from jaxinfer.cache.kv import KV_CACHE_DTYPES
-from jaxinfer.cache.paged import PagedKVCache, _pool, page_nbytes
-from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
+from jaxinfer.cache.paged import PagedKVCache, PagedLayout, _pool, page_nbytes, store_dtype
+from jaxinfer.config import SLIDING_ATTENTION, CacheConfig, ModelConfig
 
 
 @pytree.dataclass
@@ -85,9 +85,7 @@ class RingPagedKVCache(PagedKVCache):
         return self.num_slots * self.ring_pages if layer_type == SLIDING_ATTENTION else self.host_pages
 
     def check_page_ids(self, what: str) -> None:
-        raise ValueError(f"{what} needs every layer's K/V in the host's pages, but "
-                         "sliding_window_ring keeps the sliding-window layers in per-slot rings "
-                         "of pages; turn sliding_window_ring off to use it")
+        RING_LAYOUT.require("page_transfer", what)
 
 
 def check_ring_model(config: ModelConfig) -> None:
@@ -171,5 +169,53 @@ def pool_costs(config: ModelConfig, page_size: int, dtype, num_slots: int,
             per_layer * sliding * num_slots * ring_pages)
 
 
-__all__ = ["RingPagedKVCache", "check_ring_model", "init_ring_cache", "pool_costs",
+class RingLayout(PagedLayout):
+    """The ring layout as `cache.LAYOUTS` serves it ("paged_ring", the YAML
+    key `sliding_window_ring`): no prefix caching, no page transfer, no TP
+    re-layout of transferred pages (module docstring); a model without
+    sliding-window layers is refused."""
+
+    name = "paged_ring"
+    prefix_caching = False
+    page_transfer = False
+    tp_relayout = False
+
+    def fits(self, config: ModelConfig) -> bool:
+        return SLIDING_ATTENTION in config.attention_types and bool(config.sliding_window)
+
+    def check(self, cache: CacheConfig) -> None:
+        if cache.prefix_caching:
+            raise ValueError("prefix_caching and sliding_window_ring cannot both be on: the "
+                             "sliding-window layers' ring keeps only the last window of each "
+                             "request, so a cached prefix would miss their K/V; set "
+                             "prefix_caching to false (or leave it unset)")
+
+    def check_model(self, config: ModelConfig) -> None:
+        check_ring_model(config)
+
+    def require(self, feature: str, what: str) -> None:
+        if not getattr(self, feature):
+            raise ValueError(f"{what} needs every layer's K/V in the host's pages, but "
+                             "sliding_window_ring keeps the sliding-window layers in per-slot "
+                             "rings of pages; turn sliding_window_ring off to use it")
+
+    def ring_pages(self, config: ModelConfig, cache: CacheConfig, step_tokens: int) -> int:
+        """R per slot (`ring_pages_for`)."""
+        return ring_pages_for(config, cache.page_size, step_tokens, cache.max_seq_len)
+
+    def pool_costs(self, config: ModelConfig, cache: CacheConfig, num_slots: int,
+                   step_tokens: int) -> tuple[int, int]:
+        return pool_costs(config, cache.page_size, store_dtype(cache), num_slots,
+                          self.ring_pages(config, cache, step_tokens))
+
+    def init(self, config: ModelConfig, cache: CacheConfig, num_slots: int,
+             step_tokens: int) -> RingPagedKVCache:
+        return init_ring_cache(config, num_slots, cache.num_pages, cache.page_size,
+                               jnp.dtype(cache.dtype), cache.kv_cache_dtype,
+                               step_tokens=step_tokens, pages_per_seq=cache.pages_per_seq)
+
+
+RING_LAYOUT = RingLayout()
+
+__all__ = ["RING_LAYOUT", "RingLayout", "RingPagedKVCache", "check_ring_model", "init_ring_cache", "pool_costs",
            "ring_pages_for", "ring_pages_needed", "ring_tables"]

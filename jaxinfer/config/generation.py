@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from jaxinfer.config.cache import CacheConfig
 from jaxinfer.config.sampling import SamplingParams
+from jaxinfer.config.scheduler import SchedulerConfig
 
 # Compiled programs a process keeps alive at most (`serving.programs.ProgramCache`):
 # XLA:CPU maps each one's code, and vm.max_map_count (65,530) bounds the maps.
@@ -75,7 +76,8 @@ class GenerationConfig:
         when the pool runs dry.
       prefix_caching: requests reuse the KV pages of an equal prompt
         prefix computed before (full pages only; a request's cache_salt
-        keeps its pages apart). null: on, unless sliding_window_ring.
+        keeps its pages apart). null: on where the cache layout supports
+        it (not with sliding_window_ring).
       prefill_chunk_size: prompt tokens per serving step while requests
         decode (the bound on a running stream's gap between two tokens);
         null: the whole token budget (see jaxinfer/serving/scheduler.py).
@@ -91,8 +93,9 @@ class GenerationConfig:
       sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed
         ring of KV pages per request instead of every position, so their
         memory stops growing with the context (see
-        jaxinfer/cache/paged_ring.py); prefix caching is then off (true
-        with it is an error), and disaggregated prefill refuses it.
+        jaxinfer/cache/paged_ring.py; the "paged_ring" layout of
+        `cache.LAYOUTS`); prefix caching is then off (true with it is an
+        error), and disaggregated prefill refuses it.
       deterministic: a request's tokens and log-probs are bitwise the same
         whatever the batch, its neighbours, the chunking, a prefix-cache hit
         or a preemption (jaxinfer/serving/deterministic.py); loading fails
@@ -118,6 +121,14 @@ class GenerationConfig:
         program's code, and a process past vm.max_map_count crashes.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
+      cache: the cache keys above as one `CacheConfig` (max_seq_len,
+        kv_cache_dtype, page_size, num_pages, kv_cache_memory,
+        prefix_caching; sliding_window_ring as layout "paged_ring"), built
+        and validated with this config; not a YAML key.
+      scheduler: the scheduler keys above as one `SchedulerConfig`
+        (max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
+        long_prefill_chunk_size, decode_chunk, max_waiting_requests); not a
+        YAML key.
 
     Raises:
       ValueError: naming the key, for a value of the wrong type or out of range.
@@ -157,14 +168,13 @@ class GenerationConfig:
     warmup: bool = True
     max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS
     sampling: SamplingParams = SamplingParams()
+    cache: CacheConfig = dataclasses.field(init=False, repr=False, compare=False)
+    scheduler: SchedulerConfig = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check_types()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
-            raise ValueError(f"kv_cache_dtype must be null, float32, bfloat16, float16 or int8, "
-                             f"got {self.kv_cache_dtype!r}")
         for name in ("weights", "draft_weights"):
             if getattr(self, name) not in ("float32", "bfloat16", "int8", "q4"):
                 raise ValueError(f"{name} must be float32, bfloat16, int8 or q4, got "
@@ -174,28 +184,22 @@ class GenerationConfig:
         if self.activations == "int8" and self.weights != "q4":
             raise ValueError(f"activations=int8 needs weights=q4 (int8 activations multiply "
                              f"4-bit weights), got weights={self.weights!r}")
-        for name in ("max_seq_len", "max_new_tokens", "decode_chunk", "max_num_seqs", "page_size",
-                     "max_num_batched_tokens"):
+        for name in ("max_new_tokens",):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if isinstance(self.kv_cache_memory, str):
-            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
-        for name in ("num_pages", "kv_cache_memory"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 or null, got {value}")
-        if self.num_pages is not None and self.kv_cache_memory is not None:
-            raise ValueError("give num_pages or kv_cache_memory, not both")
-        for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
-                     "max_programs"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
+        if self.max_programs is not None and self.max_programs < 1:
+            raise ValueError(f"max_programs must be >= 1 or null, got {self.max_programs}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
-        check_ring(self.prefix_caching, self.sliding_window_ring)
-        if self.prefix_caching is None:
-            object.__setattr__(self, "prefix_caching", not self.sliding_window_ring)
+        cache = CacheConfig(self.max_seq_len, None, self.kv_cache_dtype, self.page_size,
+                            self.num_pages, self.kv_cache_memory, self.prefix_caching,
+                            "paged_ring" if self.sliding_window_ring else "paged")
+        object.__setattr__(self, "cache", cache)
+        object.__setattr__(self, "kv_cache_memory", cache.kv_cache_memory)   # "2GiB" -> bytes
+        object.__setattr__(self, "scheduler", SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_size,
+            self.long_prefill_chunk_size, self.decode_chunk, "continuous", self.max_waiting_requests))
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
@@ -203,12 +207,10 @@ class GenerationConfig:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
         kinds = {"model": str, "dtype": str, "weights": str, "activations": str,
                  "draft_weights": str, "chat": bool,
-                 "max_seq_len": int,
-                 "max_new_tokens": int, "decode_chunk": int, "min_tokens": int,
-                 "ignore_eos": bool, "max_num_seqs": int, "num_speculative_tokens": int,
+                 "max_new_tokens": int, "min_tokens": int,
+                 "ignore_eos": bool, "num_speculative_tokens": int,
                  "ngram_min": int, "ngram_max": int, "warmup": bool,
-                 "sliding_window_ring": bool, "deterministic": bool,
-                 "page_size": int, "max_num_batched_tokens": int}
+                 "sliding_window_ring": bool, "deterministic": bool}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -217,17 +219,9 @@ class GenerationConfig:
             raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
-        if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be bool or null, got {self.prefix_caching!r}")
-        for name in ("prefill_chunk_size", "long_prefill_chunk_size", "max_waiting_requests",
-                     "num_pages", "max_programs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be int or null, got {value!r}")
-        memory = self.kv_cache_memory
-        if memory is not None and (not isinstance(memory, (int, str)) or isinstance(memory, bool)):
-            raise ValueError(f"kv_cache_memory must be an int, a string such as 512MiB, or null, "
-                             f"got {memory!r}")
+        if self.max_programs is not None and (not isinstance(self.max_programs, int)
+                                              or isinstance(self.max_programs, bool)):
+            raise ValueError(f"max_programs must be int or null, got {self.max_programs!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -239,7 +233,7 @@ class GenerationConfig:
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         """The YAML keys, in documentation order: own fields, then sampling fields."""
-        own = tuple(f.name for f in dataclasses.fields(cls) if f.name != "sampling")
+        own = tuple(f.name for f in dataclasses.fields(cls) if f.name != "sampling" and f.init)
         return own + tuple(f.name for f in dataclasses.fields(SamplingParams))
 
     @classmethod
@@ -282,36 +276,6 @@ class GenerationConfig:
         `SamplingParams`'), for `jaxinfer generate --help`."""
         docs = {**attribute_docs(cls), **attribute_docs(SamplingParams)}
         return {k: docs[k] for k in cls.keys()}
-
-
-def check_ring(prefix_caching: Optional[bool], sliding_window_ring: bool) -> None:
-    """Raise ValueError when prefix caching is asked for (True, not None)
-    with sliding_window_ring: a cached prefix's sliding-window pages are
-    overwritten once the ring wraps."""
-    if sliding_window_ring and prefix_caching:
-        raise ValueError("prefix_caching and sliding_window_ring cannot both be on: the "
-                         "sliding-window layers' ring keeps only the last window of each "
-                         "request, so a cached prefix would miss their K/V; set "
-                         "prefix_caching to false (or leave it unset)")
-
-
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str, name: str = "size") -> int:
-    """Bytes of "123", "512MiB", "1.5 GB" (SI units are powers of 1000, IEC
-    ones of 1024; case-insensitive).
-
-    Raises:
-      ValueError: naming `name`, for anything else.
-    """
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if unit not in _BYTE_UNITS:
-        raise ValueError(f"{name} must be a number of bytes such as 536870912, 512MiB or 2GB, "
-                         f"got {text!r}")
-    return int(float(m.group(1)) * _BYTE_UNITS[unit])
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:

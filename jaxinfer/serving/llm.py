@@ -26,20 +26,20 @@ from jaxinfer.engine import phases as engine
 from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
 from jaxinfer.serving.deterministic import check_deterministic
-from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPES, init_cache
-from jaxinfer.cache.paged_ring import pool_costs, ring_pages_for
-from jaxinfer.config.generation import check_ring
+from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, init_cache
+from jaxinfer.cache.layouts import resolve_layout
 from jaxinfer.engine.ragged import choose_backend, serving_dtypes
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving.request import Request, RequestOutput, per_row
-from jaxinfer.serving.rows import pad_rows
+from jaxinfer.serving.rows import TokenRules, pad_rows
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative import SpecConfig, as_spec_config
 from jaxinfer.serving.scheduler import Scheduler
+from jaxinfer.serving.settings import split_settings
 from jaxinfer.serving.stats import RunStats
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -77,101 +77,77 @@ class LLM:
         layout the compiled phases run on.
       tokenizer: a `jaxinfer.tokenizer.tokenizer.Tokenizer`, or None to accept token-id
         prompts only.
-      max_seq_len: KV-cache capacity per request, tokens (prompt + generated).
-      decode_chunk: decoding steps per dispatch in steady state (one
-        `lax.scan`) when no request streams and none waits (see
-        `jaxinfer.serving.scheduler`).
-      max_num_seqs: the most requests one `generate` call decodes at once
-        (its slots: the batch bucket of min(len(prompts), max_num_seqs)).
-      prefill_chunk_size: prompt tokens per step while requests decode (the
-        bound on a running stream's gap between tokens); None: the whole
-        token budget.
-      min_prompt_bucket: smallest prompt-length bucket (`score`).
-      min_kv_bucket: smallest KV-cache bucket of `score`'s dense cache, tokens.
-      stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
-        always included).
+      cache_config: the KV cache (`config.CacheConfig`: max_seq_len in [2,
+        the model's context length], kv_cache_dtype, page pool, prefix
+        caching, layout of `cache.LAYOUTS`); None: the defaults. Its dtype
+        None becomes the params' dtype; prefix_caching None, what the
+        layout supports.
+      scheduler_config: slots, token budget, chunk sizes, policy
+        (`config.SchedulerConfig`); None: the defaults. `generate` decodes
+        min(len(prompts), max_num_seqs) rows at once (a batch bucket).
       speculative: a `speculative.SpecConfig` for speculative decoding, the
         string "ngram" (`SpecConfig("ngram")`), or None.
-      kv_cache_dtype: None (the params' dtype) or one of `cache.KV_CACHE_DTYPES`
-        ("int8": a quarter of float32's K/V bytes, plus a scale per token per kv head).
-      page_size: tokens per KV page (PagedAttention: every layer's K/V in one
-        page pool with a block table per request; `cache.paged`).
-      num_pages: pages in the pool; None derives it from kv_cache_memory.
-      kv_cache_memory: the KV page pool's budget in bytes; None: what
-        max_num_seqs slots of max_seq_len tokens need, at most
-        DEFAULT_KV_CACHE_MEMORY.
-      prefix_caching: requests share the cached pages of equal prompt
-        prefixes; None: on, unless sliding_window_ring.
-      max_num_batched_tokens: the most tokens one serving step runs (its
-        token budget, the largest compiled token bucket).
-      sliding_window_ring: sliding-window layers keep a fixed ring of pages
-        per slot (`cache.paged_ring`): their K/V memory no longer grows with
-        the context; prefix caching is off and page transfers are refused.
-      deterministic: a row's tokens and log-probs bitwise independent of its
-        batch, neighbours, chunking and cache hits (`serving.deterministic`).
+      stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
+        always included).
+      settings: keyword settings applied over the two configs
+        (`serving.settings`: max_seq_len=..., max_num_seqs=...,
+        sliding_window_ring=True, ...), and the LLM's own: deterministic (a
+        row's tokens and log-probs bitwise independent of its batch,
+        neighbours, chunking and cache hits: `serving.deterministic`),
+        min_prompt_bucket (the smallest prompt bucket of `score`) and
+        min_kv_bucket (the smallest KV bucket of `score`'s dense cache).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
-        size below 1, both num_pages and kv_cache_memory given, no model
-        family registered as config.arch, or sliding_window_ring on a model
-        without sliding layers or with prefix_caching=True, or
-        deterministic=True where it cannot hold (`check_deterministic`),
-        speculative "draft" or another string (`speculative.as_spec_config`).
-      TypeError: speculative neither a SpecConfig, a string nor None.
+        config field out of range (naming it), no model family registered
+        as config.arch, a layout that does not fit the model or refuses
+        prefix_caching=True (`cache.resolve_layout`), deterministic=True
+        where it cannot hold (`check_deterministic`), speculative "draft"
+        or another string (`speculative.as_spec_config`); all before any
+        work.
+      TypeError: speculative neither a SpecConfig, a string nor None; an
+        unknown keyword setting.
     """
 
-    def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *, max_seq_len: int = 2048,
-                 decode_chunk: int = 16, max_num_seqs: int = 256,
-                 prefill_chunk_size: Optional[int] = 512, min_prompt_bucket: int = 16,
-                 min_kv_bucket: int = 256, stop_token_ids: Sequence[int] = (),
-                 speculative: Union[SpecConfig, str, None] = None, kv_cache_dtype: Optional[str] = None,
-                 page_size: int = 16, num_pages: Optional[int] = None,
-                 kv_cache_memory: Optional[int] = None, prefix_caching: Optional[bool] = None,
-                 max_num_batched_tokens: int = 512, sliding_window_ring: bool = False,
-                 deterministic: bool = False):
-        if not 2 <= max_seq_len <= config.max_position_embeddings:
+    def __init__(self, config: ModelConfig, params: dict, tokenizer=None, *,
+                 cache_config: Optional[CacheConfig] = None,
+                 scheduler_config: Optional[SchedulerConfig] = None,
+                 speculative: Union[SpecConfig, str, None] = None,
+                 stop_token_ids: Sequence[int] = (), **settings):
+        cache, sched, own = split_settings(cache_config, scheduler_config, settings)
+        if not 2 <= cache.max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
-                             f"model's context length), got {max_seq_len}")
-        for name, value in (("decode_chunk", decode_chunk), ("max_num_seqs", max_num_seqs),
-                            ("prefill_chunk_size", prefill_chunk_size or 1),
-                            ("page_size", page_size), ("num_pages", num_pages or 1),
-                            ("kv_cache_memory", kv_cache_memory or 1),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if int(value) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if num_pages is not None and kv_cache_memory is not None:
-            raise ValueError("give num_pages or kv_cache_memory, not both")
-        check_ring(prefix_caching, sliding_window_ring)
+                             f"model's context length), got {cache.max_seq_len}")
+        self.layout, cache = resolve_layout(cache, config)
         speculative = as_spec_config(speculative)
-        step_tokens = max_num_batched_tokens + (speculative.num_speculative_tokens if speculative else 0)
-        self.ring_pages = (ring_pages_for(config, page_size, step_tokens, max_seq_len)
-                           if sliding_window_ring else 0)      # R per slot (`cache.paged_ring`)
-        self.config = config = config.replace(deterministic=bool(deterministic))
+        self.cache_dtype = _params_dtype(params)
+        self.cache_config = cache.replace(dtype=cache.dtype or jnp.dtype(self.cache_dtype).name)
+        self.scheduler_config = sched
+        self.step_tokens = sched.max_num_batched_tokens + (
+            speculative.num_speculative_tokens if speculative else 0)
+        self.ring_pages = self.layout.ring_pages(config, cache, self.step_tokens)   # R per slot
+        self.config = config = config.replace(deterministic=bool(own["deterministic"]))
         self.params = models.family(config.arch).prepare(params, config)
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size) if tokenizer else None
-        self.max_seq_len = int(max_seq_len)
-        self.decode_chunk = int(decode_chunk)
-        self.max_num_seqs = int(max_num_seqs)
-        self.prefill_chunk_size = prefill_chunk_size
-        self.buckets = Buckets.create(self.max_seq_len, min_prompt_bucket, min_kv_bucket)
+        self.max_seq_len = cache.max_seq_len
+        self.buckets = Buckets.create(self.max_seq_len, own["min_prompt_bucket"], own["min_kv_bucket"])
         self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
         self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
-        self.cache_dtype = _params_dtype(params)
         self.speculative = speculative
-        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        self.kv_cache_dtype = kv_cache_dtype
-        self.page_size, self.num_pages, self.kv_cache_memory = page_size, num_pages, kv_cache_memory
-        self.sliding_window_ring = bool(sliding_window_ring)
-        self.prefix_caching = not sliding_window_ring if prefix_caching is None else prefix_caching
-        self.token_budget = int(max_num_batched_tokens)
         self.backend = choose_backend(self.cache_dtype)
-        if deterministic:
+        if own["deterministic"]:
             check_deterministic(config, self.params, self.backend,
-                                kv_cache_dtype or self.cache_dtype, self.token_budget)
+                                cache.kv_cache_dtype or self.cache_dtype, sched.max_num_batched_tokens)
         self.programs = ProgramCache()
         self.last_stats = RunStats()
         self._scheduler: Optional[Scheduler] = None
+
+    # Read-only views of the two configs' fields most callers want.
+    max_num_seqs = property(lambda self: self.scheduler_config.max_num_seqs)
+    decode_chunk = property(lambda self: self.scheduler_config.decode_chunk)
+    prefill_chunk_size = property(lambda self: self.scheduler_config.prefill_chunk_size)
+    token_budget = property(lambda self: self.scheduler_config.max_num_batched_tokens)
+    page_size = property(lambda self: self.cache_config.page_size)
 
     @classmethod
     def load(cls, source: str, *, dtype: str = "float32", weights: str = "float32",
@@ -192,7 +168,9 @@ class LLM:
             download/load bars and compile lines when stderr is a terminal.
           load_cache: keep prepared params in the load cache
             (`jaxinfer.checkpoint.prepared`); None: unless `JAXINFER_LOAD_CACHE=0`.
-          kwargs: passed to `LLM(...)` (max_seq_len, decode_chunk, ...).
+          kwargs: passed to `LLM(...)` (cache_config, scheduler_config,
+            speculative, stop_token_ids, and keyword settings: max_seq_len,
+            max_num_seqs, ...; `serving.settings`).
         Raises:
           ModelSourceError: the model file cannot be found or fetched.
           CheckpointError: a tensor is missing or has the wrong shape.
@@ -224,6 +202,7 @@ class LLM:
           as `LLM.load`, and ValueError from `loading.speculative_config`.
         """
         progress = Progress.resolve(progress)
+        resolve_layout(cfg.cache)           # a layout's refusal comes before any loading
         dtype, weights = serving_dtypes(cfg.dtype, cfg.weights)
         config, params, tokenizer = load_model(
             cfg.model, jnp.dtype(dtype), prepared=True, progress=progress, weights=weights,
@@ -232,10 +211,8 @@ class LLM:
         spec = speculative_config(cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min,
                                         cfg.ngram_max, cfg.draft_model, config, tokenizer, dtype,
                                         draft_weights)
-        names = ("max_seq_len", "decode_chunk", "max_num_seqs", "prefill_chunk_size",
-                 "kv_cache_dtype", "page_size", "num_pages", "kv_cache_memory", "prefix_caching",
-                 "max_num_batched_tokens", "sliding_window_ring", "deterministic")
-        llm = cls(config, params, tokenizer, speculative=spec, **{n: getattr(cfg, n) for n in names})
+        llm = cls(config, params, tokenizer, cache_config=cfg.cache, scheduler_config=cfg.scheduler,
+                  speculative=spec, deterministic=cfg.deterministic)
         llm.programs.progress, llm.programs.max_programs = progress, cfg.max_programs
         return llm
 
@@ -268,53 +245,72 @@ class LLM:
 
     # --- the serving engine ----------------------------------------------------------------
 
-    def runner(self, max_num_seqs: int) -> ModelRunner:
-        """A `ModelRunner` over `max_num_seqs` slots and a page pool of
-        `pool_pages(max_num_seqs)` pages, compiling through this LLM's `programs`."""
-        return ModelRunner(self.config, self.params, max_num_seqs=max_num_seqs,
-                           max_seq_len=self.max_seq_len, page_size=self.page_size,
-                           num_pages=self.pool_pages(max_num_seqs),
-                           stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
-                           cache_dtype=self.cache_dtype, kv_cache_dtype=self.kv_cache_dtype,
-                           speculative=self.speculative, programs=self.programs, backend=self.backend,
-                           token_budget=self.token_budget, grammars=self.grammars,
-                           sliding_window_ring=self.sliding_window_ring,
-                           tokenizer_vocab_size=self.tokenizer.vocab_size if self.tokenizer else 0)
+    @property
+    def tokens(self) -> TokenRules:
+        """The stop rule and vocabulary limits every row shares (`rows.TokenRules`)."""
+        return TokenRules(self.stop_token_ids, self.eos_token_ids,
+                          self.tokenizer.vocab_size if self.tokenizer else 0, self.grammars)
 
-    def pool_pages(self, max_num_seqs: int) -> int:
+    def runner(self, max_num_seqs: int, scheduler_config: Optional[SchedulerConfig] = None
+               ) -> ModelRunner:
+        """A `ModelRunner` over `max_num_seqs` slots (of `scheduler_config`,
+        default this LLM's) and a page pool of `pool_pages(max_num_seqs)`
+        pages, compiling through this LLM's `programs`."""
+        sched = (scheduler_config or self.scheduler_config).replace(max_num_seqs=max_num_seqs)
+        return ModelRunner(self.config, self.params, self.pool_config(sched), sched,
+                           tokens=self.tokens, speculative=self.speculative, programs=self.programs,
+                           backend=self.backend)
+
+    def pool_config(self, scheduler_config: SchedulerConfig) -> CacheConfig:
+        """This LLM's `cache_config` with the pool's pages decided for a
+        runner of `scheduler_config`'s slots (`pool_pages`)."""
+        return self.cache_config.replace(
+            num_pages=self.pool_pages(scheduler_config.max_num_seqs, scheduler_config),
+            kv_cache_memory=None)
+
+    def pool_pages(self, max_num_seqs: int, scheduler_config: Optional[SchedulerConfig] = None) -> int:
         """Pages in the KV page pool of a runner of `max_num_seqs` slots:
         num_pages, else what kv_cache_memory holds, else enough for
         max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY (less the
-        bytes of sliding-window rings, if any: `cache.paged_ring.pool_costs`).
+        bytes the layout keeps outside the pool, if any: `PagedLayout.pool_costs`).
 
         Raises:
           ValueError: kv_cache_memory does not hold one page.
         """
-        if self.num_pages is not None:
-            return self.num_pages
-        page, rings = pool_costs(self.config, self.page_size, self.kv_cache_dtype or self.cache_dtype,
-                                 max_num_seqs, self.ring_pages)      # rings: apart from the pool
-        if self.kv_cache_memory is not None:
-            if self.kv_cache_memory - rings < page:
-                raise ValueError(f"a KV budget of {self.kv_cache_memory} bytes holds no page "
-                                 f"({page} bytes, besides {rings} bytes of sliding-window rings)")
-            return (self.kv_cache_memory - rings) // page
-        full = max_num_seqs * -(-(self.max_seq_len + self.page_size) // self.page_size)
-        return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - rings, 0) // page))
+        cache = self.cache_config
+        if cache.num_pages is not None:
+            return cache.num_pages
+        sched = scheduler_config or self.scheduler_config
+        step_tokens = sched.max_num_batched_tokens + (
+            self.speculative.num_speculative_tokens if self.speculative else 0)
+        page, outside = self.layout.pool_costs(self.config, cache, max_num_seqs, step_tokens)
+        if cache.kv_cache_memory is not None:
+            if cache.kv_cache_memory - outside < page:
+                raise ValueError(f"a KV budget of {cache.kv_cache_memory} bytes holds no page "
+                                 f"({page} bytes, besides {outside} bytes of sliding-window rings)")
+            return (cache.kv_cache_memory - outside) // page
+        full = max_num_seqs * -(-(cache.max_seq_len + cache.page_size) // cache.page_size)
+        return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - outside, 0) // page))
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
         this LLM's), detokenizing with this LLM's tokenizer, timed on
-        `programs.clock` (compile time excluded). kwargs go to `Scheduler`
-        (policy, max_waiting_requests, prefill_chunk_size, decode_chunk)."""
+        `programs.clock` (compile time excluded). kwargs: `SchedulerConfig`
+        fields over this LLM's (policy, prefill_chunk_size, decode_chunk,
+        long_prefill_chunk_size, max_waiting_requests), and `Scheduler`'s
+        compile_loops and isolate_faults.
+
+        Raises:
+          TypeError: an unknown keyword; ValueError: a field out of range.
+        """
+        own = {k: kwargs.pop(k) for k in ("compile_loops", "isolate_faults") if k in kwargs}
+        sched = self.scheduler_config.replace(max_num_seqs=max_num_seqs or self.max_num_seqs,
+                                              **kwargs)
+        runner = self.runner(sched.max_num_seqs, sched)
         tok = self.tokenizer
-        kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)
-        kwargs.setdefault("decode_chunk", self.decode_chunk)
-        kwargs.setdefault("prefix_caching", self.prefix_caching)
-        return Scheduler(self.runner(max_num_seqs or self.max_num_seqs),
+        return Scheduler(runner, sched, runner.cache_config,
                          detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
-                         stop_token_ids=self.stop_token_ids, eos_token_ids=self.eos_token_ids,
-                         clock=self.programs.clock, **kwargs)
+                         tokens=self.tokens, clock=self.programs.clock, **own)
 
     # --- generation ----------------------------------------------------------------------
 
@@ -407,7 +403,9 @@ class LLM:
         kept = self._scheduler
         if kept is None or kept.runner.max_num_seqs != max_num_seqs or kept.has_unfinished():
             self._scheduler = None      # the old pools go before the new ones are allocated
-            self._scheduler = self.scheduler(max_num_seqs, compile_loops=True, isolate_faults=False)
+            self._scheduler = self.scheduler(     # the serve-only bounds stay off here
+                max_num_seqs, long_prefill_chunk_size=None, max_waiting_requests=None,
+                compile_loops=True, isolate_faults=False)
         return self._scheduler
 
     def _run(self, requests: Sequence[Request], stream: bool = False

@@ -313,14 +313,12 @@ class RequestState:
         return out
 
 
-def check_fits(request: Request, runner, pages_for) -> None:
-    """Raise ValueError when `request` can never run on `runner` (a
-    `ModelRunner`): an empty prompt, prompt + max_new_tokens beyond
-    max_seq_len, more KV pages (`pages_for(tokens)`) than the whole pool, or a
-    structured output that does not compile."""
-    n, limit = len(request.prompt_ids), runner.max_seq_len
-    if request.sampling.structured is not None:
-        runner.check_structured(request)
+def check_fits(request: Request, cache, width: int, pages_for) -> None:
+    """Raise ValueError when `request` can never run on a runner of `cache`
+    (a `config.CacheConfig` with num_pages set) writing `width` tokens per
+    decoding step: an empty prompt, prompt + max_new_tokens beyond
+    max_seq_len, or more KV pages (`pages_for(tokens)`) than the whole pool."""
+    n, limit = len(request.prompt_ids), cache.max_seq_len
     if n == 0:
         raise ValueError("empty prompt: a request needs at least one token")
     total = n + request.max_new_tokens
@@ -328,11 +326,11 @@ def check_fits(request: Request, runner, pages_for) -> None:
         raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} = "
                          f"{total} exceeds max_seq_len {limit}; shorten the prompt, lower "
                          "max_new_tokens or raise max_seq_len")
-    need = pages_for(total + runner.width)
-    if need > runner.num_pages:
+    need = pages_for(total + width)
+    if need > cache.num_pages:
         raise ValueError(f"prompt length {n} + max_new_tokens {request.max_new_tokens} needs "
-                         f"{need} KV pages of {runner.page_size} tokens; the pool has "
-                         f"{runner.num_pages} (raise num_pages or kv_cache_memory)")
+                         f"{need} KV pages of {cache.page_size} tokens; the pool has "
+                         f"{cache.num_pages} (raise num_pages or kv_cache_memory)")
 
 
 def per_row(value, n: int, name: str) -> list:

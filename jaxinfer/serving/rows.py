@@ -1,10 +1,11 @@
 """The device-side rows of requests: `step.admit`'s per-row inputs
-(`row_inputs`), the stop rule every row shares (`stop_tokens`) and
-right-padded token rows (`pad_rows`)."""
+(`row_inputs`), the stop rule every row shares (`TokenRules`,
+`stop_tokens`) and right-padded token rows (`pad_rows`)."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -46,6 +47,35 @@ def row_inputs(requests: Sequence[Request], vocab_size: int, history: int,
         grammar=to_device(grammar if grammar is not None else [-1] * len(requests), np.int32))
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenRules:
+    """What ends a row and what it may emit: the runner builds its device
+    stop rule from it (`stop_tokens`), the scheduler its host copy.
+
+    Attributes:
+      stop_token_ids: ids that end a row.
+      eos_token_ids: the tokenizer's EOS ids: they end a row unless its
+        request has ignore_eos.
+      vocab_limit: ids from here up to the model's vocab_size (a padded
+        embedding) have no token and are never drawn; 0: no limit.
+      grammars: the `sampling.grammar.GrammarCompiler` of requests with
+        structured output; None: such requests are refused.
+    """
+
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_limit: int = 0
+    grammars: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    def device(self) -> StopTokens:
+        """The device's stop rule (`stop_tokens`)."""
+        return stop_tokens(self.stop_token_ids, self.eos_token_ids, self.vocab_limit)
+
+
 def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
                 num_ids: int = 0) -> StopTokens:
     """The device's stop rule: every id in either set ends a row, EOS ones
@@ -56,7 +86,7 @@ def stop_tokens(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int],
                       num_ids=int(num_ids))
 
 
-__all__ = ["row_inputs", "stop_tokens"]
+__all__ = ["TokenRules", "row_inputs", "stop_tokens"]
 
 
 def pad_rows(ids: Sequence[Sequence[int]], batch: int, length: int):

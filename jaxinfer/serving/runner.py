@@ -28,20 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.cache import paged
-from jaxinfer.cache.paged import init_paged_cache
-from jaxinfer.cache.paged_ring import init_ring_cache
-from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
+from jaxinfer.cache.layouts import LAYOUTS, resolve_layout
+from jaxinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
 from jaxinfer.sampling.arrays import to_device
-from jaxinfer.sampling.grammar import GrammarCompiler, GrammarPool, HostGrammar
+from jaxinfer.sampling.grammar import GrammarPool, HostGrammar
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
 from jaxinfer.serving import chunking
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
-from jaxinfer.serving.rows import row_inputs, stop_tokens
+from jaxinfer.serving.rows import TokenRules, row_inputs
 from jaxinfer.serving.warmup import WarmUp
 from jaxinfer.speculative import DraftConfig, NgramConfig, SpecConfig
 
@@ -120,61 +119,50 @@ class ModelRunner(WarmUp):
 
     Args:
       config: ModelConfig; params: prepared params.
-      max_num_seqs: slots S (the most requests holding pages at once).
-      max_seq_len: tokens per slot (prompt + generated), at most.
-      page_size, num_pages: the KV pool (pages of page_size tokens).
-      stop_token_ids / eos_token_ids: ids that end a row (EOS ones unless the
-        request has ignore_eos).
-      cache_dtype: activations' and K/V dtype; kv_cache_dtype: None or a
-        `cache.KV_CACHE_DTYPES` name ("int8").
+      cache_config: the KV cache (`config.CacheConfig`) with num_pages set
+        (`LLM.pool_config`): max_seq_len tokens per slot, the pool of
+        num_pages pages of page_size tokens, dtype (None: float32) and
+        kv_cache_dtype, and its layout (`cache.LAYOUTS`; a draft model
+        without what the layout needs gets "paged").
+      scheduler_config: `config.SchedulerConfig`: max_num_seqs slots, and
+        max_num_batched_tokens, the most tokens one step runs (its largest
+        token bucket).
+      tokens: the stop rule, vocabulary limit and grammar compiler
+        (`rows.TokenRules`; its grammars None: structured requests are refused).
       speculative: a `SpecConfig` (n-gram or draft-model proposals verified
         in the step) or None.
       programs: the `ProgramCache` to compile through.
-      backend: the attention backend (default `choose_backend(cache_dtype)`).
-      token_budget: the most tokens one step runs (its largest bucket).
-      sliding_window_ring: sliding-window layers keep a ring of pages per
-        slot (`cache.paged_ring`; the draft model's too, when it has
-        sliding layers): their memory no longer grows with max_seq_len;
-        prefix caching and page transfers are refused.
-      grammars: the `GrammarCompiler` of requests with structured output
-        (None: such requests are refused).
-      tokenizer_vocab_size: ids from here up to the model's vocab_size (a
-        padded embedding) have no token and are never drawn; 0: no limit.
+      backend: the attention backend (default `choose_backend(dtype)`).
     Raises:
-      ValueError: a size below 1; sliding_window_ring on a model without
-        sliding-window layers.
+      ValueError: num_pages unset; an unknown layout, or one the model does
+        not fit (`cache.resolve_layout`).
     """
 
-    def __init__(self, config: ModelConfig, params: dict, *, max_num_seqs: int, max_seq_len: int,
-                 page_size: int, num_pages: int, stop_token_ids: Sequence[int] = (),
-                 eos_token_ids: Sequence[int] = (), cache_dtype=jnp.float32,
-                 kv_cache_dtype: Optional[str] = None, speculative: Optional[SpecConfig] = None,
-                 programs: Optional[ProgramCache] = None,
-                 backend: Optional[AttentionBackend] = None, token_budget: int = 512,
-                 sliding_window_ring: bool = False, grammars: Optional[GrammarCompiler] = None,
-                 tokenizer_vocab_size: int = 0):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_seq_len", max_seq_len),
-                            ("page_size", page_size), ("num_pages", num_pages),
-                            ("token_budget", token_budget)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, config: ModelConfig, params: dict, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, *, tokens: TokenRules = TokenRules(),
+                 speculative: Optional[SpecConfig] = None, programs: Optional[ProgramCache] = None,
+                 backend: Optional[AttentionBackend] = None):
+        if cache_config.num_pages is None:
+            raise ValueError("cache_config.num_pages must be set for a runner (LLM.pool_config)")
+        cache_config = cache_config.replace(dtype=cache_config.dtype or "float32")
+        self.layout, self.cache_config = resolve_layout(cache_config, config)
+        self.scheduler_config = scheduler_config
         self.config, self.params = config, params
-        self.max_num_seqs, self.max_seq_len = int(max_num_seqs), int(max_seq_len)
-        self.page_size, self.num_pages = int(page_size), int(num_pages)
-        self.pages_per_seq = -(-self.max_seq_len // self.page_size)
+        self.max_num_seqs, self.max_seq_len = scheduler_config.max_num_seqs, cache_config.max_seq_len
+        self.page_size, self.num_pages = cache_config.page_size, cache_config.num_pages
+        self.pages_per_seq = cache_config.pages_per_seq
         self.programs = programs or ProgramCache()
-        self.backend = backend or choose_backend(cache_dtype)
-        self.stop = stop_tokens(stop_token_ids, eos_token_ids, tokenizer_vocab_size)
-        self.grammars, self.grammar_pool = grammars, GrammarPool(config.vocab_size)
+        self.backend = backend or choose_backend(jnp.dtype(cache_config.dtype))
+        self.stop = tokens.device()
+        self.grammars, self.grammar_pool = tokens.grammars, GrammarPool(config.vocab_size)
         self.host_rows: dict[int, int] = {}   # slot -> live row of a host-masked request
         self.speculative = speculative
         self.spec = self._spec(speculative)
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
         self.width = 1 + (self.spec.k if self.spec else 0)
         smallest = DETERMINISTIC_MIN_TOKEN_BUCKET if config.deterministic else MIN_TOKEN_BUCKET
-        self.token_buckets = power_of_two_buckets(min(smallest, token_budget), token_budget)
-        self.sliding_window_ring = bool(sliding_window_ring)
-        self._dtypes = (cache_dtype, kv_cache_dtype)
+        budget = scheduler_config.max_num_batched_tokens
+        self.token_buckets = power_of_two_buckets(min(smallest, budget), budget)
         # The pool is zero-filled on a thread (about a second of CPU per GiB, outside
         # the GIL), so it overlaps the warm-up's compiles: they need its shapes only.
         self._cache_shape = jax.eval_shape(self._init_caches)
@@ -210,21 +198,19 @@ class ModelRunner(WarmUp):
             self.max_seq_len))
 
     def _init_caches(self):
-        dtype, kv_cache_dtype = self._dtypes
-        cache = self._init_cache(self.config, dtype, kv_cache_dtype)
+        cache = self._init_cache(self.config)
         if self.draft_params is not None:
-            cache = cache.replace(draft=self._init_cache(self.spec.config, dtype, kv_cache_dtype, True))
+            cache = cache.replace(draft=self._init_cache(self.spec.config, True))
         return cache
 
-    def _init_cache(self, config: ModelConfig, dtype, kv_cache_dtype, draft: bool = False):
-        """An empty paged cache for `config` (the target or the draft): rings
-        for its sliding layers under sliding_window_ring (R covers the token
-        budget plus k drafts), else `init_paged_cache`."""
-        args = (config, self.max_num_seqs, self.num_pages, self.page_size, dtype, kv_cache_dtype)
-        if self.sliding_window_ring and not (draft and SLIDING_ATTENTION not in config.attention_types):
-            return init_ring_cache(*args, step_tokens=self.token_budget + self.width - 1,
-                                   pages_per_seq=self.pages_per_seq)
-        return init_paged_cache(*args)
+    def _init_cache(self, config: ModelConfig, draft: bool = False):
+        """An empty cache of this runner's layout for `config` (the target,
+        or the draft: "paged" where the draft lacks what the layout needs,
+        e.g. sliding layers for "paged_ring"); a step writes at most the
+        token budget plus k drafts per slot."""
+        layout = self.layout if not draft or self.layout.fits(config) else LAYOUTS["paged"]
+        return layout.init(config, self.cache_config, self.max_num_seqs,
+                           self.token_budget + self.width - 1)
 
     @staticmethod
     def _spec(spec: Optional[SpecConfig]):
@@ -381,13 +367,6 @@ class ModelRunner(WarmUp):
             backend=self.backend, num_steps=num_steps, num_logprobs=num_logprobs, spec=self.spec)
         self.decode_steps += num_steps
         return Dispatched(out, num_steps)
-
-    def check_page_ids(self, what: str) -> None:
-        """Raise ValueError when `what` (prefix caching, a page transfer)
-        cannot address this runner's K/V by page id (sliding_window_ring:
-        `PagedKVCache.check_page_ids`). It reads the layout only, so it does
-        not wait for the pool's allocation."""
-        self._cache_shape.check_page_ids(what)
 
     def read_pages(self, pages: Sequence[int], from_repeat: int = 1):
         """The contents of `pages` (page id num_pages: zeros) in every layer,

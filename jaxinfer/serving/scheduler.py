@@ -25,19 +25,16 @@ rows take their tokens from the device), so the host detokenizes and matches
 stop strings while the device computes; a row finished on the device idles
 in the step already dispatched, and is freed when its last token is read.
 
-A request whose constraint is masked on the host (`ModelRunner.host_constrained`:
-a context-free grammar) needs its last token before its next mask: while
-one holds a slot, each iteration reads the dispatched step before
-dispatching the next, that row runs one step per dispatch, and it drafts
-nothing. The runner decides whether a row is masked on the host as it
-seats it (`_admit_rows`).
+A row masked on the host (`ModelRunner.host_constrained`, decided as the
+runner seats it: a context-free grammar) needs its last token before its
+next mask: while one holds a slot, each iteration reads the dispatched step
+before dispatching the next, and that row runs one step per dispatch and
+drafts nothing.
 
 When nothing waits and no request streams, running rows decode
 `decode_chunk` steps in one `lax.scan` (`ModelRunner.decode`) once that
-program is compiled: k = 1 while requests arrive or a stream wants each
-token as it comes, k = decode_chunk in steady state. Host-masked rows stay
-out of the loop: dispatches alternate between the loop of the others and
-one step of the host-masked rows alone.
+program is compiled (else one step per dispatch); host-masked rows stay out
+of it, stepping alone between the others' loops.
 
 Pages (`serving.pages.KVPageManager`, owned here): a request gets its
 prefix-cache hit and the pages of each chunk as it is scheduled, a decoding
@@ -46,14 +43,11 @@ running request is preempted (its full pages of known tokens stay in the
 prefix cache) and later recomputed, continuing where it stopped. A request
 that cannot fit the whole pool is refused up front.
 
-Faults (`serving.faults`): an exception while processing one request's
-tokens fails that request (a `FailedOutput` event, its slot and pages
-freed); one in the shared part of a step fails the requests holding slots
-and resets the device state. Either way `step` returns and the engine
-serves on (isolate_faults=False: the exception propagates instead).
-
-`policy="static"` admits new requests only when no request is running: the
-behaviour of a fixed batch, kept as the benchmark's baseline.
+Faults (`serving.faults`): one request's fails it alone (a `FailedOutput`);
+one in a step's shared part fails the requests holding slots and resets the
+device state; `step` returns either way (isolate_faults=False: it raises).
+Events: `serving.outputs`. `policy="static"` admits requests
+only when none runs (a fixed batch, the benchmark's baseline).
 """
 
 from __future__ import annotations
@@ -64,15 +58,16 @@ import itertools
 import time
 from typing import Callable, Optional
 
+from jaxinfer.cache.layouts import resolve_layout
+from jaxinfer.config import POLICIES, CacheConfig, SchedulerConfig
 from jaxinfer.serving import faults
 from jaxinfer.serving.chunking import long_chunk
 from jaxinfer.serving.outputs import StepOutputs
 from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import (QueueFullError, Request, RequestOutput, RequestState,
                                       check_fits)
+from jaxinfer.serving.rows import TokenRules
 from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
-
-POLICIES = ("continuous", "static")
 
 
 @dataclasses.dataclass
@@ -89,9 +84,7 @@ class _Seq:
     long_prompt: bool = False  # more tokens to prefill at admission than the token budget
     host: bool = False         # its constraint is masked on the host (one step at a time)
 
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.ids)
+    prefilling = property(lambda self: self.computed < len(self.ids))   # prompt not all computed
 
 
 class Scheduler(StepOutputs):
@@ -99,18 +92,16 @@ class Scheduler(StepOutputs):
     abort and events for one runner.
 
     Args:
-      runner: the device side (`ModelRunner`, or a fake in the tests).
+      runner: the device side (`ModelRunner`, or a fake in the tests),
+        built for the two configs.
+      scheduler_config: slots, token budget, chunk sizes, decode_chunk,
+        policy and queue bound (`config.SchedulerConfig`; module docstring).
+      cache_config: the runner's KV cache (`config.CacheConfig`, num_pages
+        set): the pool the scheduler's pages manage, max_seq_len, prefix
+        caching (None: what the layout supports) and the layout.
       detokenizer_factory: () -> a fresh `IncrementalDetokenizer`, or None
         to emit token ids only.
-      stop_token_ids / eos_token_ids: host copies of the runner's stop rule.
-      prefill_chunk_size: prompt tokens per step while rows decode (None:
-        the runner's whole budget).
-      long_prefill_chunk_size: tokens per step of a prompt longer than the
-        runner's token budget while rows decode (None: no such cap).
-      decode_chunk: decoding steps per dispatch in steady state.
-      policy: "continuous" or "static" (see the module docstring).
-      max_waiting_requests: bound of the waiting queue (None: unbounded).
-      prefix_caching: share the pages of equal prompt prefixes.
+      tokens: `rows.TokenRules`, the host copy of the runner's stop rule.
       compile_loops: a decode loop may compile when steady state first needs
         it (offline generation); False: loops run only once compiled, so no
         request ever waits for a compile (serving).
@@ -119,39 +110,27 @@ class Scheduler(StepOutputs):
         `FailedOutput` and `step` goes on (`serving.faults`); False: it
         propagates (offline generation: the caller sees the exception).
     Raises:
-      ValueError: an unknown policy or a size below 1; prefix_caching on a
-        runner whose cache keeps pages apart from the host's page ids
-        (`sliding_window_ring`).
+      ValueError: num_pages unset; prefix_caching=True on a layout without
+        it (`cache.resolve_layout`).
     """
 
-    def __init__(self, runner, *, detokenizer_factory: Optional[Callable] = None,
-                 stop_token_ids=(), eos_token_ids=(), prefill_chunk_size: Optional[int] = 512,
-                 long_prefill_chunk_size: Optional[int] = None, decode_chunk: int = 16,
-                 policy: str = "continuous",
-                 max_waiting_requests: Optional[int] = None, prefix_caching: bool = True,
+    def __init__(self, runner, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+                 detokenizer_factory: Optional[Callable] = None, tokens: TokenRules = TokenRules(),
                  compile_loops: bool = False, clock: Callable[[], float] = time.perf_counter,
                  isolate_faults: bool = True):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        sizes = dict(prefill_chunk_size=prefill_chunk_size, decode_chunk=decode_chunk,
-                     long_prefill_chunk_size=long_prefill_chunk_size)
-        if any(n is not None and n < 1 for n in sizes.values()):
-            raise ValueError(f"sizes must be >= 1 (or None where optional), got {sizes}")
-        if prefix_caching:
-            runner.check_page_ids("prefix caching")
-        self.runner = runner
+        if cache_config.num_pages is None:
+            raise ValueError("cache_config.num_pages must be set for a scheduler (LLM.pool_config)")
+        self.layout, cache = resolve_layout(cache_config)
+        self.runner, self.config, self.cache_config = runner, scheduler_config, cache
         self.detokenizer_factory = detokenizer_factory
-        self.stop_token_ids, self.eos_token_ids = tuple(stop_token_ids), tuple(eos_token_ids)
-        self.prefill_chunk_size, self.long_prefill_chunk_size = prefill_chunk_size, long_prefill_chunk_size
-        self.decode_chunk, self.policy = decode_chunk, policy
-        self.compile_loops, self.max_waiting_requests = compile_loops, max_waiting_requests
-        self.clock, self.isolate_faults = clock, isolate_faults
-        self.pages = KVPageManager(runner.num_pages, runner.page_size, runner.max_num_seqs,
-                                   runner.pages_per_seq, prefix_caching)
+        self.stop_token_ids, self.eos_token_ids = tokens.stop_token_ids, tokens.eos_token_ids
+        self.compile_loops, self.clock, self.isolate_faults = compile_loops, clock, isolate_faults
+        self.pages = KVPageManager(cache.num_pages, cache.page_size, scheduler_config.max_num_seqs,
+                                   cache.pages_per_seq, cache.prefix_caching)
         self._ids, self._admitted = itertools.count(), itertools.count()
         self.waiting: collections.deque[int] = collections.deque()
         self.seqs: dict[int, _Seq] = {}
-        self.slots: list[Optional[int]] = [None] * runner.max_num_seqs
+        self.slots: list[Optional[int]] = [None] * scheduler_config.max_num_seqs
         self._pending: list = []          # (Dispatched, owners) not read yet
         self._aborted: list[int] = []
         self._failed: list[RequestOutput] = []    # FailedOutputs for the next step's events
@@ -160,14 +139,13 @@ class Scheduler(StepOutputs):
         self._host_seen = False           # a host-masked request was added (its rows sync)
         self._host_turn = False           # host-masked rows step next (they alternate with loops)
 
-    @property
-    def states(self) -> dict[int, RequestState]:
-        return {rid: seq.state for rid, seq in self.seqs.items()}
+    states = property(lambda self: {rid: seq.state for rid, seq in self.seqs.items()})
 
     def check(self, request: Request) -> None:
-        """Raise ValueError when the request can never run here
-        (`request.check_fits`)."""
-        check_fits(request, self.runner, self.pages.pages_for)
+        """Raise ValueError when the request can never run here (`check_fits`)."""
+        if request.sampling.structured is not None:
+            self.runner.check_structured(request)
+        check_fits(request, self.cache_config, self.runner.width, self.pages.pages_for)
 
     def add_request(self, request: Request, stream: bool = False) -> int:
         """Queue a request; returns its id. `stream`: it wants each token as
@@ -178,9 +156,10 @@ class Scheduler(StepOutputs):
           QueueFullError: the waiting queue is full.
         """
         self.check(request)
-        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+        bound = self.config.max_waiting_requests
+        if bound is not None and len(self.waiting) >= bound:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting "
-                                 f"(max_waiting_requests {self.max_waiting_requests})")
+                                 f"(max_waiting_requests {bound})")
         rid = next(self._ids)
         detok = self.detokenizer_factory() if self.detokenizer_factory else None
         state = RequestState(rid, request, detok, self.stop_token_ids, self.eos_token_ids,
@@ -328,9 +307,9 @@ class Scheduler(StepOutputs):
     def _prompt_budget(self, num_decoding: int) -> int:
         """Prompt tokens this step: what the decoding rows leave of the token
         budget, and at most prefill_chunk_size while any row decodes."""
-        budget = self.runner.token_budget - self.runner.width * num_decoding
-        if num_decoding and self.prefill_chunk_size is not None:
-            budget = min(budget, self.prefill_chunk_size)
+        budget = self.config.max_num_batched_tokens - self.runner.width * num_decoding
+        if num_decoding and self.config.prefill_chunk_size is not None:
+            budget = min(budget, self.config.prefill_chunk_size)
         return budget
 
     def _loop_steps(self, decoding: list[_Seq], rows: list[_Seq]) -> int:
@@ -338,16 +317,17 @@ class Scheduler(StepOutputs):
         masked on the host: decode_chunk when nothing waits, nothing is
         prefilled (every running row is in `decoding`), none of `decoding`
         streams and the loop is compiled; else 1."""
-        if (not rows or self.waiting or len(decoding) != self.num_running or self.decode_chunk < 2
+        chunk = self.config.decode_chunk
+        if (not rows or self.waiting or len(decoding) != self.num_running or chunk < 2
                 or any(s.state.request_id in self.streaming for s in decoding)):
             return 1
-        padded = min(1 << (len(rows) - 1).bit_length(), self.runner.max_num_seqs)
-        more = self.decode_chunk * self.runner.width
+        padded = min(1 << (len(rows) - 1).bit_length(), self.config.max_num_seqs)
+        more = chunk * self.runner.width
         if self.pages.shortfall({s.slot: self._positions(s, more) for s in rows}):
             return 1
         logprobs = self._num_logprobs(s.state.request_id for s in rows)
-        ready = self.compile_loops or self.runner.has_decode_loop(padded, self.decode_chunk, logprobs)
-        return self.decode_chunk if ready else 1
+        ready = self.compile_loops or self.runner.has_decode_loop(padded, chunk, logprobs)
+        return chunk if ready else 1
 
     def _dispatch_loop(self, decoding: list[_Seq], steps: int):
         width = self.runner.width
@@ -421,11 +401,12 @@ class Scheduler(StepOutputs):
         and fill the step only up to the token bucket of the decoding rows
         plus long_prefill_chunk_size (the bucket is computed anyway), a
         later chunk fewer tokens (`chunking.long_chunk`)."""
-        long_cap, decode, start = bool(num_decoding and self.long_prefill_chunk_size), 0, budget
+        long_size = self.config.long_prefill_chunk_size
+        long_cap, decode, start = bool(num_decoding and long_size), 0, budget
         if long_cap:      # prompt tokens that bucket holds beside the decode tokens
             decode = self.runner.width * num_decoding
-            top = self.runner.step_shape(min(decode + self.long_prefill_chunk_size,
-                                             self.runner.token_budget))[0] - decode
+            top = self.runner.step_shape(min(decode + long_size,
+                                             self.config.max_num_batched_tokens))[0] - decode
 
         def chunk(seq: _Seq) -> int:
             n = budget if not (long_cap and seq.long_prompt) else long_chunk(
@@ -439,7 +420,7 @@ class Scheduler(StepOutputs):
                     deferred.append(seq)
                 else:
                     budget -= chunk(seq)
-        admitting = not (self.policy == "static" and self.num_running)
+        admitting = not (self.config.policy == "static" and self.num_running)
         while admitting and budget > 0 and self.waiting and None in self.slots:
             seq = self.seqs[self.waiting[0]]
             admission = self._admit(seq, budget)
@@ -470,7 +451,7 @@ class Scheduler(StepOutputs):
         ids are its prompt, then the tokens it generated before. Its prefill
         goes on from `computed`. Returns the runner's `Admission`."""
         seq.ids, seq.slot, seq.computed, seq.inflight = ids, slot, computed, 0
-        seq.long_prompt = len(ids) - computed > self.runner.token_budget
+        seq.long_prompt = len(ids) - computed > self.config.max_num_batched_tokens
         seq.order = next(self._admitted)
         self.slots[slot] = seq.state.request_id
         return Admission(slot, seq.state.request, ids[len(seq.state.request.prompt_ids):], computed)

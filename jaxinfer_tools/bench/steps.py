@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import Request, SamplingParams
+from jaxinfer import CacheConfig, Request, SamplingParams, SchedulerConfig
 from jaxinfer.testing import Admission, ModelRunner, ProgramCache, Segment, paged
 from jaxinfer_tools.bench.common import random_prompts
 
@@ -45,9 +45,10 @@ def new_runner(config, params: dict, *, slots: int, max_seq_len: int, pool_token
     holds `pool_tokens` positions per slot (rounded up to whole pages), with
     no stop tokens; `params` prepared (`weights.prepare.prepare_params`)."""
     pages = slots * -(-pool_tokens // page_size)
-    return ModelRunner(config, params, max_num_seqs=slots, max_seq_len=max_seq_len,
-                       page_size=page_size, num_pages=pages, cache_dtype=dtype,
-                       kv_cache_dtype=kv_cache_dtype, programs=programs, token_budget=token_budget)
+    cache = CacheConfig(max_seq_len=max_seq_len, dtype=jnp.dtype(dtype).name,
+                        kv_cache_dtype=kv_cache_dtype, page_size=page_size, num_pages=pages)
+    return ModelRunner(config, params, cache, SchedulerConfig(slots, token_budget),
+                       programs=programs)
 
 
 def slot_tables(runner: ModelRunner, seed: int = 0) -> np.ndarray:

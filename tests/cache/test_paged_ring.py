@@ -23,11 +23,13 @@ import pytest
 import reference
 from jaxinfer.cache import paged_ring
 from jaxinfer.cache.paged_ring import RingPagedKVCache, init_ring_cache
-from jaxinfer.config import SLIDING_ATTENTION, GenerationConfig
+from jaxinfer.cache import LAYOUTS, resolve_layout
+from jaxinfer.config import SLIDING_ATTENTION, CacheConfig, GenerationConfig
 from jaxinfer.engine.ragged import CPU_KERNELS, XLA
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.parallel.disagg import DisaggScheduler
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving import llm as llm_module
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.speculative import SpecConfig
@@ -158,19 +160,34 @@ def test_a_ring_below_the_window_and_budget_is_rejected():
         LLM(TINY_LLAMA, random_params(TINY_LLAMA), max_seq_len=96, sliding_window_ring=True)
 
 
-def test_prefix_caching_with_the_ring_is_refused():
+def test_prefix_caching_with_the_ring_is_refused(monkeypatch):
+    """The ring layout answers that it has no prefix caching: asking for it
+    is refused by the LLM, by `LLM.from_config` before any loading (the
+    YAML keys as users write them), and by a scheduler; unset, it is off."""
     with pytest.raises(ValueError, match=re.escape(PREFIX_AND_RING)):
         _llm(True, prefix_caching=True)
-    with pytest.raises(ValueError, match=re.escape(PREFIX_AND_RING)):
-        GenerationConfig(sliding_window_ring=True, prefix_caching=True)
-    with pytest.raises(ValueError, match=re.escape(PREFIX_AND_RING)):
-        GenerationConfig.load(None, ["sliding_window_ring=true", "prefix_caching=true"])
-    assert GenerationConfig(sliding_window_ring=True).prefix_caching is False
-    assert GenerationConfig().prefix_caching is True
+    monkeypatch.setattr(llm_module, "load_model", _no_loading)
+    for cfg in (GenerationConfig(sliding_window_ring=True, prefix_caching=True),
+                GenerationConfig.load(None, ["sliding_window_ring=true", "prefix_caching=true"])):
+        assert cfg.cache.layout == "paged_ring" and cfg.cache.prefix_caching is True
+        with pytest.raises(ValueError, match=re.escape(PREFIX_AND_RING)):
+            LLM.from_config(cfg)
+    ring, paged = LAYOUTS["paged_ring"], LAYOUTS["paged"]
+    assert (ring.prefix_caching, ring.page_transfer, ring.tp_relayout) == (False, False, False)
+    assert (paged.prefix_caching, paged.page_transfer, paged.tp_relayout) == (True, True, True)
+    assert resolve_layout(GenerationConfig(sliding_window_ring=True).cache)[1].prefix_caching is False
+    assert resolve_layout(GenerationConfig().cache)[1].prefix_caching is True
+    with pytest.raises(ValueError, match=r"layout must be one of \['paged', 'paged_ring'\], got 'rings'"):
+        resolve_layout(CacheConfig(layout="rings"))
     llm = _llm(True)
-    assert llm.prefix_caching is False
-    with pytest.raises(ValueError, match="prefix caching needs every layer's K/V in the host's pages"):
-        Scheduler(llm.runner(2), prefix_caching=True)
+    assert llm.cache_config.prefix_caching is False and llm.layout is ring
+    runner = llm.runner(2)
+    with pytest.raises(ValueError, match=re.escape(PREFIX_AND_RING)):
+        Scheduler(runner, runner.scheduler_config, runner.cache_config.replace(prefix_caching=True))
+
+
+def _no_loading(*args, **kwargs):
+    raise AssertionError("the configuration should have been refused before loading")
 
 
 def test_page_transfers_refuse_the_ring():
@@ -181,7 +198,8 @@ def test_page_transfers_refuse_the_ring():
     with pytest.raises(ValueError, match="writing pages by id .*" + refused):
         runner.write_pages([0], None)
     with pytest.raises(ValueError, match=r"disaggregated prefill \(a KV page transfer\) " + refused):
-        DisaggScheduler(runner, None, None, prefix_caching=False)
+        DisaggScheduler(runner, None, None, scheduler_config=runner.scheduler_config,
+                        cache_config=runner.cache_config)
 
 
 @pytest.mark.slow

@@ -14,13 +14,16 @@ import numpy as np
 import pytest
 
 from jaxinfer.cache.kv import LayerKV
+from jaxinfer.config import CacheConfig, SchedulerConfig
 from jaxinfer.parallel.disagg.scheduler import DisaggScheduler, FailedOutput, PrefillResult
 from jaxinfer.parallel.disagg.transfer import Ticket, TransferError
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.rows import TokenRules
 from jaxinfer.serving.runner import Dispatched
 from jaxinfer.serving.scheduler import Scheduler
+from jaxinfer.serving.settings import SCHEDULER_KEYS
 
 V, STOP, PAGE = 50, 0, 4
 
@@ -49,6 +52,16 @@ class FakeRunner:
 
     width, speculative, decode_steps = 1, None, 0
 
+    @property
+    def cache_config(self):
+        return CacheConfig(max_seq_len=self.max_seq_len, page_size=self.page_size,
+                           num_pages=self.num_pages)
+
+    @property
+    def scheduler_config(self):
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.token_budget)
+
     def __init__(self, max_num_seqs=3, max_seq_len=64, num_pages=64, token_budget=32):
         self.max_num_seqs, self.max_seq_len = max_num_seqs, max_seq_len
         self.page_size, self.num_pages, self.token_budget = PAGE, num_pages, token_budget
@@ -68,9 +81,6 @@ class FakeRunner:
             r = a.request
             self.rows[a.slot] = dict(last=None, n=len(a.generated), max=r.max_new_tokens,
                                      ignore=r.ignore_eos, done=False)
-
-    def check_page_ids(self, what):
-        """Every page is addressable by id here (no sliding-window rings)."""
 
     def _sample(self, row):
         row["last"] = token = nxt(row["last"])
@@ -178,8 +188,14 @@ def req(first, n_prompt=3, max_new=5, **kw):
 
 
 def disagg(client, max_num_seqs=3, **kwargs):
-    return DisaggScheduler(FakeRunner(max_num_seqs=max_num_seqs), client, None, idle_sleep_s=0,
-                           stop_token_ids=[STOP], eos_token_ids=[STOP], **kwargs)
+    """A DisaggScheduler over a fake runner's configs; kwargs: `SchedulerConfig`
+    fields, then `DisaggScheduler`'s own."""
+    runner = FakeRunner(max_num_seqs=max_num_seqs)
+    fields = {k: kwargs.pop(k) for k in SCHEDULER_KEYS if k in kwargs}
+    return DisaggScheduler(runner, client, None, idle_sleep_s=0,
+                           scheduler_config=runner.scheduler_config.replace(**fields),
+                           cache_config=runner.cache_config, tokens=TokenRules([STOP], [STOP]),
+                           **kwargs)
 
 
 def run(s, max_steps=300, sleep=0.0):
@@ -206,7 +222,9 @@ def assert_clean(s, client):
 
 def test_tokens_match_the_colocated_scheduler():
     requests = [req(t, max_new=n) for t, n in ((7, 6), (11, 4), (2, 9), (30, 5), (41, 3), (33, 4))]
-    colocated = Scheduler(FakeRunner(max_num_seqs=2), stop_token_ids=[STOP], eos_token_ids=[STOP])
+    fake = FakeRunner(max_num_seqs=2)
+    colocated = Scheduler(fake, fake.scheduler_config, fake.cache_config,
+                          tokens=TokenRules([STOP], [STOP]))
     ids = [colocated.add_request(r) for r in requests]
     events = run(colocated)
     want = [tokens_of(events[i]) for i in ids]

@@ -11,6 +11,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import request as request_module
 from jaxinfer.serving.faults import FailedOutput
 from jaxinfer.serving.request import Request
+from jaxinfer.config import CacheConfig, SchedulerConfig
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.thread import EngineThread
@@ -31,9 +32,11 @@ def params():
 
 
 def scheduler(params, **kwargs):
-    runner = ModelRunner(TINY_LLAMA, params, max_num_seqs=SLOTS, max_seq_len=32, page_size=4,
-                         num_pages=PAGES, token_budget=16)
-    return Scheduler(runner, decode_chunk=1, prefill_chunk_size=None, **kwargs)
+    cache = CacheConfig(max_seq_len=32, page_size=4, num_pages=PAGES)
+    config = SchedulerConfig(max_num_seqs=SLOTS, max_num_batched_tokens=16, decode_chunk=1,
+                             prefill_chunk_size=None)
+    runner = ModelRunner(TINY_LLAMA, params, cache, config)
+    return Scheduler(runner, config, cache, **kwargs)
 
 
 def request(name):

@@ -27,6 +27,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.request import Request
+from jaxinfer.config import CacheConfig, SchedulerConfig
 from jaxinfer.serving.runner import Admission, ModelRunner, Segment
 from jaxinfer.weights.prepare import prepare_params
 from serving_runs import dense_logprobs, ids, run
@@ -68,8 +69,9 @@ def _shuffled_tables(runner, seed, spare=3):
 
 def _runner(config, params, page_size, backend):
     m = -(-MAX_SEQ_LEN // page_size)
-    return ModelRunner(config, params, max_num_seqs=2, max_seq_len=MAX_SEQ_LEN, page_size=page_size,
-                       num_pages=2 * m + 3, backend=backend, token_budget=16)
+    return ModelRunner(config, params,
+                       CacheConfig(max_seq_len=MAX_SEQ_LEN, page_size=page_size, num_pages=2 * m + 3),
+                       SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16), backend=backend)
 
 
 # Row 0: a 19-token prompt in two chunks (7, then 12 beside row 1's first decode

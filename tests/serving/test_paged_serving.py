@@ -156,7 +156,7 @@ def test_config_keys_and_errors():
     kv_cache_memory exclude each other; a budget sets the pool's pages; a
     request that could never fit the whole pool is refused when added."""
     from jaxinfer.cache.paged import page_nbytes
-    from jaxinfer.config.generation import GenerationConfig, parse_bytes
+    from jaxinfer.config import GenerationConfig, parse_bytes
 
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2 * 10**9
     assert parse_bytes("1.5 kib") == 1536
@@ -214,6 +214,7 @@ def test_scheduler_does_not_wait_for_the_pool(prefix_llms):
             raise AssertionError("the scheduler waited for the pool's allocation")
 
     filled, runner._cache_future = runner._cache_future.result(), Unfilled()
-    Scheduler(runner, prefix_caching=True)
+    configs = (runner.scheduler_config, runner.cache_config.replace(prefix_caching=True))
+    Scheduler(runner, *configs)
     runner.cache = filled
-    assert Scheduler(runner, prefix_caching=True).runner.cache is filled
+    assert Scheduler(runner, *configs).runner.cache is filled

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import GenerationConfig
+from jaxinfer.config import CacheConfig, GenerationConfig, SchedulerConfig
 from jaxinfer.config.generation import DEFAULT_MAX_PROGRAMS
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
@@ -101,9 +101,11 @@ def test_serving_under_a_cap_of_two_programs_gives_the_same_tokens():
 
     def serve(max_programs):
         programs = ProgramCache(max_programs=max_programs)
-        runner = ModelRunner(TINY_LLAMA, params, max_num_seqs=2, max_seq_len=48, page_size=4,
-                             num_pages=24, programs=programs, token_budget=32)
-        sched = Scheduler(runner, decode_chunk=1, prefill_chunk_size=None)
+        cache = CacheConfig(max_seq_len=48, page_size=4, num_pages=24)
+        config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, decode_chunk=1,
+                                 prefill_chunk_size=None)
+        runner = ModelRunner(TINY_LLAMA, params, cache, config, programs=programs)
+        sched = Scheduler(runner, config, cache)
         reqs = [Request(tuple(ids(n, TINY_LLAMA.vocab_size, n)), max_new_tokens=4)
                 for n in (30, 3, 13, 6)]
         out = [tokens for tokens, _ in run(sched, reqs, arrive=[0, 0, 3, 6])]

@@ -11,12 +11,15 @@ budgets, admission order, slot reuse, prefix hits and preemption.
 import numpy as np
 import pytest
 
+from jaxinfer.config import CacheConfig, SchedulerConfig
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.rows import TokenRules
 from jaxinfer.serving.runner import Dispatched
 from jaxinfer.serving.chunking import LONG_CHUNK_GROWTH
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
+from jaxinfer.serving.settings import SCHEDULER_KEYS
 
 V = 50
 STOP = 0
@@ -44,6 +47,18 @@ class FakeRunner:
         self.decode_steps = 0
         self.host_rows = {}     # slot -> live row of a host-masked request: none here
 
+    @property
+    def cache_config(self):
+        """The KV cache the fake was built for (its pool and sizes)."""
+        return CacheConfig(max_seq_len=self.max_seq_len, page_size=self.page_size,
+                           num_pages=self.num_pages)
+
+    @property
+    def scheduler_config(self):
+        """Its slots and token budget, with SchedulerConfig's other defaults."""
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.token_budget)
+
     def step_shape(self, num_tokens):
         """(T, R): power-of-two token buckets from 4, as ModelRunner's."""
         t = 4
@@ -59,9 +74,6 @@ class FakeRunner:
 
     def segment_width(self, segment):
         return 1 if segment.decode else len(segment.tokens)
-
-    def check_page_ids(self, what):
-        """Every page is addressable by id here (no sliding-window rings)."""
 
     def has_decode_loop(self, rows, num_steps, num_logprobs=-1):
         return self.loops
@@ -145,9 +157,13 @@ def chain(start, n, min_tokens=0, ignore_eos=False):
     return out
 
 
-def sched(runner, **kwargs):
-    """A Scheduler with the fake's stop rule: STOP is the EOS id."""
-    return Scheduler(runner, stop_token_ids=[STOP], eos_token_ids=[STOP], **kwargs)
+def sched(runner, prefix_caching=None, **kwargs):
+    """A Scheduler over the fake's configs with the fake's stop rule (STOP
+    is the EOS id); kwargs: `SchedulerConfig` fields, then `Scheduler`'s own."""
+    fields = {k: kwargs.pop(k) for k in SCHEDULER_KEYS if k in kwargs}
+    return Scheduler(runner, runner.scheduler_config.replace(**fields),
+                     runner.cache_config.replace(prefix_caching=prefix_caching),
+                     tokens=TokenRules([STOP], [STOP]), **kwargs)
 
 
 def run(scheduler, max_steps=300):

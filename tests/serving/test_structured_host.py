@@ -136,15 +136,19 @@ def test_a_token_its_parser_rejects_fails_that_request_alone():
     from jaxinfer.sampling.grammar import GrammarCompiler
     from jaxinfer.serving.faults import FailedOutput
     from jaxinfer.serving.request import Request
+    from jaxinfer.config import CacheConfig, SchedulerConfig
+    from jaxinfer.serving.rows import TokenRules
     from jaxinfer.serving.runner import ModelRunner
     from jaxinfer.serving.scheduler import Scheduler
 
     tok = ascii_tokenizer()
 
     def run(fault: bool):
-        runner = ModelRunner(CONFIG, models.family("llama").prepare(params(), CONFIG), max_num_seqs=2, max_seq_len=64, page_size=4, num_pages=40,
-                             stop_token_ids=(0,), eos_token_ids=(0,), token_budget=16,
-                             grammars=GrammarCompiler(tok, CONFIG.vocab_size))
+        cache = CacheConfig(max_seq_len=64, page_size=4, num_pages=40)
+        config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, decode_chunk=1)
+        tokens = TokenRules((0,), (0,), grammars=GrammarCompiler(tok, CONFIG.vocab_size))
+        runner = ModelRunner(CONFIG, models.family("llama").prepare(params(), CONFIG), cache, config,
+                             tokens=tokens)
         if fault:
             real = runner.advance_host_row
 
@@ -153,7 +157,7 @@ def test_a_token_its_parser_rejects_fails_that_request_alone():
                     raise ValueError("structured output: injected refusal")
                 real(slot, tokens)
             runner.advance_host_row = advance
-        sched = Scheduler(runner, decode_chunk=1, stop_token_ids=(0,), eos_token_ids=(0,))
+        sched = Scheduler(runner, config, cache, tokens=tokens)
         host = sched.add_request(Request(tuple(tok.encode("(")), SamplingParams(
             structured=StructuredOutput(grammar=PARENS_GBNF), temperature=1.5, seed=1), max_new_tokens=30))
         other = sched.add_request(Request(tuple(tok.encode("the cat")), SamplingParams(temperature=1.2, seed=2),

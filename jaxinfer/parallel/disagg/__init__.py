@@ -21,6 +21,7 @@ import jax
 
 from jaxinfer.parallel.disagg.scheduler import DisaggScheduler, FailedOutput, PrefillResult
 from jaxinfer.parallel.disagg.transfer import LocalTransport, PullTransport, Ticket, TransferError
+from jaxinfer.serving.settings import SCHEDULER_KEYS
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
 
@@ -28,22 +29,23 @@ def make_scheduler(decode_llm, client, max_num_seqs=None, **kwargs) -> DisaggSch
     """A `DisaggScheduler` over a new runner of `decode_llm` (an `LLM` on the
     decode mesh, `sharding.load_llm` / `tensor_parallel_llm`), receiving
     from `client`, detokenizing with its tokenizer, on its compile-free
-    clock; received pages get each KV head repeated for its plan. kwargs go
-    to `DisaggScheduler` (transfer_timeout_s, max_waiting_requests, ...)."""
+    clock; received pages get each KV head repeated for its plan. kwargs:
+    `SchedulerConfig` fields over the LLM's (max_waiting_requests, ...),
+    and the others go to `DisaggScheduler` (transfer_timeout_s, ...)."""
 
     tok = decode_llm.tokenizer
     plan = getattr(decode_llm, "sharding_plan", None)
     mesh = getattr(decode_llm.programs, "mesh", None)
     device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
-    kwargs.setdefault("prefill_chunk_size", decode_llm.prefill_chunk_size)
-    kwargs.setdefault("decode_chunk", decode_llm.decode_chunk)
-    kwargs.setdefault("prefix_caching", decode_llm.prefix_caching)
-    return DisaggScheduler(decode_llm.runner(max_num_seqs or decode_llm.max_num_seqs), client, device,
+    fields = {k: kwargs.pop(k) for k in SCHEDULER_KEYS if k in kwargs}
+    sched = decode_llm.scheduler_config.replace(
+        max_num_seqs=max_num_seqs or decode_llm.max_num_seqs, **fields)
+    runner = decode_llm.runner(sched.max_num_seqs, sched)
+    return DisaggScheduler(runner, client, device, scheduler_config=sched,
+                           cache_config=runner.cache_config,
                            kv_repeat=plan.kv_repeat if plan is not None else 1,
                            detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
-                           stop_token_ids=decode_llm.stop_token_ids,
-                           eos_token_ids=decode_llm.eos_token_ids, clock=decode_llm.programs.clock,
-                           **kwargs)
+                           tokens=decode_llm.tokens, clock=decode_llm.programs.clock, **kwargs)
 
 
 __all__ = ["DisaggScheduler", "FailedOutput", "LocalTransport", "PrefillResult", "PullTransport",

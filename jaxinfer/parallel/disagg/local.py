@@ -3,7 +3,7 @@
 `jax.device_put` (`LocalTransport`).
 
     client = ThreadPrefillClient([llm_on_mesh_a], LocalTransport())
-    scheduler = DisaggScheduler(decode_llm.runner(8), client, mesh_b.devices.flat[0], ...)
+    scheduler = make_scheduler(decode_llm_on_mesh_b, client, max_num_seqs=8)   # disagg
 """
 
 from __future__ import annotations

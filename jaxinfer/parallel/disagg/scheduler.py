@@ -86,16 +86,20 @@ class DisaggScheduler(Scheduler):
         `ShardingPlan.kv_repeat`); received pages hold each head once.
       transfer_timeout_s: a transfer not finished this many seconds after it
         started fails its request.
-      kwargs: as for `Scheduler` (detokenizer_factory, stop ids, clock, ...).
+      kwargs: as for `Scheduler` (scheduler_config, cache_config,
+        detokenizer_factory, tokens, clock, ...).
     Raises:
-      ValueError: a runner whose cache cannot take pages by id
-        (`sliding_window_ring`), before anything runs; as `Scheduler`.
+      ValueError: a cache layout without page transfers (`cache.LAYOUTS`:
+        "paged_ring"), before anything runs; as `Scheduler`.
     """
 
     def __init__(self, runner, prefill: PrefillClient, receive_device, *, kv_repeat: int = 1,
                  transfer_timeout_s: float = 60.0, idle_sleep_s: float = 0.001, **kwargs):
-        runner.check_page_ids("disaggregated prefill (a KV page transfer)")
         super().__init__(runner, **kwargs)
+        self.layout.require("page_transfer", "disaggregated prefill (a KV page transfer)")
+        if kv_repeat != 1:
+            self.layout.require("tp_relayout", f"storing received pages with each KV head "
+                                               f"{kv_repeat} times (another TP degree)")
         self.prefill, self.receive_device, self.kv_repeat = prefill, receive_device, kv_repeat
         self.transfer_timeout_s, self.idle_sleep_s = transfer_timeout_s, idle_sleep_s
         self._to_prefill: collections.deque[int] = collections.deque()
@@ -109,9 +113,10 @@ class DisaggScheduler(Scheduler):
     # --- requests and state -----------------------------------------------------------------
 
     def add_request(self, request: Request, stream: bool = False) -> int:
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+        bound = self.config.max_waiting_requests
+        if bound is not None and self.num_waiting >= bound:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting "
-                                 f"(max_waiting_requests {self.max_waiting_requests})")
+                                 f"(max_waiting_requests {bound})")
         rid = super().add_request(request, stream)
         self.waiting.remove(rid)
         self._to_prefill.append(rid)
@@ -271,7 +276,7 @@ class DisaggScheduler(Scheduler):
             self.pages.grow(slot, n)
             dest = self.pages.tables[slot, :self.pages.pages_for(n)]
             sent = payload["pages"][0].keys.shape[0]
-            padded = list(dest) + [self.runner.num_pages] * (sent - len(dest))
+            padded = list(dest) + [self.cache_config.num_pages] * (sent - len(dest))
             self.runner.write_pages(padded, payload["pages"], self.kv_repeat)
         except Exception:
             self.pages.release(slot)

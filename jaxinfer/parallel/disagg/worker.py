@@ -67,26 +67,29 @@ class PrefillWorker:
 
     Args:
       llm: an `LLM` whose programs run on this worker's mesh (`sharding.load_llm`
-        or `tensor_parallel_llm`); its `prefill_chunk_size` is the chunk size
-        (None: the runner's whole token budget).
+        or `tensor_parallel_llm`); its scheduler config's `prefill_chunk_size`
+        is the chunk size (None: the runner's whole token budget).
       transport: `LocalTransport` or `PullTransport`.
       worker_id: reported with each result.
       max_num_seqs: requests prefilled at once (the runner's slots).
     Raises:
-      ValueError: `llm` keeps sliding-window rings (`sliding_window_ring`):
-        their pages cannot be sent by id.
+      ValueError: `llm`'s cache layout has no page transfers (`cache.LAYOUTS`:
+        "paged_ring"), before anything is allocated.
     """
 
     def __init__(self, llm, transport, worker_id: int = 0, max_num_seqs: int = 4):
         self.llm, self.transport, self.worker_id = llm, transport, worker_id
-        self.runner = llm.runner(max_num_seqs)
-        r = self.runner
-        r.check_page_ids("disaggregated prefill (a KV page transfer)")
-        self.pages = KVPageManager(r.num_pages, r.page_size, r.max_num_seqs, r.pages_per_seq,
-                                   prefix_caching=False)
-        self.chunk = min(llm.prefill_chunk_size or r.token_budget, r.token_budget)
+        llm.layout.require("page_transfer", "disaggregated prefill (a KV page transfer)")
         plan = getattr(llm, "sharding_plan", None)
         self.kv_repeat = plan.kv_repeat if plan is not None else 1
+        if self.kv_repeat != 1:
+            llm.layout.require("tp_relayout", f"sending pages whose KV heads are stored "
+                                              f"{self.kv_repeat} times (another TP degree)")
+        self.runner = llm.runner(max_num_seqs)
+        r = self.runner
+        self.pages = KVPageManager(r.num_pages, r.page_size, r.max_num_seqs, r.pages_per_seq,
+                                   prefix_caching=False)
+        self.chunk = min(llm.scheduler_config.prefill_chunk_size or r.token_budget, r.token_budget)
         mesh = getattr(llm.programs, "mesh", None)
         self.device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
         self.jobs: collections.deque[_Job] = collections.deque()     # queued, no slot yet

@@ -1,0 +1,52 @@
+"""The KV-cache layouts the serving engine can run, by name (`LAYOUTS`), and
+`resolve_layout`, which checks a `CacheConfig` against its layout before
+anything is allocated.
+
+A layout answers what it supports (`prefix_caching`, `page_transfer`,
+`tp_relayout`), checks a config against a model (`check`), sizes its pool
+(`pool_costs`) and builds its empty cache (`init`); see
+`cache.paged.PagedLayout`. A new layout is one module plus one line here.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.cache.paged import PagedLayout
+from jaxinfer.cache.paged_ring import RING_LAYOUT
+from typing import Optional
+
+from jaxinfer.config import CacheConfig, ModelConfig
+
+LAYOUTS: dict[str, PagedLayout] = {
+    "paged": PagedLayout(),
+    "paged_ring": RING_LAYOUT,
+}
+
+
+def get_layout(name: str) -> PagedLayout:
+    """The layout registered as `name`. Raises ValueError naming the known ones."""
+    if name not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {name!r}")
+    return LAYOUTS[name]
+
+
+def resolve_layout(cache: CacheConfig, config: Optional[ModelConfig] = None
+                   ) -> tuple[PagedLayout, CacheConfig]:
+    """(the layout of `cache`, `cache` with prefix_caching decided: None
+    becomes what the layout supports). Without `config` (before a model is
+    loaded) only the cache settings are checked.
+
+    Raises:
+      ValueError: an unknown layout, prefix_caching=True on a layout that
+        does not support it (`PagedLayout.check`), or a model the layout
+        does not fit (`PagedLayout.check_model`).
+    """
+    layout = get_layout(cache.layout)
+    layout.check(cache)
+    if config is not None:
+        layout.check_model(config)
+    if cache.prefix_caching is None:
+        cache = cache.replace(prefix_caching=layout.prefix_caching)
+    return layout, cache
+
+
+__all__ = ["LAYOUTS", "get_layout", "resolve_layout"]
