@@ -57,7 +57,7 @@ def build_server(llm, *, model_name: str, max_num_seqs: int, max_waiting_request
     engine = EngineThread(scheduler, max_waiting_requests=max_waiting_requests)
 
     def on_start():     # once the app starts: the work that would slow its start down
-        scheduler.runner.compile_behind(log)
+        scheduler.runner.warm.compile_behind(log)
         if llm.grammars is not None:
             threading.Thread(target=llm.grammars.prepare, name="jaxinfer-grammar",
                              daemon=True).start()
@@ -93,7 +93,7 @@ def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None,
     buckets now), run one short request through `scheduler` (in the smallest
     bucket) so the first request does not pay the first-execution costs,
     then, with `behind`, compile the other buckets on a thread while requests
-    are served (`ModelRunner.compile_behind`; it starts after the request, so
+    are served (`WarmUp.compile_behind`; it starts after the request, so
     it does not slow it; without, the caller starts it). Programs for
     log-probs still compile on first use.
 
@@ -111,7 +111,7 @@ def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None,
     else:
         raise RuntimeError(f"warm-up did not finish within {max_steps} scheduler steps")
     if behind:
-        scheduler.runner.compile_behind(log)
+        scheduler.runner.warm.compile_behind(log)
     return time.perf_counter() - t0, compiled
 
 

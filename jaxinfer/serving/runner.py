@@ -13,14 +13,13 @@ this module only runs it. Shapes: a step's T tokens are padded to the
 smallest token bucket (powers of two up to `token_budget`) that holds them
 and its segments to R = min(T, max_num_seqs); a decode loop's rows to a
 power of two. Those buckets are the compile plan (`compile_plan`), which
-warm-up and dispatch share.
+warm-up (`warm`, a `serving.warmup.WarmUp`) and dispatch share.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 from typing import Optional, Sequence
 
 import jax
@@ -114,7 +113,7 @@ class Dispatched:
     steps: int
 
 
-class ModelRunner(WarmUp):
+class ModelRunner:
     """Runs one model's step over a paged KV cache for the scheduler.
 
     Args:
@@ -169,11 +168,8 @@ class ModelRunner(WarmUp):
         self.reset()
         self.decode_steps = 0     # decoding steps dispatched
         # Token buckets a step may use: all of them (compiled on first use),
-        # or, once `warmup` ran, those compiled so far (a larger bucket pads).
-        self.ready_buckets: list[int] = []
-        self._background: Optional[threading.Thread] = None
-        self._behind: list = []
-        self._stop_compiling = threading.Event()
+        # or, once `warmup` ran, those compiled so far (`warm.ready_buckets`; larger ones pad).
+        self.warm = WarmUp(self.compile_plan, self.programs)
 
     @property
     def cache(self):
@@ -314,7 +310,7 @@ class ModelRunner(WarmUp):
         Raises:
           ValueError: more tokens than `token_budget`.
         """
-        t = bucket_for(num_tokens, self.ready_buckets or self.token_buckets)
+        t = bucket_for(num_tokens, self.warm.ready_buckets or self.token_buckets)
         return t, min(t, self.max_num_seqs)
 
     @property
@@ -395,6 +391,13 @@ class ModelRunner(WarmUp):
         if dispatched.steps == 1:
             host = StepOutput(*(None if x is None else x[None] for x in host))
         return host
+
+    def warmup(self, num_logprobs: Sequence[int] = (-1,), background: bool = False,
+               log=lambda msg: None) -> int:
+        """Compile this runner's `compile_plan` ahead of time (`WarmUp.warmup`
+        of `warm`, which then holds the ready buckets and the background
+        compiles). Returns the programs compiled."""
+        return self.warm.warmup(num_logprobs, background, log)
 
     # --- the compile plan ----------------------------------------------------------------
 

@@ -46,7 +46,7 @@ that cannot fit the whole pool is refused up front.
 Faults (`serving.faults`): one request's fails it alone (a `FailedOutput`);
 one in a step's shared part fails the requests holding slots and resets the
 device state; `step` returns either way (isolate_faults=False: it raises).
-Events: `serving.outputs`. `policy="static"` admits requests
+Events: `serving.outputs.StepOutputs`. `policy="static"` admits requests
 only when none runs (a fixed batch, the benchmark's baseline).
 """
 
@@ -87,7 +87,7 @@ class _Seq:
     prefilling = property(lambda self: self.computed < len(self.ids))   # prompt not all computed
 
 
-class Scheduler(StepOutputs):
+class Scheduler:
     """Admission, the token budget, chunked prefill, pages, preemption,
     abort and events for one runner.
 
@@ -125,6 +125,8 @@ class Scheduler(StepOutputs):
         self.detokenizer_factory = detokenizer_factory
         self.stop_token_ids, self.eos_token_ids = tokens.stop_token_ids, tokens.eos_token_ids
         self.compile_loops, self.clock, self.isolate_faults = compile_loops, clock, isolate_faults
+        self.outputs = StepOutputs(clock, self._retire, lambda rid, message: faults.fail_request(
+            self, rid, message), isolate_faults)
         self.pages = KVPageManager(cache.num_pages, cache.page_size, scheduler_config.max_num_seqs,
                                    cache.pages_per_seq, cache.prefix_caching)
         self._ids, self._admitted = itertools.count(), itertools.count()
@@ -197,6 +199,22 @@ class Scheduler(StepOutputs):
         self.pages.release(seq.slot, known)
         self.slots[seq.slot] = None
         seq.slot = None
+
+    def _retire(self, seq: _Seq) -> None:
+        """A finished request leaves: slot and pages freed, its id forgotten."""
+        self._free(seq)
+        del self.seqs[seq.state.request_id]
+        self.streaming.discard(seq.state.request_id)
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        events = [self.outputs.event(self.seqs.pop(rid).state) for rid in self._aborted]
+        self.streaming.difference_update(self._aborted)
+        self._aborted = []
+        return events
+
+    def _process(self, dispatched, owners) -> list[RequestOutput]:
+        """A dispatched step's events (`StepOutputs.process`)."""
+        return self.outputs.process(self.runner.fetch(dispatched), owners, self.seqs)
 
     # --- state ---------------------------------------------------------------------------
 

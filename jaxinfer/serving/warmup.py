@@ -1,6 +1,6 @@
-"""Ahead-of-time compiling of a `ModelRunner`'s compile plan: everything at
-once, or the plan's ends now and the rest on a thread while serving
-(`WarmUp`, a base of `serving.runner.ModelRunner`)."""
+"""Ahead-of-time compiling of a runner's compile plan: everything at once,
+or the plan's ends now and the rest on a thread while serving (`WarmUp`,
+which a `serving.runner.ModelRunner` holds as `warm`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,31 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from jaxinfer.engine import step as engine_step
+from jaxinfer.serving.programs import ProgramCache
 
 
 class WarmUp:
-    """Warm-up methods over a runner's `compile_plan`, `programs`,
-    `ready_buckets` (the token buckets steps may use) and its `_background`
-    thread, `_behind` plan and `_stop_compiling` event (set in its __init__)."""
+    """Compiles a runner's plan and tracks which token buckets are ready.
+
+    Args:
+      compile_plan: num_logprobs -> [(function, abstract args, static args)],
+        the runner's `compile_plan` (steps largest bucket first, then the rest).
+      programs: the `ProgramCache` the plan compiles into.
+
+    Attributes:
+      ready_buckets: token buckets whose step is compiled, ascending; empty
+        until `warmup` runs (then a step uses only these: `ModelRunner.step_shape`).
+    """
+
+    def __init__(self, compile_plan: Callable[[Sequence[int]], list], programs: ProgramCache):
+        self.compile_plan, self.programs = compile_plan, programs
+        self.ready_buckets: list[int] = []
+        self._background: Optional[threading.Thread] = None
+        self._behind: list = []
+        self._stop = threading.Event()
 
     def warmup(self, num_logprobs: Sequence[int] = (-1,), background: bool = False,
                log=lambda msg: None) -> int:
@@ -67,7 +83,7 @@ class WarmUp:
 
         if threads == 1:
             for item in plan:
-                if self._stop_compiling.is_set():
+                if self._stop.is_set():
                     return
                 one(item)
             return
@@ -83,7 +99,7 @@ class WarmUp:
     def stop_compiling(self) -> None:
         """Stop a background warm-up after the compile under way (at exit: a
         thread killed inside XLA's compiler aborts the process)."""
-        self._stop_compiling.set()
+        self._stop.set()
         if self._background is not None:
             self._background.join()
 
@@ -94,3 +110,5 @@ class WarmUp:
             return not self._background.is_alive()
         return True
 
+
+__all__ = ["WarmUp"]

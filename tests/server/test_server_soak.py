@@ -227,7 +227,7 @@ def _figures(server, finished: collections.Counter) -> dict:
 def server(toy_folder):
     with toy_server(toy_folder, max_waiting_requests=4 * CONCURRENCY) as (server, url):
         engine = server.engine.engine
-        assert engine.scheduler.runner.wait_compiled(600)     # the background token buckets
+        assert engine.scheduler.runner.warm.wait_compiled(600)     # the background token buckets
         finished, on_step = collections.Counter(), engine.on_step
 
         def counting(engine, events):      # the engine's finish reasons (on its thread)

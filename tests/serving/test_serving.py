@@ -117,13 +117,13 @@ def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
     served = LLM(llm.config, llm.params, max_seq_len=64, prefill_chunk_size=8, max_num_batched_tokens=32)
     sched = served.scheduler(2)
     assert sched.runner.warmup(background=True) == 3 == served.programs.num_compiles
-    assert sched.runner.ready_buckets == [1, 32]
+    assert sched.runner.warm.ready_buckets == [1, 32]
     assert sched.runner.step_shape(6) == (32, 2) and sched.runner.step_shape(1) == (1, 1)
     assert _run(sched, {0: [request]}) == [alone.token_ids]
     assert served.programs.num_compiles == 3
-    sched.runner.compile_behind()
-    assert sched.runner.wait_compiled(timeout_s=300)
-    assert sched.runner.ready_buckets == [1, 2, 4, 8, 16, 32] and served.programs.num_compiles == 7
+    sched.runner.warm.compile_behind()
+    assert sched.runner.warm.wait_compiled(timeout_s=300)
+    assert sched.runner.warm.ready_buckets == [1, 2, 4, 8, 16, 32] and served.programs.num_compiles == 7
     assert sched.runner.step_shape(6) == (8, 2) and sched.runner.step_shape(2) == (2, 2)
 
 

@@ -284,7 +284,7 @@ class DisaggScheduler(Scheduler):
         admission = self._take_slot(seq, slot, tuple(request.prompt_ids) + (token,), n)
         self._admit_rows([admission])
         seq.state.add(token, logprob if request.logprobs is not None else None)
-        self._events += self._emit(seq)
+        self._events += self.outputs.emit(seq)
         return True
 
     def _check_payload(self, payload: dict, n: int):
