@@ -78,11 +78,7 @@ namespace {
 // accumulators). Either way the block plus the 3 weight vectors and a broadcast fit the
 // register file, so nothing spills. kPanel (weight panel width) = 3 vectors; Python reads
 // it (jaxinfer_panel_width).
-#if defined(__AVX512F__)
-constexpr int kRowBlock = 8;
-#else
-constexpr int kRowBlock = 4;
-#endif
+constexpr int kRowBlock = kLanes == 16 ? 8 : 4;
 constexpr int kPanelVectors = 3;
 constexpr int kPanel = kLanes * kPanelVectors;
 
