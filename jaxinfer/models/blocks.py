@@ -114,6 +114,13 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
+def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
+    """The final RMSNorm (`params["norm"]`), then `lm_head`: [..., D] ->
+    float32 logits [..., V]. The built-in families' `unembed`."""
+    h = rms_norm(h, params["norm"], config.rms_norm_eps, config.deterministic)
+    return lm_head(params, h, config)
+
+
 def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """Logits float32 [..., V] from final-normed hidden states [..., D].
 

@@ -28,7 +28,7 @@ import numpy as np
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.models import gguf_keys, hf_keys
 from jaxinfer.models.base import CheckpointError, Family
-from jaxinfer.models.blocks import embed_rows, gated_mlp, lm_head, output_projection, project_qkv
+from jaxinfer.models.blocks import embed_rows, gated_mlp, output_projection, project_qkv, unembed
 from jaxinfer.nn import rms_norm
 
 
@@ -54,12 +54,6 @@ def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
     h = rms_norm(x, p["pre_feedforward_layernorm"], eps, config.deterministic)
     h = gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
     return x + rms_norm(h, p["post_feedforward_layernorm"], eps, config.deterministic), kv
-
-
-def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
-    """Final RMSNorm, tied LM head and optional final soft-cap -> float32 [..., V]."""
-    h = rms_norm(h, params["norm"], config.rms_norm_eps, config.deterministic)
-    return lm_head(params, h, config)
 
 
 # --- Hugging Face config.json ----------------------------------------------------------------

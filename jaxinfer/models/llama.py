@@ -22,7 +22,7 @@ import numpy as np
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.models import gguf_keys, hf_keys
 from jaxinfer.models.base import CheckpointError, Family
-from jaxinfer.models.blocks import embed_rows, gated_mlp, lm_head, output_projection, project_qkv
+from jaxinfer.models.blocks import embed_rows, gated_mlp, output_projection, project_qkv, unembed
 from jaxinfer.nn import rms_norm
 
 
@@ -43,12 +43,6 @@ def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
     x = x + output_projection(attn, p["o_proj"])
     h = rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps, config.deterministic)
     return x + gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act), kv
-
-
-def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
-    """Final RMSNorm and LM head: [..., D] -> float32 logits [..., V]."""
-    h = rms_norm(h, params["norm"], config.rms_norm_eps, config.deterministic)
-    return lm_head(params, h, config)
 
 
 # --- Hugging Face config.json ----------------------------------------------------------------
