@@ -267,10 +267,7 @@ class PagedLayout:
         tensor-parallel degree (`repeat_kv_heads`).
     """
 
-    name = "paged"
-    prefix_caching = True
-    page_transfer = True
-    tp_relayout = True
+    name, prefix_caching, page_transfer, tp_relayout = "paged", True, True, True
 
     def fits(self, config: ModelConfig) -> bool:
         """Whether `config`'s model can use this layout (every model here)."""
@@ -290,8 +287,11 @@ class PagedLayout:
         """Raise ValueError naming `what` unless this layout supports
         `feature` ("prefix_caching", "page_transfer" or "tp_relayout")."""
         if not getattr(self, feature):
-            raise ValueError(f"{what} needs {feature.replace('_', ' ')}, which the {self.name!r} "
-                             "KV-cache layout does not support")
+            raise ValueError(f"{what} {self.refusal(feature)}")
+
+    def refusal(self, feature: str) -> str:
+        """Why `feature` is refused, after what asked for it."""
+        return f"needs {feature.replace('_', ' ')}, which the {self.name!r} layout does not support"
 
     def ring_pages(self, config: ModelConfig, cache: CacheConfig, step_tokens: int) -> int:
         """Pages per slot kept outside the host's pool (0 here)."""

@@ -175,10 +175,7 @@ class RingLayout(PagedLayout):
     re-layout of transferred pages (module docstring); a model without
     sliding-window layers is refused."""
 
-    name = "paged_ring"
-    prefix_caching = False
-    page_transfer = False
-    tp_relayout = False
+    name, prefix_caching, page_transfer, tp_relayout = "paged_ring", False, False, False
 
     def fits(self, config: ModelConfig) -> bool:
         return SLIDING_ATTENTION in config.attention_types and bool(config.sliding_window)
@@ -193,11 +190,10 @@ class RingLayout(PagedLayout):
     def check_model(self, config: ModelConfig) -> None:
         check_ring_model(config)
 
-    def require(self, feature: str, what: str) -> None:
-        if not getattr(self, feature):
-            raise ValueError(f"{what} needs every layer's K/V in the host's pages, but "
-                             "sliding_window_ring keeps the sliding-window layers in per-slot "
-                             "rings of pages; turn sliding_window_ring off to use it")
+    def refusal(self, feature: str) -> str:
+        return ("needs every layer's K/V in the host's pages, but sliding_window_ring keeps the "
+                "sliding-window layers in per-slot rings of pages; turn sliding_window_ring off "
+                "to use it")
 
     def ring_pages(self, config: ModelConfig, cache: CacheConfig, step_tokens: int) -> int:
         """R per slot (`ring_pages_for`)."""
