@@ -1,5 +1,5 @@
-"""Random KV caches for the cache-transform tests (`tests/cache/`): pools or
-dense rows filled with random codes / values (int8 with random scales), so
+"""Random KV caches for the cache-transform tests (`tests/cache/`): paged
+pools and dense caches (pools of per-row pages) filled with random codes / values (int8 with random scales), so
 that a transform that drops, swaps or rewrites a field shows; the field and
 bit comparisons; and `placed_on_mesh`, run with several devices
 (`multidevice.run_case`)."""
@@ -27,9 +27,7 @@ DRAFT = dataclasses.replace(CONFIG, num_layers=2, layer_types=CONFIG.layer_types
 
 def random_layer(rng, pages: int, heads: int, repeat: int, head_dim: int, page_size: int,
                  dtype: str) -> LayerKV:
-    """A pool of `pages` pages of `page_size` tokens (or a dense layer of
-    `pages` rows of `page_size` positions: the same axes) of `heads` KV
-    heads, each stored `repeat` times (axis 1), as tensor parallelism stores
+    """A pool of `pages` pages of `page_size` tokens of `heads` KV heads, each stored `repeat` times (axis 1), as tensor parallelism stores
     them: keys [pages, heads * repeat, head_dim, page_size], values [..,
     page_size, head_dim]; int8 pools carry float32 scales [.., page_size]."""
     rep = lambda x: jnp.asarray(np.repeat(x, repeat, axis=1))
@@ -51,22 +49,15 @@ def visible_pages(kv: LayerKV, pages, repeat: int) -> tuple[np.ndarray, np.ndarr
     return np.asarray(k[:, ::repeat].astype(jnp.float32)), np.asarray(v[:, ::repeat].astype(jnp.float32))
 
 
-def dense_cache(rng, dtype: str, rows: int, max_seq_len: int, ring_extra: int,
-                history: list, lengths: list, config=CONFIG) -> KVCache:
-    """A dense cache whose buffers hold random values (stale ones too) and
-    whose rings hold what writing `history[b]` positions leaves, row b then
-    rolled back to `lengths[b]` (`truncate`: later positions stay, unseen)."""
-    empty = init_cache(config, rows, max_seq_len, ring_extra=ring_extra,
-                             kv_cache_dtype=dtype)
-    r = empty.ring_size
-    layers = tuple(random_layer(rng, rows, config.num_kv_heads, 1, config.head_dim,
-                                kv.keys.shape[3], dtype) for kv in empty.layers)
-    ring_pos = np.full((rows, r), -1, np.int32)
-    for row, h in enumerate(history):
-        for p in range(h):
-            ring_pos[row, p % r] = p
-    return empty.replace(layers=layers, ring_pos=jnp.asarray(ring_pos),
-                         lengths=jnp.asarray(lengths, jnp.int32))
+def dense_cache(rng, dtype: str, rows: int, max_seq_len: int, page_size: int, lengths: list,
+                config=CONFIG) -> KVCache:
+    """A dense cache of `rows` rows of `page_size`-token pages whose pools
+    hold random values everywhere (stale ones past each row's length too)
+    and whose rows hold `lengths` tokens."""
+    empty = init_cache(config, rows, max_seq_len, kv_cache_dtype=dtype, page_size=page_size)
+    layers = tuple(random_layer(rng, kv.keys.shape[0], config.num_kv_heads, 1, config.head_dim,
+                                page_size, dtype) for kv in empty.layers)
+    return empty.replace(layers=layers, lengths=jnp.asarray(lengths, jnp.int32))
 
 
 def paged_cache(rng, dtype: str, ring: bool, slots: int, pages: int, page_size: int,
@@ -104,7 +95,7 @@ def placed_on_mesh(tp: int, seed: int = 0) -> dict:
     config = plan.model_config(CONFIG)
     rng, out = np.random.default_rng(seed), {}
     for dtype in DTYPES:
-        caches = {"dense": dense_cache(rng, dtype, 2, 8, 0, [8, 5], [8, 3], config=config),
+        caches = {"dense": dense_cache(rng, dtype, 2, 8, 4, [8, 3], config=config),
                   "paged": paged_cache(rng, dtype, False, 2, 6, 2, [5, 2], config=config),
                   "ring": paged_cache(rng, dtype, True, 2, 6, 2, [5, 2], config=config)}
         for name, cache in caches.items():

@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxinfer import pytree
 from jaxinfer.cache.int8 import quantize_kv
-from jaxinfer.cache.kv import KV_CACHE_DTYPES, LayerKV
+from jaxinfer.cache.layer import KV_CACHE_DTYPES, LayerKV
 from jaxinfer.config import FULL_ATTENTION, CacheConfig, ModelConfig
 
 

@@ -6,6 +6,8 @@
   `draft`    the draft-model proposer inside the step
   `ragged`   ragged attention over pages, and the attention backend (XLA or
              the C++ kernels) chosen once per loaded model
-  `forward`  the model forward every phase shares (RoPE, embed, layers, logits)
-  `phases`   the library's extend / prefill / decode_step on a dense cache
+  `forward`  the one model forward (RoPE, embed, layers, logits) and
+             `paged_forward`, which the step and the phases run
+  `phases`   the library's extend / prefill / decode_step / token_logprobs
+             on a dense cache (one slot of pages per row), one segment a row
 """

@@ -1,7 +1,8 @@
-"""The model forward every phase shares: RoPE tables for the positions, the
-family's embed, every layer (unrolled, each with its own K/V buffers and the
-phase's `attend`), and the logits; and the paged forward of the serving
-step (`place` lays a step's segments out, `paged_forward` runs them)."""
+"""The one model forward: RoPE tables for the positions, the family's embed,
+every layer (unrolled, each with its own K/V pool and an `attend`), and the
+logits. `paged_forward` runs it over a paged cache for the serving step and
+the library's phases alike (`place` lays a step's segments out); `jaxinfer
+trace` calls `run_layers` with an `attend` of its own."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def rope_tables(config: ModelConfig, positions: jax.Array | np.ndarray) -> dict:
 def run_layers(params: dict, layers: tuple, tokens: jax.Array, config: ModelConfig,
                rope_positions: jax.Array | np.ndarray, attend: Attend) -> tuple[jax.Array, tuple]:
     """Embed tokens [B, T] and run every layer, unrolled, each on its own
-    buffers (`layers`: a dense cache's `LayerKV`s, or a paged cache's pools;
-    whatever `attend` takes). Returns (final hidden states [B, T, D] before
-    the final norm, the new per-layer buffers). Not jitted itself: the
-    phases, the serving step and `jaxinfer trace` (with its own `attend`) call it.
+    buffers (`layers`: a cache's per-layer pools; whatever `attend` takes).
+    Returns (final hidden states [B, T, D] before the final norm, the new
+    per-layer buffers). Not jitted itself: `paged_forward` and `jaxinfer
+    trace` (with its own `attend`) call it.
 
     Where `attend` is a pytree (`PagedAttend`), the layer is traced once per
     layer type and that trace called for every layer of the type

@@ -8,15 +8,19 @@ attention"). The step's new K/V are written into the pages before attention
 runs, so every query attends over pages only.
 
 - `ragged_paged_attention`: the C++ kernel (`JaxinferRaggedPagedAttention`
-  in `cpu_kernels.cc`), flash-style like `cpu.causal_attention`, reading
+  in `cpu_kernels.cc`), flash-style (online softmax over key blocks), reading
   keys and values from the pages through the block tables. Each output row
   depends only on its query, its position and the K/V it sees, bit for bit:
   a prompt run whole, in chunks or one token at a time gives identical bits.
+  Differentiable: its backward pass is `ragged_paged_attention_xla`'s
+  (training differentiates through the phases' forward).
 - `ragged_paged_attention_xla`: the same function in pure JAX, for other
   backends, in blocks of query tokens so memory stays bounded.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,10 +90,33 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _check("ragged_paged_attention", q, k_pages, v_pages, block_tables, seg_slot, seg_start,
            seg_len, seg_pos, window)
     _require_enabled()
+    return _ragged_paged_attention(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len,
+                                   seg_pos, window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len,
+                            seg_pos, window):
     return jax.ffi.ffi_call("jaxinfer_ragged_paged_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
         window=np.int64(window or 0))
+
+
+def _ragged_fwd(q, k_pages, v_pages, *rest):
+    *segments, window = rest
+    out = _ragged_paged_attention(q, k_pages, v_pages, *segments, window)
+    return out, (q, k_pages, v_pages, *segments)
+
+
+def _ragged_bwd(window, residuals, grad):
+    q, k_pages, v_pages, *segments = residuals
+    _, vjp = jax.vjp(lambda q, k, v: ragged_paged_attention_xla(q, k, v, *segments, window=window),
+                     q, k_pages, v_pages)
+    return (*vjp(grad), None, None, None, None, None)
+
+
+_ragged_paged_attention.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def token_positions(t: int, seg_slot, seg_start, seg_len, seg_pos) -> tuple[jax.Array, jax.Array]:

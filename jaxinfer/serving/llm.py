@@ -448,8 +448,8 @@ class LLM:
               *, chat: bool = False) -> list[float]:
         """Log-likelihood of each continuation given its prompt (research use).
 
-        One batched prefill with all-position logits; the continuation's tokens
-        are scored one after another under teacher forcing.
+        One step of the forward returns every position's log-probs
+        (`engine.phases.token_logprobs`); the continuation is scored by teacher forcing.
 
         Args:
           prompts: texts (BOS added as the model does), chat messages, or ids.
@@ -474,7 +474,7 @@ class LLM:
                                self.buckets.prompt_bucket(max(map(len, full))))
         cache = init_cache(self.config, tokens.shape[0], tokens.shape[1], self.cache_dtype)
         logp = np.asarray(self.programs(engine.token_logprobs, self.params, cache, tokens, lengths,
-                                        config=self.config))
+                                        config=self.config, backend=self.backend))
         return [float(logp[row, len(p) - 1:len(p) + len(c) - 1].sum())
                 for row, (p, c) in enumerate(rows)]
 

@@ -138,8 +138,7 @@ class _Printer:
                  f"{ph.length_before} -> {written}); buffer slots changed: "
                  f"{_span(lt.changed_slots)}")
         slots = len(lt.cache_pos)
-        where = (f"cache.layers[{lt.layer}], positions 0..{written - 1} of {slots} slots"
-                 if lt.kind == FULL_ATTENTION else f"cache.layers[{lt.layer}], a ring of {slots} slots")
+        where = f"cache.layers[{lt.layer}], positions 0..{written - 1} of {slots} slots"
         after = (f"; after the rollback positions >= {ph.length_after} are never read"
                  if ph.verify else "")
         self.out(f"  layer {lt.layer} cache after the write ({where}{after}):")

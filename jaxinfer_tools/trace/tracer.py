@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import ModelConfig, init_cache
-from jaxinfer.testing import (FULL_ATTENTION, LayerKV, attention_output, attention_scores,
-                              group_heads, kv_cache, masked_softmax, models, phases as engine,
-                              prepare_params, ungroup_heads)
+from jaxinfer.testing import (LayerKV, attention_output, attention_scores,
+                              group_heads, kv_cache, masked_softmax, models, paged,
+                              phases as engine, prepare_params, ungroup_heads)
 
 ATOL = 1e-6                 # traced rows vs full recompute, scores and weights
 ULPS_RTOL = 4 * float(np.finfo(np.float32).eps)   # 4 float32 ulps of the block's largest value
@@ -86,7 +86,7 @@ class LayerTrace:
       q: [T, N, H] new queries (RoPE applied, scaled by `config.query_scale`).
       k, v: [T, K, H] new keys (RoPE applied) and values.
       key_pos: [S'] positions of the key columns below, ascending: the keys
-        the cache held (ring: what it still held) and then the call's own.
+        the cache held and then the call's own.
       scores: [N, T, S'] raw q.k (before the mask); mask: bool [T, S'] (True =
         visible); weights: [N, T, S'] softmax(scores + where(mask, 0, -inf)).
       masked_weight_max: largest |weight| over every masked entry (must be 0).
@@ -237,7 +237,7 @@ class RecordingAttention:
         cache, positions = self.cache, self.positions
         key_pos = jnp.concatenate([kv_cache.key_positions(cache, kind),
                                    jnp.where(self.valid, positions, -1)], axis=1)
-        cached_k, cached_v = kv.dequantized()
+        cached_k, cached_v = paged.gather_rows(kv, kv_cache.block_tables(cache))   # the rows, float32
         keys = jnp.concatenate([cached_k.astype(k.dtype), k.transpose(0, 2, 3, 1)], axis=-1)  # [B, K, H, S + T]
         values = jnp.concatenate([cached_v.astype(v.dtype), v.transpose(0, 2, 1, 3)], axis=2)  # [B, K, S + T, H]
         mask = kv_cache.visible(key_pos, positions, kind, cache.window)          # [B, T, S + T]
@@ -322,9 +322,7 @@ def _cache_checks(layers: list[LayerTrace], before, after, expected: dict,
         unused = ~(exp_k.any(axis=(1, 2)) | exp_v.any(axis=(1, 2)))
         zeros = not k_after[unused].any() and not v_after[unused].any()
         length = int(np.asarray(after.lengths)[0])
-        what = (f"engine cache holds the traced K/V at positions < {length}, zeros beyond"
-                if lt.kind == FULL_ATTENTION else
-                "engine ring buffer holds the traced K/V of the last positions, zeros in unused slots")
+        what = f"engine cache holds the traced K/V at positions < {length}, zeros beyond"
         bound = tol.bound(np.concatenate([exp_k.ravel(), exp_v.ravel()]))
         lt.checks.append(Check(what, diff <= bound and zeros, diff, str(tol)))
         lt.checks.append(Check("buffer slots changed by this call were all written by it",
@@ -370,7 +368,7 @@ class _Walk:
     def __init__(self, config, params, size, tol, embed):
         self.config, self.params, self.size, self.tol, self.embed = config, params, size, tol, embed
         dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        self.cache = init_cache(config, 1, size, dtype)
+        self.cache = init_cache(config, 1, size, dtype, page_size=size)   # one page a row
         self.expected: dict = {}
         self.previous: Optional[list[LayerTrace]] = None
 
@@ -387,7 +385,7 @@ class _Walk:
                          Tolerance(LOGITS_ATOL, self.tol.rtol))]
         if kind != "prefill":
             _, full = _traced_call(self.config, self.params, init_cache(
-                self.config, 1, self.size, before.dtype), seq)
+                self.config, 1, self.size, before.dtype, page_size=self.size), seq)
             for lt, ft, pt in zip(layers, full, self.previous or [None] * len(layers)):
                 _recompute_checks(lt, ft, pt, positions, self.tol)
             self.previous = full

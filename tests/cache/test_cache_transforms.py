@@ -3,7 +3,7 @@ see: a hypothesis property over each layout x each KV dtype (float32,
 bfloat16, int8) x each transform the layout has (issue 29, item 1).
 
   layout                          transforms
-  dense rows and rings            `resize` (grow, and shrink to what rows hold),
+  dense rows of pages             `resize` (grow, and shrink to what rows hold),
   (`cache.kv`, Gemma 3's            `grow_cache`, `truncate`, `reset`, placement
   sliding / full layer pattern)     on a mesh (`parallel.sharding.place`)
   paged (`cache.paged`)           page transfer with KV-head re-layout
@@ -105,7 +105,7 @@ def _mesh():
     return sharding.make_mesh(1), sharding.plan_sharding(CONFIG, 1)
 
 
-# --- dense rows and rings -------------------------------------------------------------------
+# --- dense rows of pages --------------------------------------------------------------------
 
 DENSE = ("grow", "shrink", "grow_cache", "truncate", "reset", "place")
 
@@ -113,18 +113,17 @@ DENSE = ("grow", "shrink", "grow_cache", "truncate", "reset", "place")
 @st.composite
 def dense_cases(draw, transform: str, dtype: str):
     rows, size = draw(st.integers(1, 2)), draw(st.sampled_from((6, 8)))
-    history = [draw(st.integers(0, size)) for _ in range(rows)]
-    lengths = [draw(st.integers(0, h)) for h in history]
-    return dict(transform=transform, dtype=dtype, rows=rows, size=size, ring_extra=draw(st.sampled_from((0, 2))), history=history,
-                lengths=lengths, seed=draw(st.integers(0, 2**16)),
-                grow=draw(st.sampled_from((2, 4))), cut=[draw(st.integers(0, n)) for n in lengths])
+    lengths = [draw(st.integers(0, size)) for _ in range(rows)]
+    return dict(transform=transform, dtype=dtype, rows=rows, size=size,
+                page_size=draw(st.sampled_from((2, 4, 16))), lengths=lengths,
+                seed=draw(st.integers(0, 2**16)), grow=draw(st.sampled_from((2, 4, 12))),
+                cut=[draw(st.integers(0, n)) for n in lengths])
 
 
 def check_dense(t: dict) -> None:
     """One dense case (`dense_cases`): the transform's result against the cache."""
     rng = np.random.default_rng(t["seed"])
-    cache = dense_cache(rng, t["dtype"], t["rows"], t["size"], t["ring_extra"], t["history"],
-                        t["lengths"])
+    cache = dense_cache(rng, t["dtype"], t["rows"], t["size"], t["page_size"], t["lengths"])
     before, below = jax.tree_util.tree_map(np.asarray, cache), None
     kind = t["transform"]
     if kind == "grow":

@@ -12,11 +12,9 @@ import pytest
 import reference
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import packed as packed_kernels
-from jaxinfer.cache.kv import cache_nbytes, grow_cache, init_cache
+from jaxinfer.cache.kv import cache_nbytes, grow_cache, init_cache, read_layer
 from jaxinfer.serving.buckets import cache_buckets
-from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
-from jaxinfer.engine.phases import (FLASH_PROMPT, MIN_BLOCKED_PROMPT, PREFILL_QUERY_BLOCKS, decode_step,
-                             prefill, query_blocks)
+from jaxinfer.engine.phases import decode_step, prefill
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.llm import LLM
 from jaxinfer.sampling import SamplingParams
@@ -41,10 +39,10 @@ def _prompt(n, config, seed=0):
     return np.random.default_rng(seed).integers(0, config.vocab_size, n).astype(np.int32)
 
 
-def _prefill_all(params, config, tokens, bucket=16, max_seq_len=32):
+def _prefill_all(params, config, tokens, bucket=16, max_seq_len=32, page_size=16):
     padded = np.zeros((1, bucket), np.int32)
     padded[0, :len(tokens)] = tokens
-    cache = init_cache(config, 1, max_seq_len)
+    cache = init_cache(config, 1, max_seq_len, page_size=page_size)
     logits, cache = prefill(params, cache, jnp.asarray(padded), jnp.array([len(tokens)], jnp.int32),
                             config=config, all_logits=True)
     return np.asarray(logits)[0, :len(tokens)], cache
@@ -61,16 +59,13 @@ def test_parallel_prefill_matches_reference(model, n):
 
 @pytest.mark.parametrize("n,bucket", [(200, 256), (256, 256), (1030, 1280)])
 def test_blocked_prefill_of_long_prompts_matches_reference(model, n, bucket):
-    """Prompt buckets of >= MIN_BLOCKED_PROMPT tokens attend in query blocks
-    over only the keys each block can see, from FLASH_PROMPT on with the
-    online-softmax `blocked_attention` (window 4 on Gemma's sliding layers);
-    logits at every real position and the cache then match the reference.
-    Over 1,000 keys float32 sums drift more (2.8e-4 on logits of ~24 here,
-    the same with the query-block path), so the bound grows with the logits:
-    1e-4 + 1e-5 * max|logit|."""
+    """Long prompts (padded buckets of 256 and 1,280 tokens: many key blocks
+    of the kernel's online softmax, many query blocks of the XLA path;
+    window 4 on Gemma's sliding layers): logits at every real position and
+    the cache then match the reference. Over 1,000 keys float32 sums drift
+    more (2.8e-4 on logits of ~24 here), so the bound grows with the
+    logits: 1e-4 + 1e-5 * max|logit|."""
     config, np_params, params = model
-    assert len(query_blocks(256)) == PREFILL_QUERY_BLOCKS > 1 and MIN_BLOCKED_PROMPT <= 256
-    assert (bucket >= FLASH_PROMPT) == (n > 1000)
     tokens = _prompt(n, config, seed=n)
     logits, cache = _prefill_all(params, config, tokens, bucket=bucket, max_seq_len=bucket + 16)
     ref = reference.forward(np_params, tokens, config)
@@ -104,7 +99,7 @@ def _greedy_recompute(np_params, config, prompt, steps):
 
 @pytest.mark.parametrize("n", [3, 10])
 def test_cached_greedy_equals_recompute(model, n):
-    # 12 decode steps with window 4 cross the Gemma ring buffer several times.
+    # 12 decode steps with window 4 move Gemma's window several times.
     config, np_params, params = model
     prompt = _prompt(n, config, seed=n)
     # cache buckets 8, 12, 16, 24, 32: the cache grows between decode chunks as the context grows
@@ -136,28 +131,37 @@ def test_mixed_lengths_batch_equals_rows_alone(model):
     assert [c.token_ids for c in swapped[::-1]] == [c.token_ids for c in batch]
 
 
-def test_ring_buffer_holds_last_window_positions():
+def test_sliding_layers_keep_every_position():
+    """A 10-token prompt and a decode step: every layer, sliding ones too,
+    holds positions 0..10 at slots 0..10 (the window bounds what a query
+    reads, not what is stored), and the step changes slot 10 only."""
     config = TINY_GEMMA3
     params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config)), config)
-    _, cache = _prefill_all(params, config, _prompt(10, config))
-    # positions 6..9 at ring index p % 4
-    assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 6, 7]
+    _, cache = _prefill_all(params, config, _prompt(10, config), page_size=4)
+    before = [read_layer(cache, layer) for layer in range(config.num_layers)]
     _, cache = decode_step(params, cache, jnp.array([1], jnp.int32), config=config)
-    assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 10, 7]
+    for layer, (keys, values, _) in enumerate(before):
+        after_keys, after_values, positions = read_layer(cache, layer)
+        assert positions[0].tolist() == list(range(11)) + [-1] * 21
+        assert np.abs(keys[0, :10]).max(axis=(1, 2)).all()       # every position stored
+        np.testing.assert_array_equal(after_keys[0, :10], keys[0, :10])
+        np.testing.assert_array_equal(after_values[0, :10], values[0, :10])
+        assert np.abs(after_keys[0, 10]).max() > 0 and not np.abs(after_keys[0, 11:]).max()
 
 
-def test_gemma_cache_is_window_sized():
+def test_gemma_cache_keeps_every_layer_in_pages():
+    """Every layer of a dense cache is a pool of B * M pages (M = ceil(S / ps));
+    its bytes are `cache_nbytes` at full length (windowed=False), while
+    windowed=True still counts sliding layers at the window (a ring layout's)."""
     config = TINY_GEMMA3
     cache = init_cache(config, 2, 64)
-    full = [kv for kv, kind in zip(cache.layers, cache.layer_types) if kind == FULL_ATTENTION]
-    ring = [kv for kv, kind in zip(cache.layers, cache.layer_types) if kind == SLIDING_ATTENTION]
-    assert [kv.keys.shape for kv in full] == [(2, 1, 16, 64)] * 2  # keys-minor
-    assert [kv.values.shape for kv in full] == [(2, 1, 64, 16)] * 2
-    assert [kv.keys.shape for kv in ring] == [(2, 1, 16, 4)] * 2
-    assert [kv.values.shape for kv in ring] == [(2, 1, 4, 16)] * 2
-    assert cache.window == 4 and cache.ring_size == 4
+    assert cache.page_size == 16 and cache.pages_per_row == 4 and cache.window == 4
+    assert [kv.keys.shape for kv in cache.layers] == [(8, 1, 16, 16)] * 4  # keys-minor
+    assert [kv.values.shape for kv in cache.layers] == [(8, 1, 16, 16)] * 4
+    assert sum(kv.keys.nbytes + kv.values.nbytes for kv in cache.layers) == \
+        cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
     assert cache_nbytes(config, 2, 64) == 2 * 2 * 16 * 4 * (2 * 64 + 2 * 4)
-    assert cache_nbytes(config, 2, 64, windowed=False) == 2 * 2 * 16 * 4 * (4 * 64)
+    assert init_cache(config, 2, 61, page_size=8).layers[0].keys.shape == (16, 1, 16, 8)
 
 
 @pytest.fixture(params=["cpu_kernels", "xla_only"])
@@ -174,19 +178,19 @@ def decode_path(request, monkeypatch):
 
 
 def test_grown_cache_decodes_like_the_reference(model, decode_path):
-    """A 3-position cache (Gemma's ring is then 3 < window 4) filled by
-    prefill, grown to 16 positions (ring to 4), then 6 decode steps: each
-    step's logits match the full recompute, with and without the CPU kernels
-    (weights packed for them, or plain)."""
+    """A 3-position cache of 2-token pages filled by prefill, grown to 16
+    positions (2 pages a row to 8), then 6 decode steps across the window:
+    each step's logits match the full recompute, with and without the CPU
+    kernels (weights packed for them, or plain)."""
     config, np_params, _ = model
     params = prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config,
                             pack=decode_path == "cpu_kernels")
     seq = _prompt(3, config, seed=5).tolist()
-    _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3)
+    _, cache = _prefill_all(params, config, np.array(seq), bucket=3, max_seq_len=3, page_size=2)
+    assert cache.pages_per_row == 2
     cache = grow_cache(cache, 16)
-    sizes = [kv.keys.shape[3] for kv, kind in zip(cache.layers, cache.layer_types) if kind == FULL_ATTENTION]
-    assert cache.max_seq_len == 16 and sizes == [16] * len(config.full_layers)
-    assert cache.ring_size == (4 if config.sliding_layers else 0)
+    assert cache.max_seq_len == 16 and cache.pages_per_row == 8
+    assert all(kv.keys.shape[0] == 8 for kv in cache.layers)
     for step in range(6):
         token = (7 * step + 1) % config.vocab_size
         logits, cache = decode_step(params, cache, jnp.array([token], jnp.int32), config=config)
@@ -212,8 +216,8 @@ def test_cache_buckets_two_per_doubling():
 def test_cache_layers_follow_the_layer_pattern():
     cache = init_cache(TINY_GEMMA3, 1, 16)
     assert cache.layer_types == TINY_GEMMA3.layer_types
-    assert [kv.keys.shape[3] for kv in cache.layers] == [4, 16, 4, 16]  # ring, full, ring, full
-    assert [kv.keys.shape[3] for kv in init_cache(TINY_LLAMA, 1, 16).layers] == [16] * 3
+    assert len(cache.layers) == 4 and len(init_cache(TINY_LLAMA, 1, 16).layers) == 3
+    assert len({kv.keys.shape for kv in cache.layers}) == 1    # sliding and full alike
 
 
 def test_bfloat16_padding_logits_finite():

@@ -9,6 +9,8 @@ state atol 2e-5 beside their assertion. With the unscaled tiny models
 logits reach ~40 and the same relative error is ~2e-5 in absolute terms.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +18,11 @@ import pytest
 
 import reference
 from jaxinfer.cache import kv as kv_cache
+from jaxinfer.cache.int8 import dequantize_kv, quantize_kv
 from jaxinfer.kernels import cpu as cpu_kernels
-from jaxinfer.engine import phases as engine
-from jaxinfer.cache.kv import init_cache, resize, truncate
-from jaxinfer.engine.phases import decode_step, extend, prefill
+from jaxinfer.cache.kv import init_cache, read_layer, resize, truncate
+from jaxinfer.engine import forward, ragged
+from jaxinfer.engine.phases import attention_backend, decode_step, extend, prefill
 from jaxinfer.weights.prepare import prepare_params
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
@@ -66,7 +69,7 @@ def _splits(total, size):
     [W - 1, 2, 8],         # second chunk starts at W - 1 and crosses the window edge
     [W, 2, 7],             # starts at W
     [W + 1, 3, 5],         # starts at W + 1
-    [2, 2 * W + 1, 2],     # a chunk longer than the window (and than the ring)
+    [2, 2 * W + 1, 2],     # a chunk longer than the window
     [13],                  # one chunk on an empty cache: the chunk path, not prefill's
 ], ids=lambda s: "-".join(map(str, s)))
 def test_chunks_equal_whole_prefill_and_reference(model, sizes):
@@ -124,7 +127,7 @@ def test_rows_at_different_offsets_in_one_call(model):
         tokens[row, :n] = seq[:n]
     _, cache = prefill(params, init_cache(config, 3, 16), jnp.asarray(tokens),
                        jnp.array(prompt_lens, jnp.int32), config=config)
-    before = jax.tree_util.tree_map(np.array, cache.layers)
+    before = [read_layer(cache, layer)[:2] for layer in range(config.num_layers)]
     chunk = np.zeros((3, 4), np.int32)
     for row, (seq, p, n) in enumerate(zip(seqs, prompt_lens, new)):
         chunk[row, :n] = seq[p:p + n]
@@ -140,72 +143,93 @@ def test_rows_at_different_offsets_in_one_call(model):
     for row in (0, 1):
         ref = reference.forward(np_params, seqs[row], config)[prompt_lens[row]:]
         np.testing.assert_allclose(logits[row, :new[row]], ref, atol=2e-5, rtol=0)
-    for old, kv in zip(before, cache.layers):  # row 2 wrote nothing
-        np.testing.assert_array_equal(np.asarray(kv.keys)[2], old.keys[2])
-        np.testing.assert_array_equal(np.asarray(kv.values)[2], old.values[2])
+    for layer, (keys, values) in enumerate(before):  # row 2 wrote nothing
+        after_keys, after_values, _ = read_layer(cache, layer)
+        np.testing.assert_array_equal(after_keys[2], keys[2])
+        np.testing.assert_array_equal(after_values[2], values[2])
 
 
-def test_ring_after_a_long_chunk_holds_the_last_positions():
-    config = TINY_GEMMA3
-    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, random_params(config)), config)
-    _, cache = _extend_in_pieces(params, config, _ids(13, config), [3, 9, 1])
-    # ring of W = 4 slots: positions 9..12 at p % 4
-    assert np.asarray(cache.ring_pos)[0].tolist() == [12, 9, 10, 11]
+def test_every_layer_keeps_every_position_after_a_long_chunk(model):
+    """Chunks of 3, 9 (longer than the window) and 1: every layer, sliding
+    ones too, holds positions 0..12 at slots 0..12 of the row (the window
+    bounds what is read, not what is stored), with the K/V a whole prefill
+    of the same 13 tokens writes (1e-5: float32 rounding of other call shapes
+    through the layers)."""
+    config, _, params = model
+    ids = _ids(13, config)
+    _, chunked = _extend_in_pieces(params, config, ids, [3, 9, 1])
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :13] = ids
+    _, whole = prefill(params, init_cache(config, 1, 32), jnp.asarray(padded),
+                       jnp.array([13], jnp.int32), config=config)
+    for layer in range(config.num_layers):
+        keys, values, positions = read_layer(chunked, layer)
+        want_keys, want_values, want_positions = read_layer(whole, layer)
+        assert positions[0].tolist() == list(range(13)) + [-1] * (positions.shape[1] - 13)
+        assert want_positions.tolist() == positions.tolist()
+        np.testing.assert_allclose(keys[0, :13], want_keys[0, :13], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(values[0, :13], want_values[0, :13], atol=1e-5, rtol=0)
 
 
-def _kernel_calls(params, config, cache, chunk, kernel="jaxinfer_chunk_attention", fn=extend):
-    """How many layers of an `extend` (or `fn`) chunk of `chunk` tokens run a C++ kernel."""
+RAGGED_KERNEL = "jaxinfer_ragged_paged_attention"
+DENSE_KERNELS = ("jaxinfer_decode_attention", "jaxinfer_chunk_attention",
+                 "jaxinfer_causal_attention", "jaxinfer_decode_attention_int8")
+
+
+def _program_text(params, config, cache, chunk, fn=extend, backend=None):
+    """The jaxpr of an `extend` (or `fn`) chunk of `chunk` tokens, as text."""
     tokens, lengths = jnp.zeros((1, chunk), jnp.int32), jnp.array([chunk], jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda p, c: fn(p, c, tokens, lengths, config=config,
-                                           all_logits=True))(params, cache)
-    return str(jaxpr).count(kernel)
+    backend = backend or attention_backend(cache)
+    return str(jax.make_jaxpr(lambda p, c: fn(p, c, tokens, lengths, config=config,
+                                              all_logits=True, backend=backend))(params, cache))
 
 
 @pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
-def test_prompts_and_long_chunks_attend_through_the_causal_kernel(model):
-    """Prefill attends through `kernels.attention.causal_attention` on every layer
-    (the window applied on sliding ones). An `extend` chunk longer than
-    CHUNK_KERNEL_TOKENS takes it on layers whose slot s holds position s:
-    full layers, and a ring as long as the cache; a shorter ring keeps the
-    XLA path. Pieces of 17-23 tokens (across the window edge, after cached
-    keys) give the reference's logits."""
+def test_every_phase_attends_through_the_ragged_kernel(model):
+    """Prefill, `extend` chunks of 1, 4 (a verification block) and 17 tokens,
+    and decode steps all attend through the one ragged paged kernel on
+    float32 caches where the CPU kernels are on, none through another
+    attention kernel; with the XLA backend given, none does. Pieces of
+    17-23 tokens (across the window edge, after cached keys) give the
+    reference's logits on either backend."""
     config, np_params, params = model
-    sliding, chunk = len(config.sliding_layers), engine.CHUNK_KERNEL_TOKENS + 1
-    causal = "jaxinfer_causal_attention"
-    assert _kernel_calls(params, config, init_cache(config, 1, 64), 20, causal, prefill) == config.num_layers
-    assert _kernel_calls(params, config, init_cache(config, 1, 64), chunk, causal) == config.num_layers - sliding
-    whole_ring = init_cache(config, 1, 64, ring_extra=64)
-    assert _kernel_calls(params, config, whole_ring, chunk, causal) == config.num_layers
-    assert _kernel_calls(params, config, whole_ring, chunk - 1, causal) == 0   # the chunk kernel's
+    cache = init_cache(config, 1, 64)
+    assert attention_backend(cache) == ragged.CPU_KERNELS
+    for fn, chunk in [(prefill, 20), (extend, 1), (extend, 4), (extend, 17)]:
+        text = _program_text(params, config, cache, chunk, fn)
+        assert RAGGED_KERNEL in text and not any(name in text for name in DENSE_KERNELS)
+        assert RAGGED_KERNEL not in _program_text(params, config, cache, chunk, fn, ragged.XLA)
     ids = _ids(58, config, seed=11)
-    logits, _ = _extend_in_pieces(params, config, ids, [17, 23, 18], max_seq_len=64)
-    # atol 2e-5: on these ids the tiny llama's logits reach ~4 and float32 rounding alone
-    # moves them by up to 1.45e-5 from the float64 reference on the pure-XLA path too
-    # (JAXINFER_CPU_KERNELS=0, pieces of 8; measured), 1.29e-5 through the kernels.
-    np.testing.assert_allclose(logits, reference.forward(np_params, ids, config), atol=2e-5, rtol=0)
+    for backend in (ragged.CPU_KERNELS, ragged.XLA):
+        cache, out, start = init_cache(config, 1, 64), [], 0
+        for n in (17, 23, 18):
+            logits, cache = extend(params, cache, jnp.asarray(ids[None, start:start + n]),
+                                   jnp.array([n], jnp.int32), config=config, all_logits=True,
+                                   backend=backend)
+            out.append(np.asarray(logits)[0])
+            start += n
+        # atol 2e-5: on these ids the tiny llama's logits reach ~4 and float32 rounding alone
+        # moves them by up to 1.45e-5 from the float64 reference (measured on the pure-XLA
+        # path, pieces of 8; 1.29e-5 through the kernels).
+        np.testing.assert_allclose(np.concatenate(out), reference.forward(np_params, ids, config),
+                                   atol=2e-5, rtol=0, err_msg=backend.name)
 
 
-@pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
-@pytest.mark.parametrize("ring_extra", [0, 3])
-def test_chunk_kernel_serves_exact_layers_only(model, ring_extra):
-    """Chunks of 4 across the window edge: full layers always write first
-    and attend through `kernels.attention.chunk_attention`; a ring of W slots
-    (ring_extra 0) would lose keys the chunk's first query still sees, so
-    sliding layers keep the read-then-write XLA path there, and take the
-    kernel once the ring has W + 3 slots. Logits equal the reference
-    either way. Chunks longer than CHUNK_KERNEL_TOKENS stay on XLA."""
+@pytest.mark.parametrize("backend", [ragged.XLA, ragged.CPU_KERNELS], ids=lambda b: b.name)
+def test_verify_blocks_across_the_window_edge_match_the_reference(model, backend):
+    """Pieces of 2, 4, 4, 4 (the last two cross the window edge, as
+    speculative verification blocks of 1 + 3 drafts do): each block's
+    queries see the cached keys and, causally, the block's own; logits
+    equal the reference on both backends."""
+    if backend.kernels and not cpu_kernels.enabled():
+        pytest.skip("CPU kernels not enabled")
     config, np_params, params = model
     ids = _ids(14, config, seed=7)
-    cache = init_cache(config, 1, 32, ring_extra=ring_extra)
-    sliding = len(config.sliding_layers)
-    expected = config.num_layers - (sliding if ring_extra < 3 else 0)
-    assert _kernel_calls(params, config, cache, 4) == expected
-    assert _kernel_calls(params, config, cache, engine.CHUNK_KERNEL_TOKENS + 1) == 0
-    out, tokens = [], jnp.asarray(ids[None])
-    for start in (0, 2, 6, 10):       # pieces of 2, 4, 4, 4: the last two cross the window edge
+    cache, out, tokens = init_cache(config, 1, 32), [], jnp.asarray(ids[None])
+    for start in (0, 2, 6, 10):
         n = 2 if start == 0 else 4
         logits, cache = extend(params, cache, tokens[:, start:start + n], jnp.array([n], jnp.int32),
-                               config=config, all_logits=True)
+                               config=config, all_logits=True, backend=backend)
         out.append(np.asarray(logits)[0])
     np.testing.assert_allclose(np.concatenate(out), reference.forward(np_params, ids, config),
                                atol=ATOL, rtol=0)
@@ -217,11 +241,11 @@ def test_chunk_kernel_serves_exact_layers_only(model, ring_extra):
 def test_truncated_positions_are_never_visible(model):
     """Roll a row back by three tokens (what speculative decoding does with
     rejected drafts) and continue with other tokens: logits equal a run that
-    never saw the rolled-back ones, on full and ring layers (window 4 with a
-    ring of W + 3 slots, so the rejected writes overwrite nothing visible)."""
+    never saw the rolled-back ones, on full and sliding layers (window 4):
+    the rolled-back positions are overwritten or never read."""
     config, np_params, params = model
     ids, wrong = _ids(10, config, seed=5), _ids(3, config, seed=6)
-    cache = init_cache(config, 1, 24, ring_extra=3)
+    cache = init_cache(config, 1, 24)
     tokens = np.zeros((1, 8), np.int32)
     tokens[0, :7] = ids[:7]
     _, cache = extend(params, cache, jnp.asarray(tokens), jnp.array([7], jnp.int32), config=config)
@@ -235,31 +259,37 @@ def test_truncated_positions_are_never_visible(model):
 
 @pytest.mark.parametrize("size", [12, 40])
 def test_resize_keeps_what_rows_hold(model, size):
-    """Grow (40) or shrink (12, with every row shorter) a cache, then decode:
-    the logits continue the sequence."""
+    """Grow (40) or shrink (12, with every row shorter) a cache of 4-token
+    pages, then decode: each row keeps its first ceil(size / 4) pages and the
+    logits continue the sequence."""
     config, np_params, params = model
     ids = _ids(11, config, seed=9)
     tokens = np.zeros((1, 16), np.int32)
     tokens[0, :10] = ids[:10]
-    _, cache = prefill(params, init_cache(config, 1, 16), jnp.asarray(tokens), jnp.array([10]),
-                       config=config)
+    _, cache = prefill(params, init_cache(config, 1, 16, page_size=4), jnp.asarray(tokens),
+                       jnp.array([10]), config=config)
     cache = resize(cache, size)
-    assert cache.max_seq_len == size and all(
-        kv.keys.shape[3] == (size if kind == "full_attention" else min(W, size))
-        for kv, kind in zip(cache.layers, cache.layer_types))
+    m = -(-size // 4)
+    assert cache.max_seq_len == size and cache.pages_per_row == m
+    assert all(kv.keys.shape == (m, config.num_kv_heads, config.head_dim, 4) and
+               kv.values.shape == (m, config.num_kv_heads, 4, config.head_dim)
+               for kv in cache.layers)
     logits, _ = decode_step(params, cache, jnp.array([int(ids[10])]), config=config)
     np.testing.assert_allclose(np.asarray(logits)[0], reference.forward(np_params, ids, config)[-1],
                                atol=ATOL, rtol=0)
 
 
-def test_key_positions_hide_stale_entries():
+def test_key_positions_hide_positions_at_or_beyond_the_length():
+    """Slot p of a row holds position p in every layer type; positions at
+    or beyond the row's length (stale or rolled back) read as -1."""
     config = TINY_GEMMA3
-    cache = init_cache(config, 1, 8, ring_extra=2)
-    cache = cache.replace(ring_pos=jnp.array([[4, 5, 0, 1, 2, 3]]), lengths=jnp.array([4]))
+    cache = init_cache(config, 2, 8, page_size=4).replace(lengths=jnp.array([4, 7]))
+    for kind in ("sliding_attention", "full_attention"):
+        assert np.asarray(kv_cache.key_positions(cache, kind)).tolist() == [
+            [0, 1, 2, 3, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5, 6, -1]]
+    cache = truncate(cache, jnp.array([2, 9]))
     assert np.asarray(kv_cache.key_positions(cache, "sliding_attention")).tolist() == [
-        [-1, -1, 0, 1, 2, 3]]
-    assert np.asarray(kv_cache.key_positions(cache, "full_attention")).tolist() == [
-        [0, 1, 2, 3, -1, -1, -1, -1]]
+        [0, 1, -1, -1, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5, 6, -1]]
 
 
 def test_prefill_refuses_a_bucket_wider_than_the_cache():
@@ -273,38 +303,38 @@ def test_prefill_refuses_a_bucket_wider_than_the_cache():
 # --- int8 KV cache -------------------------------------------------------------------------------
 
 
-def _quantized_prefill(config, params, ids, size=16, extra=0):
+def _quantized_prefill(config, params, ids, size=16):
     tokens = np.zeros((1, 16), np.int32)
     tokens[0, :len(ids)] = ids
-    cache = init_cache(config, 1, size, ring_extra=extra, kv_cache_dtype="int8")
+    cache = init_cache(config, 1, size, kv_cache_dtype="int8")
     return prefill(params, cache, jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32), config=config)
 
 
 def test_int8_writes_never_rescale_old_entries(model):
     """Each token's codes and scale are computed from its own K/V when it is
-    written: four more decode steps leave every earlier entry bit-identical."""
+    written: four more decode steps leave every earlier entry bit-identical,
+    in every layer."""
     config, _, params = model
     _, cache = _quantized_prefill(config, params, _ids(6, config), size=16)
     before = jax.tree_util.tree_map(np.array, cache.layers)
     for tok in (3, 1, 4, 1):
         _, cache = decode_step(params, cache, jnp.array([tok], jnp.int32), config=config)
-    for kind, old, new in zip(cache.layer_types, before, cache.layers):
+    for old, new in zip(before, cache.layers):      # one row, one page of 16: slot p = position p
         assert new.keys.dtype == jnp.int8 and new.key_scale.dtype == jnp.float32
-        if kind == "full_attention":
-            np.testing.assert_array_equal(np.asarray(new.key_scale)[..., :6], old.key_scale[..., :6])
-            np.testing.assert_array_equal(np.asarray(new.value_scale)[..., :6], old.value_scale[..., :6])
-            np.testing.assert_array_equal(np.asarray(new.keys)[..., :6], old.keys[..., :6])
-            assert np.asarray(new.key_scale)[..., 6:10].all()          # the new entries were written
+        np.testing.assert_array_equal(np.asarray(new.key_scale)[..., :6], old.key_scale[..., :6])
+        np.testing.assert_array_equal(np.asarray(new.value_scale)[..., :6], old.value_scale[..., :6])
+        np.testing.assert_array_equal(np.asarray(new.keys)[..., :6], old.keys[..., :6])
+        np.testing.assert_array_equal(np.asarray(new.values)[..., :6, :], old.values[..., :6, :])
+        assert np.asarray(new.key_scale)[..., 6:10].all()          # the new entries were written
 
 
-def test_int8_ring_keeps_each_positions_scale_through_wraparound():
-    """Ten positions written one at a time into a ring of 4 (window 4): the
-    ring holds positions 6..9 at p % 4, each with the scale max|k| / 127 of
-    its own key and codes within half a step of it."""
-    from jaxinfer.cache import kv as kv_cache
-
+def test_int8_writes_keep_each_positions_own_scale():
+    """Ten positions written one at a time into a sliding layer of an int8
+    cache of 4-token pages: position p sits at page p // 4, offset p % 4 of
+    the row, with the scale max|k| / 127 of its own key and codes within
+    half a step of it (nothing rolls over: every layer keeps every position)."""
     config = TINY_GEMMA3
-    cache = init_cache(config, 1, 16, kv_cache_dtype="int8")
+    cache = init_cache(config, 1, 16, kv_cache_dtype="int8", page_size=4)
     layer = config.sliding_layers[0]
     rng = np.random.default_rng(0)
     keys = rng.normal(0, 1, (10, 1, 1, config.num_kv_heads, config.head_dim)).astype(np.float32)
@@ -312,44 +342,74 @@ def test_int8_ring_keeps_each_positions_scale_through_wraparound():
         positions, valid = kv_cache.new_positions(cache, jnp.array([1]), 1)
         kv = kv_cache.write(cache, "sliding_attention", cache.layers[layer], jnp.asarray(keys[p]),
                             jnp.asarray(keys[p]), positions, valid)
-        layers = cache.layers[:layer] + (kv,) + cache.layers[layer + 1:]
-        cache = kv_cache.advance(cache, layers, positions, valid)
-    assert np.asarray(cache.ring_pos)[0].tolist() == [8, 9, 6, 7]
+        cache = cache.replace(layers=cache.layers[:layer] + (kv,) + cache.layers[layer + 1:],
+                              lengths=cache.lengths + 1)
     kv = cache.layers[layer]
-    for slot, p in enumerate([8, 9, 6, 7]):
+    back, _, positions = read_layer(cache, layer)                      # dequantized
+    assert positions[0].tolist() == list(range(10)) + [-1] * 6
+    for p in range(10):
         k = keys[p][0, 0]                                               # [K, H]
         scale = np.abs(k).max(axis=-1) / 127.0
-        np.testing.assert_allclose(np.asarray(kv.key_scale)[0, :, slot], scale, rtol=1e-6)
-        back = np.asarray(kv.dequantized()[0])[0, :, :, slot]         # [K, H]
-        assert np.all(np.abs(back - k) <= scale[:, None] / 2 + 1e-7)
+        np.testing.assert_allclose(np.asarray(kv.key_scale)[p // 4, :, p % 4], scale, rtol=1e-6)
+        assert np.all(np.abs(back[0, p] - k) <= scale[:, None] / 2 + 1e-7)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
+def _extend_int8_rounded(params, cache, tokens, lengths, *, config, backend):
+    """`extend` with all_logits on a float cache whose new K/V go through
+    the int8 codec (quantized, dequantized) before they are written and
+    read: the float attention an int8 cache should equal."""
+    b, c = tokens.shape
+    rows = jnp.arange(b, dtype=jnp.int32)
+    seg, ids = forward.place(cache.lengths, rows, rows * c, lengths, jnp.repeat(rows, c),
+                             tokens.reshape(-1))
+    paged = forward.PagedAttend.make(cache, kv_cache.block_tables(cache), seg, config, backend)
+    rounded = lambda x: dequantize_kv(*quantize_kv(x)).astype(x.dtype)
+    attend = lambda kind, q, k, v, kv: paged(kind, q, rounded(k), rounded(v), kv)
+    x, layers = forward.run_layers(params, cache.layers, ids[None], config, seg.token_pos[None],
+                                   attend)
+    logits = forward.logits_at(params, x[0].reshape(b, c, -1), lengths, config, True)
+    return logits, cache.replace(layers=layers, lengths=cache.lengths + lengths)
 
 
 def test_int8_attention_equals_float_attention_on_the_dequantized_values(model):
-    """A chunk over an int8 cache gives the logits of the same chunk over a
-    float32 cache holding the dequantized K/V (1e-5: the chunk's own keys are
-    used unquantized in both). A decode step writes its own K/V first and
-    reads it back quantized, so there the float run differs by that one
-    entry's rounding (bounded here by 1e-2 on logits of magnitude ~4)."""
+    """An int8 cache gives the logits of a float32 cache holding the
+    dequantized K/V (`_extend_int8_rounded`), at every step: a prompt of 8,
+    a chunk of 3 and a decode step (1e-5: float32 sums in another order; the
+    int8 pools attend on XLA, the float32 ones through the kernel where it runs)."""
     config, _, params = model
     ids = _ids(12, config, seed=4)
-    _, q_cache = _quantized_prefill(config, params, ids[:8], size=24, extra=3)
-    f_cache = jax.tree_util.tree_map(jnp.copy, q_cache.replace(layers=tuple(
-        cache_layer_float(kv) for kv in q_cache.layers)))
-    chunk = jnp.asarray(ids[None, 8:11])
-    a, q_cache = extend(params, q_cache, chunk, jnp.array([3]), config=config, all_logits=True)
-    b, f_cache = extend(params, f_cache, chunk, jnp.array([3]), config=config, all_logits=True)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
-    # the next step reads the new entries: int8 codes vs their float values again
-    f_cache = jax.tree_util.tree_map(jnp.copy, f_cache.replace(
-        layers=tuple(cache_layer_float(kv) for kv in q_cache.layers)))
-    a, _ = decode_step(params, q_cache, jnp.asarray(ids[11:12]), config=config)
-    b, _ = decode_step(params, f_cache, jnp.asarray(ids[11:12]), config=config)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-2, rtol=0)
+    q_cache = init_cache(config, 1, 24, kv_cache_dtype="int8")
+    f_cache = init_cache(config, 1, 24)
+    backend = attention_backend(f_cache)
+    for start, n in [(0, 8), (8, 3), (11, 1)]:
+        tokens, lengths = jnp.asarray(ids[None, start:start + n]), jnp.array([n], jnp.int32)
+        a, q_cache = extend(params, q_cache, tokens, lengths, config=config, all_logits=True)
+        b, f_cache = _extend_int8_rounded(params, f_cache, tokens, lengths, config=config,
+                                          backend=backend)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert int(q_cache.lengths[0]) == int(f_cache.lengths[0]) == 12
 
 
-def cache_layer_float(kv):
-    """An int8 layer's dequantized float32 buffers (scales dropped)."""
-    from jaxinfer.cache.kv import LayerKV
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
+def test_prefill_is_differentiable_through_the_kernel(model):
+    """`jax.grad` of a loss over prefill's all-position logits (what
+    `jaxinfer train-toy` differentiates) through the ragged kernel equals
+    the XLA backend's: the kernel's backward pass is the XLA function's
+    (1e-5 of the largest gradient: forwards 2e-6 apart)."""
+    config, np_params, _ = model
+    params = prepare_params(jax.tree_util.tree_map(jnp.asarray, np_params), config, pack=False)
+    tokens = np.zeros((2, 12), np.int32)
+    tokens[0], tokens[1, :7] = _ids(12, config, seed=13), _ids(7, config, seed=14)
+    lengths = jnp.array([12, 7], jnp.int32)
 
-    keys, values = kv.dequantized()
-    return LayerKV(keys, values)
+    def loss(params, backend):
+        logits, _ = prefill(params, init_cache(config, 2, 16), jnp.asarray(tokens), lengths,
+                            config=config, all_logits=True, backend=backend)
+        return jnp.sum(jax.nn.log_softmax(logits, axis=-1)[..., 3])
+
+    got = jax.grad(loss)(params, ragged.CPU_KERNELS)
+    want = jax.grad(loss)(params, ragged.XLA)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        bound = 1e-5 * max(1.0, float(np.abs(np.asarray(w)).max()))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=bound, rtol=0)

@@ -89,10 +89,11 @@ class Pool:
             self.tables[slot, :first] = -1
 
 
-def _step(segments, t, heads, ps, window, seed=0, extra_pages=1):
+def _step(segments, t, heads, ps, window, seed=0, extra_pages=1, q_scale=1.0):
     """A step of `segments` [(slot, start, len, pos)] over T = t tokens, each
     slot holding keys up to its segment's last position, plus two unused
-    segments with garbage fields. Returns (args tuple, window)."""
+    segments with garbage fields; queries ~N(0, q_scale^2 / H). Returns
+    (args tuple, window)."""
     kv_heads, g, h = heads
     needed = max(pos + n for _, _, n, pos in segments)
     pool = Pool(kv_heads, h, ps, len(segments), -(-needed // ps) + extra_pages, seed)
@@ -100,13 +101,13 @@ def _step(segments, t, heads, ps, window, seed=0, extra_pages=1):
         pool.fill(slot, pos + n)
         pool.forget_before(slot, pos, window)
     rng = np.random.default_rng(seed + 1)
-    q = (rng.standard_normal((t, kv_heads, g, h)) / np.sqrt(h)).astype(np.float32)
+    q = (rng.standard_normal((t, kv_heads, g, h)) * q_scale / np.sqrt(h)).astype(np.float32)
     garbage = [(-7, 999, 0, -3), (12345, -1, 0, 5)]
     slot, start, n, pos = (np.array(c, np.int32) for c in zip(*(segments + garbage)))
     return (q, pool.k, pool.v, pool.tables, slot, start, n, pos), window
 
 
-def _check_against_reference(args, window):
+def _check_against_reference(args, window, atol=ATOL):
     want = reference_ragged(*args, window)
     covered = np.zeros(args[0].shape[0], bool)
     for start, n in zip(args[5], args[6]):
@@ -115,7 +116,7 @@ def _check_against_reference(args, window):
     for fn in (ragged_paged_attention, ragged_paged_attention_xla):
         got = np.asarray(jax.jit(lambda *a: fn(*a, window=window))(*args))
         assert got.shape == args[0].shape and got.dtype == np.float32
-        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=fn.__name__)
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg=fn.__name__)
         assert np.all(got[~covered] == 0.0)
 
 
@@ -196,6 +197,43 @@ def test_prompt_whole_chunked_or_token_by_token_gives_identical_bits(heads, wind
     slot, start, n, pos = (np.array(c, np.int32) for c in zip(*segments))
     want = reference_ragged(q_all, pool.k, pool.v, pool.tables, slot, start, n, pos, window)
     np.testing.assert_allclose(whole, want, atol=ATOL, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("heads, segments, t, q_scale, atol", [
+    # a 2,049-token prompt: 16+ key blocks, partial last query and key blocks
+    ((1, 2, 64), [(0, 0, 2049, 0)], 2049, 1.0, ATOL),
+    # verification blocks of 1 + 4 tokens after long caches, beside a 511-token prompt
+    ((3, 3, 64), [(0, 0, 5, 1275), (1, 5, 5, 700), (2, 16, 511, 0)], 530, 1.0, ATOL),
+    # sharp scores (spread ~100 nats): rounding the q.k sums to float32 alone, in the
+    # kernel's order over H, moves the output by ~9e-6 (measured in numpy)
+    ((3, 3, 64), [(r, r, 1, p) for r, p in enumerate([0, 5, 40, 383])] + [(4, 4, 37, 9)], 48,
+     30.0, 3e-5),
+    # Gemma 3 heads over 37 positions, as the dense decode kernel's case was
+    ((1, 4, 256), [(0, 0, 1, 36), (1, 1, 1, 20), (2, 2, 1, 5), (3, 3, 10, 27)], 16, 30.0, 3e-5),
+])
+def test_long_and_sharp_steps_match_reference(heads, segments, t, q_scale, atol, window):
+    """What prefill, verification and decode of the phases ask beyond the
+    steps above: long prompts and caches, and scores far from 1."""
+    _check_against_reference(*_step(segments, t, heads, 16, window, q_scale=q_scale), atol=atol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_is_differentiable_through_the_xla_function(window):
+    """The kernel's gradient is `ragged_paged_attention_xla`'s (its custom
+    VJP), for queries and both pools: training differentiates through the
+    phases' forward."""
+    (q, k, v, tables, *segments), _ = _step([(0, 0, 37, 0), (1, 40, 20, 10)], 64, (2, 3, 16), 16,
+                                            window, q_scale=3.0)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)       # zeros where nothing was written
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, tables, *segments, window=window)))
+    got = jax.jit(jax.grad(loss(ragged_paged_attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(ragged_paged_attention_xla), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):   # the same backward at forwards 2e-6 apart
+        assert np.abs(np.asarray(w)).max() > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=0)
 
 
 # Validation: a small valid step (T = 8, page size 4, M = 4, P = 11, S = 2) and one change each.
