@@ -176,7 +176,7 @@ def prefix_ttft(llm, sweep: PagedSweep, log) -> dict:
     hit = statistics.median(h[0] for _, h in pairs)
     return {"prefix_len": sweep.prefix_len, "suffix_len": sweep.suffix_len,
             "repeats": sweep.prefix_repeats, "page_size": llm.page_size,
-            "prefix_caching": llm.prefix_caching, "miss_ttft_s": miss, "hit_ttft_s": hit,
+            "prefix_caching": llm.cache_config.prefix_caching, "miss_ttft_s": miss, "hit_ttft_s": hit,
             "hit_over_miss": hit / miss, "miss_samples_s": [m[0] for m, _ in pairs],
             "hit_samples_s": [h[0] for _, h in pairs], "hit_cached_tokens": [h[1] for _, h in pairs],
             "loadavg": loadavg()}
