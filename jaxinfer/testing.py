@@ -27,9 +27,9 @@ from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, StructuredOutput,
 from jaxinfer.config.generation import check_keys, read_yaml_mapping
 # the engine's phases, layers and kernels
 from jaxinfer.engine import phases
-from jaxinfer.kernels import attention as attention_kernels
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import packed as packed_kernels
+from jaxinfer.kernels import ragged as ragged_kernels
 from jaxinfer.kernels.cpu import cpu_flags
 from jaxinfer import models, nn
 from jaxinfer.nn import attention_output, attention_scores, group_heads, masked_softmax, ungroup_heads
@@ -58,7 +58,7 @@ __all__ = [
     "load_gguf", "resolve_model",
     "FULL_ATTENTION", "SLIDING_ATTENTION", "StructuredOutput", "cache_dir", "check_keys",
     "read_yaml_mapping",
-    "phases", "attention_kernels", "cpu_kernels", "packed_kernels", "cpu_flags", "models", "nn",
+    "phases", "ragged_kernels", "cpu_kernels", "packed_kernels", "cpu_flags", "models", "nn",
     "attention_output", "attention_scores", "group_heads", "masked_softmax", "ungroup_heads",
     "sharding", "make_scheduler", "start_process_engine", "ProcessPrefillClient", "WorkerSpec",
     "build_llm", "configure_host", "TP",

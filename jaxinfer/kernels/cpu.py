@@ -2,9 +2,9 @@
 library they live in.
 
 This module builds, loads and switches them; the wrappers are
-`kernels.attention` (decode, chunk and causal attention),
-`kernels.ragged` (the serving step's ragged paged attention) and
-`kernels.packed` (the packed matmul).
+`kernels.ragged` (ragged paged attention, what every phase and the
+serving step attend through), `kernels.packed` (the packed matmul) and
+`kernels.quant` (the quantized matmuls).
 
 Every kernel splits its work across XLA's intra-op thread pool
 (`jaxinfer/kernels/*.cc`, every source compiled into one library; the code
@@ -47,10 +47,7 @@ REBUILD = "JAXINFER_REBUILD_KERNELS"  # "1" retries a build that failed before
 ARCH = "JAXINFER_KERNEL_ARCH"  # the -march the library targets (default "native")
 BF16_DOT = "JAXINFER_BF16_DOT"  # "0" widens bfloat16 weights even where VDPBF16PS runs
 SOURCE_DIR = pathlib.Path(__file__).parent
-_TARGETS = {"jaxinfer_decode_attention": "JaxinferDecodeAttention",
-            "jaxinfer_chunk_attention": "JaxinferChunkAttention",
-            "jaxinfer_causal_attention": "JaxinferCausalAttention",
-            "jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",
+_TARGETS = {"jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
             "jaxinfer_argmax_first": "JaxinferArgmaxFirst",

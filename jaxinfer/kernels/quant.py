@@ -3,9 +3,7 @@
 - `quant_matmul`: x @ W for a `quant.QuantizedWeight` (int8, 4-bit or bfloat16
   codes in column panels), the codes turned into float32 in registers, or,
   for 4-bit codes with int8 activations, x rounded to int8 and the products
-  summed in int32 (AVX512-VNNI, or AVX2);
-- `decode_attention_int8`: one new token per row attends over an int8 K/V
-  cache buffer with one scale per token per kv head.
+  summed in int32 (AVX512-VNNI, or AVX2).
 
 The source is compiled into the same library as `cpu_kernels.cc` (same
 compiler, flags and cache; see `cpu_kernels.build`), and these targets are
@@ -28,8 +26,7 @@ from jaxinfer.kernels import cpu as cpu_kernels
 _TARGETS = {"jaxinfer_int8_matmul": "JaxinferInt8Matmul",
             "jaxinfer_int8_min_matmul": "JaxinferInt8MinMatmul",
             "jaxinfer_q4_matmul": "JaxinferQ4Matmul",
-            "jaxinfer_bf16_matmul": "JaxinferBf16Matmul",
-            "jaxinfer_decode_attention_int8": "JaxinferDecodeAttentionInt8"}
+            "jaxinfer_bf16_matmul": "JaxinferBf16Matmul"}
 
 
 @functools.cache
@@ -108,38 +105,3 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     else:
         y = jax.ffi.ffi_call("jaxinfer_bf16_matmul", out)(flat, w.codes, count)
     return y.reshape(*x.shape[:-1], n)
-
-
-def decode_attention_int8(q: jax.Array, k: jax.Array, k_scale: jax.Array, v: jax.Array,
-                          v_scale: jax.Array, mask: jax.Array) -> jax.Array:
-    """One query token per row attends over its int8 K/V cache buffer (GQA).
-
-    Keys are k_scale[b, k, s] * k[b, k, :, s] and values v_scale[b, k, s] *
-    v[b, k, s, :] (`cache.int8.quantize_kv`); the result is the float32
-    attention of `cpu_kernels.decode_attention` on those dequantized K/V,
-    including all-zero output for a row that sees no position
-    (`cache.int8.decode_attention_int8_reference` is the same in XLA).
-
-    Args:
-      q: float32 [B, K, G, H], grouped queries multiplied by the query scale.
-      k: int8 [B, K, H, S], key codes, positions minor (the KV-cache layout).
-      k_scale: float32 [B, K, S].
-      v: int8 [B, K, S, H], value codes.
-      v_scale: float32 [B, K, S].
-      mask: bool [B, S], True where the row may attend.
-    Returns:
-      float32 [B, K, G, H].
-    Raises:
-      ValueError: shapes or dtypes that do not match the above (at trace time).
-      RuntimeError: the kernels are not `enabled()`.
-    """
-    b, kv_heads, g, h = q.shape
-    s = k.shape[-1]
-    expected = {"q": (q, (b, kv_heads, g, h), jnp.float32), "k": (k, (b, kv_heads, h, s), jnp.int8),
-                "k_scale": (k_scale, (b, kv_heads, s), jnp.float32),
-                "v": (v, (b, kv_heads, s, h), jnp.int8),
-                "v_scale": (v_scale, (b, kv_heads, s), jnp.float32), "mask": (mask, (b, s), jnp.bool_)}
-    cpu_kernels.check_operands("decode_attention_int8", expected)
-    _require_enabled()
-    return jax.ffi.ffi_call("jaxinfer_decode_attention_int8",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, k, k_scale, v, v_scale, mask)

@@ -1,5 +1,6 @@
 """Micro-benchmark: `layers.blocked_attention` and, where the CPU kernels run,
-`attention_kernels.causal_attention` (what prefill uses on CPU) against dense
+`ragged_kernels.ragged_paged_attention` (what every phase attends through on
+CPU; the prompt as one segment per row over pages of 16 tokens) against dense
 masked attention on one causal prompt, at SmolLM2's head shapes by default
 (9 query heads, 3 kv heads, head_dim 64), one layer.
 
@@ -19,7 +20,7 @@ import time
 from typing import Optional, Sequence
 
 import numpy as np
-from jaxinfer.testing import attention_kernels, cpu_kernels, nn as layers
+from jaxinfer.testing import cpu_kernels, nn as layers, ragged_kernels
 from jaxinfer_tools.bench.common import loadavg
 
 
@@ -62,10 +63,20 @@ def compare(t: int, batch: int = 1, num_heads: int = 9, num_kv_heads: int = 3, h
     dense_s = _best_seconds(jax.jit(dense), args, repeats)
     blocked_s = _best_seconds(jax.jit(blocked), args, repeats)
     kernel_s = None
-    if cpu_kernels.enabled():
-        lengths = jnp.full((batch,), t, jnp.int32)
-        kernel_s = _best_seconds(jax.jit(lambda qg, k, v, n: attention_kernels.causal_attention(
-            qg, k, v, jnp.zeros_like(n), n, window)), (qg, k, v, lengths), repeats)
+    if cpu_kernels.enabled():   # the prompt as one segment per row over pages of 16 tokens
+        m = -(-t // 16)
+        padded = lambda x, axis: jnp.pad(x, [(0, m * 16 - t) if i == axis else (0, 0)
+                                             for i in range(x.ndim)])
+        k_pages = padded(k, 3).reshape(batch, num_kv_heads, head_dim, m, 16).transpose(
+            0, 3, 1, 2, 4).reshape(batch * m, num_kv_heads, head_dim, 16)
+        v_pages = padded(v, 2).reshape(batch, num_kv_heads, m, 16, head_dim).transpose(
+            0, 2, 1, 3, 4).reshape(batch * m, num_kv_heads, 16, head_dim)
+        q_flat = qg.transpose(0, 2, 1, 3, 4).reshape(batch * t, num_kv_heads, g, head_dim)
+        rows = jnp.arange(batch, dtype=jnp.int32)
+        segments = (jnp.arange(batch * m, dtype=jnp.int32).reshape(batch, m), rows, rows * t,
+                    jnp.full((batch,), t, jnp.int32), jnp.zeros((batch,), jnp.int32))
+        kernel_s = _best_seconds(jax.jit(lambda q, k, v, *seg: ragged_kernels.ragged_paged_attention(
+            q, k, v, *seg, window=window)), (q_flat, k_pages, v_pages, *segments), repeats)
     pairs = sum(min(p + 1, window or p + 1) for p in range(t))   # visible (query, key) pairs
     qb, kb = min(block, t), min(block, t)
     return {"prompt_len": t, "batch": batch, "window": window, "block": block,

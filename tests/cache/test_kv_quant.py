@@ -1,6 +1,6 @@
-"""int8 K/V: quantize_kv round trips, and decode attention over int8 K/V (the
-C++ kernel and the XLA reference) against float32 attention on the same
-dequantized values and a float64 reference.
+"""int8 K/V: quantize_kv round trips, and ragged attention over an int8 pool
+(decode steps and verification blocks) against float32 attention on the
+same dequantized values and a float64 reference.
 
 Tolerance 1e-5 absolute on outputs of magnitude ~1 (values ~N(0, 1), scores
 ~1): float32 sums in another order plus the kernel's polynomial exp (relative
@@ -11,15 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import masks as _masks, reference_attention
+from attention_cases import reference_attention
 
+from jaxinfer.cache import int8 as kv_quant, paged
+from jaxinfer.cache.layer import LayerKV
+from jaxinfer.engine import ragged
+from jaxinfer.engine.forward import place
 from jaxinfer.kernels import cpu as cpu_kernels
-from jaxinfer.kernels import attention as attention_kernels
-from jaxinfer.cache import int8 as kv_quant
-from jaxinfer.kernels import quant as quant_kernels
 
 ATOL = 1e-5
-needs_kernels = pytest.mark.skipif(not quant_kernels.enabled(), reason="CPU kernels not enabled")
 
 
 def test_quantize_kv_exact_on_representable_values():
@@ -59,62 +59,63 @@ def test_each_token_keeps_its_own_scale():
         np.testing.assert_array_equal(np.asarray(scale[:, t:t + 1]), np.asarray(s))
 
 
-def _int8_inputs(b, kv_heads, g, h, s, seed=0):
-    """q [B, K, G, H] and quantized K [B, K, H, S] / V [B, K, S, H] with their scales."""
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray((rng.standard_normal((b, kv_heads, g, h)) / np.sqrt(h)).astype(np.float32))
-    k_codes, k_scale = kv_quant.quantize_kv(jnp.asarray(rng.standard_normal((b, kv_heads, s, h)),
-                                                        jnp.float32))
-    v_codes, v_scale = kv_quant.quantize_kv(jnp.asarray(rng.standard_normal((b, kv_heads, s, h)),
-                                                        jnp.float32))
-    return q, k_codes.swapaxes(2, 3), k_scale, v_codes, v_scale
-
-
-SHAPES = [
+SHAPES = [                # rows, kv heads, G, head_dim, positions a row holds
     (8, 3, 3, 64, 384),   # SmolLM2 heads, a cache bucket
     (5, 2, 3, 64, 40),    # vector body plus scalar tail
     (3, 1, 4, 256, 37),   # Gemma 3 270M heads
     (4, 2, 5, 8, 19),     # G = 5, head_dim 8: scalar paths
     (1, 1, 1, 16, 1),     # one position
 ]
+PAGE_SIZE = 16
 
 
-@needs_kernels
+def _int8_step(b, kv_heads, g, h, s, n, seed=0):
+    """An int8 pool of b rows of ceil(s / 16) pages (random K/V, quantized)
+    and a step of n queries per row, row r's at positions p_r .. p_r + n - 1
+    with p_r + n <= s. Returns (q [b * n, K, G, H], int8 pool, identity
+    tables [b, M], segments, positions [b * n], rows [b * n])."""
+    rng = np.random.default_rng(seed)
+    m = -(-s // PAGE_SIZE)
+    k = jnp.asarray(rng.standard_normal((b * m, kv_heads, PAGE_SIZE, h)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b * m, kv_heads, PAGE_SIZE, h)), jnp.float32)
+    (k_codes, k_scale), (v_codes, v_scale) = kv_quant.quantize_kv(k), kv_quant.quantize_kv(v)
+    pool = LayerKV(k_codes.swapaxes(2, 3), v_codes, k_scale, v_scale)
+    n = min(n, s)
+    starts = np.array([max(0, s - n - 3 * r) for r in range(b)], np.int32)
+    rows = np.arange(b, dtype=np.int32)
+    seg, _ = place(jnp.asarray(starts), jnp.asarray(rows), jnp.asarray(rows * n),
+                   jnp.full((b,), n, jnp.int32), jnp.asarray(np.repeat(rows, n)),
+                   jnp.zeros((b * n,), jnp.int32))
+    q = jnp.asarray(rng.standard_normal((b * n, kv_heads, g, h)) / np.sqrt(h), jnp.float32)
+    tables = jnp.asarray(np.arange(b * m, dtype=np.int32).reshape(b, m))
+    positions = (starts[:, None] + np.arange(n)[None]).reshape(-1)
+    return q, pool, tables, seg, positions, np.repeat(rows, n)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("n", [1, 3])      # decode steps; verification blocks of 1 + 2 drafts
 @pytest.mark.parametrize("b, kv_heads, g, h, s", SHAPES)
-def test_int8_kernel_matches_float_attention_on_dequantized_kv(b, kv_heads, g, h, s):
-    q, k, ks, v, vs = _int8_inputs(b, kv_heads, g, h, s)
-    mask = jnp.asarray(_masks(b, s))  # prefix, ring with holes, one position, none
-    out = np.asarray(jax.jit(quant_kernels.decode_attention_int8)(q, k, ks, v, vs, mask))
-    keys, values = kv_quant.dequantize_kv(k, ks, axis=-2), kv_quant.dequantize_kv(v, vs, axis=-1)
-    float_kernel = np.asarray(attention_kernels.decode_attention(q, keys, values, mask))
-    np.testing.assert_allclose(out, float_kernel, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(out, reference_attention(q, keys, values, mask), atol=ATOL, rtol=0)
-    if b > 3:
-        assert np.all(out[3] == 0.0)  # row 3 sees nothing
-
-
-@pytest.mark.parametrize("b, kv_heads, g, h, s", SHAPES[:3])
-def test_xla_reference_matches_float64(b, kv_heads, g, h, s):
-    q, k, ks, v, vs = _int8_inputs(b, kv_heads, g, h, s, seed=3)
-    mask = jnp.asarray(_masks(b, s))
-    out = np.asarray(jax.jit(kv_quant.decode_attention_int8_reference)(q, k, ks, v, vs, mask))
-    keys, values = kv_quant.dequantize_kv(k, ks, axis=-2), kv_quant.dequantize_kv(v, vs, axis=-1)
-    np.testing.assert_allclose(out, reference_attention(q, keys, values, mask), atol=ATOL, rtol=0)
-
-
-def test_dispatch_uses_the_reference_when_kernels_are_off(monkeypatch):
-    q, k, ks, v, vs = _int8_inputs(2, 2, 3, 64, 24, seed=4)
-    mask = jnp.asarray(_masks(2, 24))
-    monkeypatch.setenv(cpu_kernels.SWITCH, "0")
-    np.testing.assert_array_equal(np.asarray(kv_quant.decode_attention_int8(q, k, ks, v, vs, mask)),
-                                  np.asarray(kv_quant.decode_attention_int8_reference(q, k, ks, v, vs, mask)))
-
-
-def test_int8_kernel_rejects_mismatched_input():
-    q, k, ks, v, vs = _int8_inputs(2, 2, 3, 64, 48)
-    mask = jnp.ones((2, 48), bool)
-    with pytest.raises(ValueError, match=r"decode_attention_int8: k is float32\[2, 2, 64, 48\], "
-                                         r"expected int8\[2, 2, 64, 48\]"):
-        quant_kernels.decode_attention_int8(q, k.astype(jnp.float32), ks, v, vs, mask)
-    with pytest.raises(ValueError, match=r"v_scale is float32\[2, 2, 47\], expected float32\[2, 2, 48\]"):
-        quant_kernels.decode_attention_int8(q, k, ks, v, vs[..., :47], mask)
+def test_int8_pool_attention_matches_float_attention_on_dequantized_kv(b, kv_heads, g, h, s, n,
+                                                                       window):
+    """Ragged attention over an int8 pool (dequantized inside the step's
+    attention; on XLA under either backend) equals attention over a float32
+    pool holding the dequantized values (through the C++ kernel where it
+    runs) and the float64 reference on them: each query sees its row's
+    positions [0, p] (the last `window` of them)."""
+    q, pool, tables, seg, positions, rows = _int8_step(b, kv_heads, g, h, s, n)
+    keys, values = pool.dequantized()
+    float_pool = LayerKV(keys, values)
+    backends = [ragged.XLA] + ([ragged.CPU_KERNELS] if cpu_kernels.enabled() else [])
+    outs = [np.asarray(jax.jit(lambda q, kv, bk=bk: ragged.attend(bk, q, kv, tables, seg, window or 0))(
+        q, kv)) for bk in backends for kv in (pool, float_pool)]
+    k64 = np.asarray(paged.gather_rows(float_pool, tables)[0], np.float64)      # [b, K, H, S']
+    v64 = np.asarray(paged.gather_rows(float_pool, tables)[1], np.float64)      # [b, K, S', H]
+    slots = np.arange(k64.shape[-1])
+    mask = (slots[None] <= positions[:, None])
+    if window:
+        mask &= positions[:, None] - slots[None] < window
+    want = reference_attention(np.asarray(q), k64[rows], v64[rows], mask)
+    for out in outs:
+        assert out.shape == q.shape and out.dtype == np.float32
+        np.testing.assert_allclose(out, outs[-1], atol=ATOL, rtol=0)
+        np.testing.assert_allclose(out, want, atol=ATOL, rtol=0)

@@ -1,11 +1,6 @@
-"""The native kernels (decode, chunk and causal attention, packed matmul,
-read probe) against float64 numpy references.
-
-Tolerance: atol 2e-6 on outputs of magnitude ~1 for scores of size ~1
-(float32 sums in another order; the kernel's polynomial exp has a relative
-error of about 1e-7). Scores of size ~30 get atol 3e-5: rounding the q.k
-sums to float32 alone, summed in the kernel's order over H, moves the output
-by 8.7e-6 there (measured in numpy against the same float64 reference).
+"""The native kernels' build, switch and probes, and the packed matmul
+against float64 numpy references (the attention kernel's tests are
+tests/kernels/test_ragged_attention.py).
 """
 
 import pathlib
@@ -17,22 +12,11 @@ import numpy as np
 import pytest
 
 from jaxinfer.kernels import cpu as cpu_kernels
-from jaxinfer.kernels import attention as attention_kernels
 from jaxinfer.kernels import packed as packed_kernels
-from attention_cases import masks as _masks, reference_attention
+from jaxinfer.kernels.ragged import ragged_paged_attention
 from packing import unpack_weight
 
-ATOL = 2e-6
-
 needs_kernels = pytest.mark.skipif(not cpu_kernels.enabled(), reason="CPU kernels not enabled")
-
-
-def _inputs(b, kv_heads, g, h, s, q_scale, seed=0):
-    rng = np.random.default_rng(seed)
-    q = (rng.standard_normal((b, kv_heads, g, h)) * q_scale / np.sqrt(h)).astype(np.float32)
-    k = rng.standard_normal((b, kv_heads, h, s)).astype(np.float32)
-    v = rng.standard_normal((b, kv_heads, s, h)).astype(np.float32)
-    return q, k, v
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -43,174 +27,14 @@ def test_kernels_build_where_a_compiler_exists():
     assert cpu_kernels.build().is_file()
 
 
-@needs_kernels
-@pytest.mark.parametrize("b, kv_heads, g, h, s", [
-    (8, 3, 3, 64, 384),   # SmolLM2 heads, a cache bucket: vector paths only
-    (5, 2, 3, 64, 40),    # 40 positions: vector body plus scalar tail
-    (3, 1, 4, 256, 37),   # Gemma 3 270M heads: 4 column blocks of 64
-    (4, 2, 5, 8, 19),     # G = 5 (groups of 4 + 1), head_dim 8: scalar paths
-    (1, 1, 1, 16, 1),     # one position
-])
-@pytest.mark.parametrize("q_scale, atol", [(1.0, 2e-6), (30.0, 3e-5)])  # 30: scores spread ~100 nats
-def test_decode_attention_matches_reference(b, kv_heads, g, h, s, q_scale, atol):
-    q, k, v = _inputs(b, kv_heads, g, h, s, q_scale)
-    mask = _masks(b, s)
-    out = jax.jit(attention_kernels.decode_attention)(q, k, v, mask)
-    assert out.shape == (b, kv_heads, g, h) and out.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, mask), atol=atol, rtol=0)
-
-
-@needs_kernels
-def test_row_that_sees_nothing_is_zero():
-    q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
-    mask = np.zeros((2, 48), bool)
-    mask[1, 5:9] = True
-    out = np.asarray(attention_kernels.decode_attention(q, k, v, mask))
-    assert np.all(out[0] == 0.0)
-    np.testing.assert_allclose(out[1], reference_attention(q, k, v, mask)[1], atol=ATOL, rtol=0)
-
-
-@needs_kernels
-@pytest.mark.parametrize("b, kv_heads, t, g, h, s", [
-    (1, 3, 5, 3, 64, 1280),   # SmolLM2 heads, k = 4 drafts to verify, a long cache
-    (3, 2, 7, 3, 64, 40),     # vector body plus scalar tail
-    (2, 1, 4, 4, 256, 37),    # Gemma 3 270M heads
-    (2, 2, 2, 5, 8, 19),      # G = 5, head_dim 8: scalar paths
-])
-def test_chunk_attention_matches_reference_per_query(b, kv_heads, t, g, h, s):
-    """Each query token of the chunk is a decode query under its own mask row
-    (causal prefixes of different lengths, a ring with holes, nothing visible)."""
-    rng = np.random.default_rng(1)
-    q = (rng.standard_normal((b, kv_heads, t, g, h)) / np.sqrt(h)).astype(np.float32)
-    _, k, v = _inputs(b, kv_heads, g, h, s, 1.0)
-    mask = np.stack([_masks(b, s, seed=i) for i in range(t)], axis=1)   # [B, T, S]
-    out = np.asarray(jax.jit(attention_kernels.chunk_attention)(q, k, v, mask))
-    assert out.shape == (b, kv_heads, t, g, h)
-    for i in range(t):
-        np.testing.assert_allclose(out[:, :, i], reference_attention(q[:, :, i], k, v, mask[:, i]),
-                                   atol=ATOL, rtol=0)
-
-
-def reference_causal(q, k, v, starts, counts, window):
-    """Causal attention by position in float64: query t < counts[b] of row b at
-    position starts[b] + t over key slots s (slot s holds position s) with
-    s <= p and, with a window, p - s < W; other queries give zeros.
-    q [B, K, T, G, H], k [B, K, H, S], v [B, K, S, H] -> [B, K, T, G, H]."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    b, kv_heads, t, g, h = q.shape
-    out = np.zeros_like(q)
-    s = np.arange(k.shape[-1])
-    for row in range(b):
-        pos = starts[row] + np.arange(counts[row])                       # [T']
-        visible = s[None, :] <= pos[:, None]
-        if window is not None:
-            visible &= pos[:, None] - s[None, :] < window
-        for kh in range(kv_heads):
-            scores = np.einsum("tgh,hs->tgs", q[row, kh, :counts[row]], k[row, kh])
-            scores = np.where(visible[:, None, :], scores, -np.inf)
-            w = np.exp(scores - scores.max(-1, keepdims=True))
-            w /= w.sum(-1, keepdims=True)
-            out[row, kh, :counts[row]] = np.einsum("tgs,sh->tgh", w, v[row, kh])
-    return out
-
-
-@needs_kernels
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("b, kv_heads, t, g, h, s, starts, counts", [
-    (1, 3, 1, 3, 64, 1, [0], [1]),                     # a one-token prompt
-    (2, 3, 511, 3, 64, 511, [0, 0], [511, 474]),        # SmolLM2 heads; row 1 padded
-    (1, 2, 1024, 3, 64, 1024, [0], [1024]),             # 16 key blocks, query blocks of 32
-    (1, 1, 2049, 2, 64, 2049, [0], [2049]),             # partial last query and key blocks
-    (2, 3, 40, 3, 64, 300, [250, 13], [40, 27]),        # extend chunks after cached keys
-    (2, 1, 70, 4, 256, 70, [0, 0], [70, 3]),            # Gemma 3 270M heads
-    (1, 2, 37, 5, 40, 90, [9], [37]),                   # G = 5, head_dim 40: vector + scalar columns
-    (2, 2, 9, 2, 8, 9, [0, 0], [9, 0]),                 # head_dim 8; a row with no queries
-])
-def test_causal_attention_matches_reference(b, kv_heads, t, g, h, s, starts, counts, window):
-    """Flash-style causal kernel (prefill, and chunks of full layers) against
-    float64 dense attention, with and without a sliding window; queries past
-    a row's count are exact zeros."""
-    rng = np.random.default_rng(2)
-    q = (rng.standard_normal((b, kv_heads, t, g, h)) / np.sqrt(h)).astype(np.float32)
-    k = rng.standard_normal((b, kv_heads, h, s)).astype(np.float32)
-    v = rng.standard_normal((b, kv_heads, s, h)).astype(np.float32)
-    run = jax.jit(lambda *a: attention_kernels.causal_attention(*a, window=window))
-    out = np.asarray(run(q, k, v, np.array(starts, np.int32), np.array(counts, np.int32)))
-    assert out.shape == (b, kv_heads, t, g, h) and out.dtype == np.float32
-    np.testing.assert_allclose(out, reference_causal(q, k, v, starts, counts, window),
-                               atol=ATOL, rtol=0)
-    for row, n in enumerate(counts):
-        assert np.all(out[row, :, n:] == 0.0)
-
-
-@needs_kernels
-@pytest.mark.parametrize("window", [None, 5])
-def test_causal_attention_is_differentiable_through_the_xla_function(window):
-    """The kernel's gradient is `causal_attention_xla`'s (its custom VJP); that
-    function's forward matches the float64 reference too (training the toy
-    differentiates through prefill)."""
-    rng = np.random.default_rng(3)
-    q = (rng.standard_normal((2, 2, 37, 3, 16)) * 0.3).astype(np.float32)
-    k = rng.standard_normal((2, 2, 16, 50)).astype(np.float32)
-    v = rng.standard_normal((2, 2, 50, 16)).astype(np.float32)
-    starts, counts = np.array([0, 10], np.int32), np.array([37, 20], np.int32)
-    np.testing.assert_allclose(
-        np.asarray(attention_kernels.causal_attention_xla(q, k, v, starts, counts, window)),
-        reference_causal(q, k, v, starts, counts, window), atol=ATOL, rtol=0)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, starts, counts, window)))
-    got = jax.jit(jax.grad(loss(attention_kernels.causal_attention), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(loss(attention_kernels.causal_attention_xla), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(got, want):   # the same backward at forwards 2e-6 apart
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=0)
-
-
-def test_causal_attention_rejects_bad_input():
-    q = np.zeros((2, 1, 4, 3, 16), np.float32)
-    k, v = np.zeros((2, 1, 16, 8), np.float32), np.zeros((2, 1, 8, 16), np.float32)
-    ok = np.zeros(2, np.int32), np.full(2, 4, np.int32)
-    with pytest.raises(ValueError, match=r"causal_attention: counts is int32\[3\], "
-                                         r"expected int32\[2\]"):
-        attention_kernels.causal_attention(q, k, v, ok[0], np.zeros(3, np.int32))
-    with pytest.raises(ValueError, match=r"causal_attention: window=0 must be None or >= 1"):
-        attention_kernels.causal_attention(q, k, v, *ok, window=0)
-
-
-@needs_kernels
-@pytest.mark.parametrize("starts, counts", [([5, 0], [4, 4]),    # 5 + 4 > S = 8: past the buffer
-                                            ([0, 0], [5, 4]),    # more queries than T = 4
-                                            ([-1, 0], [4, 4])])  # a negative start
-def test_causal_attention_refuses_rows_that_do_not_fit(starts, counts):
-    """Nothing is clamped: a row whose queries would read past the buffer fails the call."""
-    q = np.zeros((2, 1, 4, 3, 16), np.float32)
-    k, v = np.zeros((2, 1, 16, 8), np.float32), np.zeros((2, 1, 8, 16), np.float32)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="do not fit its T and S"):
-        jax.block_until_ready(jax.jit(attention_kernels.causal_attention)(
-            q, k, v, np.array(starts, np.int32), np.array(counts, np.int32)))
-
-
-def test_chunk_attention_rejects_mismatched_shapes():
-    q = np.zeros((2, 2, 3, 3, 64), np.float32)
-    _, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
-    with pytest.raises(ValueError, match=r"chunk_attention: mask is bool\[2, 48\], "
-                                         r"expected bool\[2, 3, 48\]"):
-        attention_kernels.chunk_attention(q, k, v, np.ones((2, 48), bool))
-
-
-def test_decode_attention_rejects_mismatched_shapes():
-    q, k, v = _inputs(2, 2, 3, 64, 48, 1.0)
-    with pytest.raises(ValueError, match=r"decode_attention: v is float32\[2, 2, 47, 64\], "
-                                         r"expected float32\[2, 2, 48, 64\]"):
-        attention_kernels.decode_attention(q, k, v[:, :, :47], np.ones((2, 48), bool))
-    with pytest.raises(ValueError, match=r"mask is int32\[2, 48\], expected bool\[2, 48\]"):
-        attention_kernels.decode_attention(q, k, v, np.ones((2, 48), np.int32))
-
-
 def test_switch_turns_kernels_off(monkeypatch):
     monkeypatch.setenv(cpu_kernels.SWITCH, "0")
     assert not cpu_kernels.enabled()
-    q, k, v = _inputs(1, 1, 1, 16, 4, 1.0)
+    q = np.zeros((1, 1, 1, 16), np.float32)
+    k, v = np.zeros((1, 1, 16, 4), np.float32), np.zeros((1, 1, 4, 16), np.float32)
+    segments = [np.zeros(1, np.int32)] * 3 + [np.ones(1, np.int32)]
     with pytest.raises(RuntimeError, match="CPU kernels are not enabled"):
-        attention_kernels.decode_attention(q, k, v, np.ones((1, 4), bool))
+        ragged_paged_attention(q, k, v, np.zeros((1, 1), np.int32), *segments)
 
 
 # Matmul shapes [I, O] the models run today: SmolLM2-135M (qkv, o, gate_up, down, LM
@@ -445,11 +269,13 @@ def test_bf16_dot_switch_needs_no_probe(monkeypatch, restore_bf16_choice):
         assert cpu_kernels.bf16_dot() is False
 
 
-# The AVX2 build's numerical tests: this file's, and the quantized kernels' of
+# The AVX2 build's numerical tests: this file's, the ragged attention kernel's, and the quantized kernels' of
 # tests/weights/ (weight-only formats and q4 with int8 activations, whose AVX2
 # path `-march=native` on an AVX-512 CPU never builds).
 AVX2_CHILD_TESTS = [
     (__file__, "matches_reference and not avx2 and not bf16-dot"),
+    (pathlib.Path(__file__).parent / "test_ragged_attention.py",
+     "matches_reference or identical_bits or differentiable"),
     (pathlib.Path(__file__).parents[1] / "weights" / "test_quant.py",
      "int8_activations_kernel or quant_matmul_matches_float64 or bf16_and_8bit_with_min_kernels"),
     (pathlib.Path(__file__).parents[1] / "weights" / "test_quant_models.py",
