@@ -1,6 +1,7 @@
 """`jaxinfer serve` on SmolLM2-135M-Instruct (slow: the real model): the
 openai client's answers equal the library's, and the README's start line,
-curl and openai examples work as written (on a free port instead of 8000)."""
+curl, openai and anthropic examples work as written (on a free port
+instead of 8000)."""
 
 import json
 import os
@@ -75,7 +76,7 @@ def _code_blocks(lang: str) -> list[str]:
 def test_readme_examples_work_as_written(real_model_path, tmp_path):
     real_model_path(MODEL)
     start, curl = _code_blocks("bash")
-    python, structured = _code_blocks("python")
+    python, structured, agents = _code_blocks("python")
     connect = python[:python.index("\n", python.index("client = OpenAI("))]
     command = start.split("&&", 1)[1].strip()          # the install step is done already
     assert command.startswith("jaxinfer serve ")
@@ -90,18 +91,22 @@ def test_readme_examples_work_as_written(real_model_path, tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert ran.returncode == 0, ran.stderr[-2000:]
         assert "Paris" in ran.stdout and len(ran.stdout) > 40
-        # the structured-output example, on the first block's client
-        script.write_text(connect.replace("http://127.0.0.1:8000", url) + "\n" + structured,
-                          encoding="utf-8")
+        # the structured-output example, then the Messages and streamed-call one, on the first
+        # block's client
+        script.write_text((connect + "\n" + structured + "\n" + agents).replace(
+            "http://127.0.0.1:8000", url), encoding="utf-8")
         ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert ran.returncode == 0, ran.stderr[-2000:]
-        content, call = ran.stdout.splitlines()
+        lines = ran.stdout.splitlines()
+        (content, call), message, streamed = lines[:2], "\n".join(lines[2:-1]), lines[-1]
+        assert "Paris" in message, message
         record = json.loads(content)
         assert sorted(record) == ["city", "country"], content
         assert all(isinstance(v, str) and len(v) <= 20 for v in record.values()), content
         name, arguments = call.split(" ", 1)
         assert name == "get_weather" and list(json.loads(arguments)) == ["city"], call
+        assert streamed == arguments         # the same constraint, greedy: the same call, streamed
         proc.terminate()
         assert proc.wait(timeout=120) == 0
     finally:
