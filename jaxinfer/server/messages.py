@@ -219,6 +219,10 @@ class MessagesRoute:
     def __init__(self, server):
         self.server = server
 
+    def register(self, app) -> None:
+        app.post("/v1/messages")(self.create)
+        app.post("/v1/messages/count_tokens")(self.count_tokens)
+
     async def _parse(self, request: HTTPRequest, count: bool = False):
         try:
             body = MessagesRequest.model_validate_json(await request.body())

@@ -15,7 +15,8 @@ the chat route's `response_format` (constrained on the device); function
 Nothing is stored: `store` false or omitted; `store: true`,
 `previous_response_id`, `conversation`, `background`, `prompt` and
 `item_reference` items are a 400 (each needs state kept by the server), as
-are non-function tools and image, file and audio inputs. Ignored:
+are non-function tools and image, file and audio inputs; `GET` and
+`DELETE /v1/responses/{id}` are a 404. Ignored:
 include, metadata, user, truncation, service_tier, reasoning,
 parallel_tool_calls, max_tool_calls, prompt_cache_key, safety_identifier,
 stream_options, text.verbosity.
@@ -201,6 +202,17 @@ class ResponsesRoute:
 
     def __init__(self, server):
         self.server = server
+
+    def register(self, app) -> None:
+        app.post("/v1/responses")(self.create)
+        app.get("/v1/responses/{response_id}")(self.stored)
+        app.delete("/v1/responses/{response_id}")(self.stored)
+
+    @staticmethod
+    async def stored(response_id: str):
+        """GET / DELETE /v1/responses/{id}: a 404, as nothing is stored."""
+        raise APIError(404, f"no response {response_id!r}: this server stores no responses "
+                       "(store: false)", param="response_id", code="not_found")
 
     async def create(self, body: ResponsesRequest, request: HTTPRequest):
         chat = chat_request(body)

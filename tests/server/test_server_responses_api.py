@@ -121,3 +121,12 @@ def test_bad_requests_are_400(served, fields, message, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": MODEL, "input": "hi", **fields})
     assert (e.value.body["message"], e.value.body["param"]) == (message, param)
+
+
+def test_no_response_is_stored(served):
+    _, client = served
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(r.id)
+    assert e.value.body["message"] == (f"no response {r.id!r}: this server stores no responses "
+                                       "(store: false)")
