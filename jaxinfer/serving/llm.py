@@ -114,6 +114,7 @@ class LLM:
                  speculative: Union[SpecConfig, str, None] = None,
                  stop_token_ids: Sequence[int] = (), **settings):
         cache, sched, own = split_settings(cache_config, scheduler_config, settings)
+        family = models.family(config.arch)      # an unregistered arch fails before params are read
         if not 2 <= cache.max_seq_len <= config.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {config.max_position_embeddings}] (the "
                              f"model's context length), got {cache.max_seq_len}")
@@ -126,7 +127,7 @@ class LLM:
             speculative.num_speculative_tokens if speculative else 0)
         self.ring_pages = self.layout.ring_pages(config, cache, self.step_tokens)   # R per slot
         self.config = config = config.replace(deterministic=bool(own["deterministic"]))
-        self.params = models.family(config.arch).prepare(params, config)
+        self.params = family.prepare(params, config)
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size) if tokenizer else None
         self.max_seq_len = cache.max_seq_len
