@@ -49,6 +49,26 @@ inline vu16 load_u32(const uint32_t* p) { return *reinterpret_cast<const vu16u*>
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return v16{} + x; }
 
+// kLanes entries of a K/V pool or weight panel as float32 lanes: float32 as it is, int8
+// codes converted (GCC 12 lowers __builtin_convertvector from 8-bit lanes to scalar code,
+// so the AVX-512 and AVX2 builds use the conversion instructions).
+inline v16 load_codes(const float* p) { return load(p); }
+#if defined(__AVX512F__)
+inline v16 load_codes(const int8_t* p) {
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#elif defined(__AVX2__)
+inline v16 load_codes(const int8_t* p) {
+  return (v16)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#else
+inline v16 load_codes(const int8_t* p) {
+  v16 r;
+  for (int i = 0; i < kLanes; ++i) r[i] = p[i];
+  return r;
+}
+#endif
+
 // exp(x) for x <= 0 (positive inputs are clamped to 0, below -87 to -87): x = n ln2 + r
 // with a two-part ln2 (Cody and Waite), exp(r) by the degree-6 polynomial of Cephes' expf,
 // 2^n built in the exponent bits. Relative error about 1e-7.

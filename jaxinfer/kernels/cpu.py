@@ -48,6 +48,7 @@ ARCH = "JAXINFER_KERNEL_ARCH"  # the -march the library targets (default "native
 BF16_DOT = "JAXINFER_BF16_DOT"  # "0" widens bfloat16 weights even where VDPBF16PS runs
 SOURCE_DIR = pathlib.Path(__file__).parent
 _TARGETS = {"jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",
+            "jaxinfer_ragged_paged_attention_int8": "JaxinferRaggedPagedAttentionInt8",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
             "jaxinfer_argmax_first": "JaxinferArgmaxFirst",

@@ -3,6 +3,7 @@
 //   JaxinferChunkAttention   T new tokens per row, each with its own mask, over the buffer
 //   JaxinferCausalAttention  T tokens per row, causal by position, flash-style (prefill)
 //   JaxinferRaggedPagedAttention  a step's ragged segments of query tokens over a paged cache
+//   JaxinferRaggedPagedAttentionInt8  the same over an int8 paged cache (codes and scales)
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 //   JaxinferArgmaxFirst      each row's first maximum (greedy sampling)
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()). What this
@@ -66,6 +67,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -359,16 +361,17 @@ void block_scores(const float* __restrict q, int64_t H, const float* __restrict 
 }
 
 // o[r, c:c+NV vectors] = o[r, c:...] * corr[r] + sum_s p[r, s] v[s, c:...] over the n keys of
-// the block, for R rows (kFused: each product an explicit fused multiply-add, see fmadd).
-template <int R, int NV, bool kFused = false>
-void block_values(const float* __restrict p, const float* __restrict v, int64_t H, int64_t n,
+// the block, for R rows (kFused: each product an explicit fused multiply-add, see fmadd);
+// v float32 values or int8 codes (load_codes).
+template <int R, int NV, bool kFused = false, typename Code = float>
+void block_values(const float* __restrict p, const Code* __restrict v, int64_t H, int64_t n,
                   const float* __restrict corr, float* __restrict o, int64_t c) {
   v16 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * H + c + j * kLanes) * corr[r];
   for (int64_t s = 0; s < n; ++s) {
     v16 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load(v + s * H + c + j * kLanes);
+    for (int j = 0; j < NV; ++j) vv[j] = load_codes(v + s * H + c + j * kLanes);
     for (int r = 0; r < R; ++r) {
       const v16 ps = splat(p[r * kKeyBlock + s]);
       for (int j = 0; j < NV; ++j) {
@@ -388,8 +391,8 @@ void block_values(const float* __restrict p, const float* __restrict v, int64_t 
 // kFused: every product is an explicit fused multiply-add, so every row's bits are the same
 // whatever R (left to the compiler, the contraction of o * corr + p * v into one FMA differs
 // between row-block sizes).
-template <int R, bool kFused = false>
-void block_values_all(const float* p, const float* v, int64_t H, int64_t n, const float* corr,
+template <int R, bool kFused = false, typename Code = float>
+void block_values_all(const float* p, const Code* v, int64_t H, int64_t n, const float* corr,
                       float* o) {
   int64_t c = 0;
   for (; c + kAttnVectors * kLanes <= H; c += kAttnVectors * kLanes)
@@ -405,9 +408,9 @@ void block_values_all(const float* p, const float* v, int64_t H, int64_t n, cons
       float acc = o[r * H + c] * corr[r];
       for (int64_t s = 0; s < n; ++s) {
         if constexpr (kFused) {
-          acc = __builtin_fmaf(p[r * kKeyBlock + s], v[s * H + c], acc);
+          acc = __builtin_fmaf(p[r * kKeyBlock + s], static_cast<float>(v[s * H + c]), acc);
         } else {
-          acc += p[r * kKeyBlock + s] * v[s * H + c];
+          acc += p[r * kKeyBlock + s] * static_cast<float>(v[s * H + c]);
         }
       }
       o[r * H + c] = acc;
@@ -446,7 +449,8 @@ struct BlockValues {
 
 template <int R>
 struct FusedBlockValues {
-  static void run(int64_t r, const float* p, const float* v, int64_t H, int64_t n,
+  template <typename Code>
+  static void run(int64_t r, const float* p, const Code* v, int64_t H, int64_t n,
                   const float* corr, float* o) {
     block_values_all<R, true>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
   }
@@ -623,6 +627,22 @@ using Table2 = ffi::Buffer<ffi::S32, 2>;
 // One-token segments (decode) take the same path: reading keys in place, it ran SmolLM2's
 // decode shapes as fast as a decode-only paged kernel did; gathering every key block into
 // the copy, as ps = 8 still does with AVX-512, about doubled its time there.
+//
+// --- Ragged paged attention over an int8 pool (JaxinferRaggedPagedAttentionInt8) ---
+// The same operands and function on the dequantized K/V of an int8 pool:
+//   k_pages      s8  [P, K, H, ps]  key codes;    key = k_scale[page, k, off] * codes[page, k, :, off]
+//   v_pages      s8  [P, K, ps, H]  value codes;  value = v_scale[page, k, off] * codes[page, k, off, :]
+//   k_scale, v_scale  f32 [P, K, ps]  one scale per token per kv head (jaxinfer/cache/int8.py)
+// (operands q, k_pages, v_pages, block_tables, the four segment vectors, k_scale, v_scale).
+// The codes are read as the float values are (in place, or gathered for ps = 8 with
+// AVX-512), a quarter of the bytes, and turned into float32 in registers (load_codes). As
+// the dense int8 decode kernel did, the scales never touch the H-long products: each score
+// is (q . codes) * key scale, the scale applied once per key as the block's scores are
+// stored, and each softmax weight takes its key's value scale after the running normalizer
+// has summed it, so out = sum_s (p_s * value scale_s) codes_s / l. The block's scales are
+// copied, those of its visible run only (zeros elsewhere), so a scale nobody sees is never
+// read. The kernel keeps every property above, bitwise invariance included: the scales are
+// per key and the same in every unit.
 struct RaggedDims {
   int64_t T, K, G, H, P, ps, S, M, R, window;
   int64_t Tq;  // query tokens per unit
@@ -632,31 +652,54 @@ struct Segments {
   const int32_t *slot, *start, *len, *pos;
 };
 
+// One layer's pool as the ragged kernel reads it: Code float (the K/V themselves, no
+// scales) or int8_t (codes, with one scale per (page, kv head, offset)).
+template <typename Code>
+struct PagedKV {
+  const Code* k;          // [P, K, H, ps]
+  const Code* v;          // [P, K, ps, H]
+  const float* k_scale;   // [P, K, ps]; int8 pools only
+  const float* v_scale;
+  static constexpr bool kScaled = std::is_same_v<Code, int8_t>;
+};
+
+template <typename Code>
 struct RaggedScratch {
-  std::vector<float> q, kb, sc, o, m, l, corr, ones;
+  std::vector<float> q, sc, o, m, l, corr, ones;
+  std::vector<Code> kb;   // a gathered key block [H, kKeyBlock]
+  std::vector<float> ks, vs;  // a key block's key and value scales [kKeyBlock] (int8 pools)
 };
 
 // Where the kAttnVectors vectors of a key block's keys are: the h-th row of vector j (its
-// kLanes positions' keys for head dimension h) starts at row[j] + h * stride[j].
+// kLanes positions' keys for head dimension h) starts at row[j] + h * stride[j]. For an
+// int8 pool, scale holds the block's kKeyBlock key scales (0 where nobody looks).
+template <typename Code>
 struct KeyVectors {
-  const float* row[kAttnVectors];
+  const Code* row[kAttnVectors];
   int64_t stride[kAttnVectors];
+  const float* scale = nullptr;
 };
 
-alignas(64) constexpr float kZeros[16] = {};  // a vector of keys nobody sees (stride 0)
+// A vector of keys nobody sees (stride 0): 64 zero bytes, kLanes zeros of either type.
+alignas(64) constexpr float kZeros[16] = {};
+template <typename Code>
+inline const Code* zero_keys() {
+  return reinterpret_cast<const Code*>(kZeros);
+}
 
 // block_scores with the keys' vectors wherever `keys` says: the same products, in the same
-// order, as block_scores over a contiguous copy of them.
-template <int R>
-void block_scores_from(const float* __restrict q, int64_t H, const KeyVectors& keys,
+// order, as block_scores over a contiguous copy of them; int8 codes are converted as they
+// are loaded, and each finished score is multiplied by its key's scale.
+template <int R, typename Code>
+void block_scores_from(const float* __restrict q, int64_t H, const KeyVectors<Code>& keys,
                        float* __restrict sc) {
   v16 acc[R][kAttnVectors] = {};
-  const float* rows[kAttnVectors];
+  const Code* rows[kAttnVectors];
   for (int j = 0; j < kAttnVectors; ++j) rows[j] = keys.row[j];
   for (int64_t h = 0; h < H; ++h) {
     v16 kv[kAttnVectors];
     for (int j = 0; j < kAttnVectors; ++j) {
-      kv[j] = load(rows[j]);
+      kv[j] = load_codes(rows[j]);
       rows[j] += keys.stride[j];
     }
     for (int r = 0; r < R; ++r) {
@@ -664,13 +707,19 @@ void block_scores_from(const float* __restrict q, int64_t H, const KeyVectors& k
       for (int j = 0; j < kAttnVectors; ++j) acc[r][j] += qs * kv[j];
     }
   }
+  if constexpr (PagedKV<Code>::kScaled)
+    for (int j = 0; j < kAttnVectors; ++j) {
+      const v16 scale = load(keys.scale + j * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][j] *= scale;
+    }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kAttnVectors; ++j) store(sc + r * kKeyBlock + j * kLanes, acc[r][j]);
 }
 
 template <int R>
 struct BlockScoresFrom {
-  static void run(int64_t r, const float* q, int64_t H, const KeyVectors* keys, float* sc) {
+  template <typename Code>
+  static void run(int64_t r, const float* q, int64_t H, const KeyVectors<Code>* keys, float* sc) {
     block_scores_from<R>(q + r * H, H, *keys, sc + r * kKeyBlock);
   }
 };
@@ -686,12 +735,24 @@ inline void page_runs(const int32_t* pages, int64_t ps, int64_t a, int64_t z, F 
   }
 }
 
+// scale[s - s0] for the positions s of [a, z) (a key block from s0) of one kv head's
+// scales [P, K, ps], zeros elsewhere in the block's kKeyBlock.
+inline void block_scales(const float* scales, const int32_t* pages, int64_t K, int64_t kh,
+                         int64_t ps, int64_t s0, int64_t a, int64_t z, float* scale) {
+  std::fill(scale, scale + kKeyBlock, 0.0f);
+  page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
+    std::memcpy(scale + (s - s0), scales + (page * K + kh) * ps + off, n * sizeof(float));
+  });
+}
+
 // One (segment r, kv head, query tokens [i0, i1) of the segment, query heads [g0, g1) of
 // the kv head's group) unit. Each row (token, query head) is computed the same whatever
 // the unit's other rows are.
+template <typename Code>
 void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh, int64_t i0,
-                 int64_t i1, int64_t g0, int64_t g1, const float* q, const float* kp,
-                 const float* vp, const int32_t* tables, float* out, RaggedScratch& w) {
+                 int64_t i1, int64_t g0, int64_t g1, const float* q, const PagedKV<Code>& kv,
+                 const int32_t* tables, float* out, RaggedScratch<Code>& w) {
+  const Code *kp = kv.k, *vp = kv.v;
   const int64_t K = d.K, G = g1 - g0, H = d.H, ps = d.ps, tokens = i1 - i0, rows = tokens * G;
   const int64_t t0 = seg.start[r] + i0, p0 = seg.pos[r] + i0, p_last = p0 + tokens - 1;
   const int32_t* pages = tables + static_cast<int64_t>(seg.slot[r]) * d.M;
@@ -706,21 +767,24 @@ void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh
   w.l.assign(rows, 0.0f);
   w.corr.resize(rows);
   w.ones.assign(rows, 1.0f);
-  float *kb = w.kb.data(), *sc = w.sc.data();
+  w.ks.resize(kKeyBlock);
+  w.vs.resize(kKeyBlock);
+  Code* kb = w.kb.data();
+  float* sc = w.sc.data();
   // With ps a multiple of kLanes, each vector of a key block lies in one page and is read in
   // place; otherwise the block's keys are gathered into kb [H, kKeyBlock], a run at a time.
   const bool in_place = ps % kLanes == 0;
   const int64_t lo = d.window ? std::max<int64_t>(0, p0 - d.window + 1) : 0;  // keys [lo, p_last]
   for (int64_t s0 = lo / kKeyBlock * kKeyBlock; s0 <= p_last; s0 += kKeyBlock) {
     const int64_t a = std::max(lo, s0), z = std::min(p_last + 1, s0 + kKeyBlock);  // read [a, z)
-    KeyVectors keys;
+    KeyVectors<Code> keys;
     for (int j = 0; j < kAttnVectors; ++j) {
       const int64_t s = s0 + j * kLanes;
       if (!in_place) {
         keys.row[j] = kb + j * kLanes;
         keys.stride[j] = kKeyBlock;
       } else if (s + kLanes <= a || s >= z) {  // positions nobody sees (maybe in no page)
-        keys.row[j] = kZeros;
+        keys.row[j] = zero_keys<Code>();
         keys.stride[j] = 0;
       } else {  // in a page that holds a visible position; the others are masked
         keys.row[j] = kp + (pages[s / ps] * K + kh) * H * ps + s % ps;
@@ -730,19 +794,28 @@ void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh
     if (!in_place) {
       if (a > s0 || z < s0 + kKeyBlock)
         for (int64_t h = 0; h < H; ++h) {  // zero the block's keys that nobody sees
-          std::fill(kb + h * kKeyBlock, kb + h * kKeyBlock + (a - s0), 0.0f);
-          std::fill(kb + h * kKeyBlock + (z - s0), kb + (h + 1) * kKeyBlock, 0.0f);
+          std::fill(kb + h * kKeyBlock, kb + h * kKeyBlock + (a - s0), Code{});
+          std::fill(kb + h * kKeyBlock + (z - s0), kb + (h + 1) * kKeyBlock, Code{});
         }
       page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
-        const float* src = kp + (page * K + kh) * H * ps + off;
+        const Code* src = kp + (page * K + kh) * H * ps + off;
         for (int64_t h = 0; h < H; ++h)
-          std::memcpy(kb + h * kKeyBlock + (s - s0), src + h * ps, n * sizeof(float));
+          std::memcpy(kb + h * kKeyBlock + (s - s0), src + h * ps, n * sizeof(Code));
       });
     }
+    if constexpr (PagedKV<Code>::kScaled) {
+      block_scales(kv.k_scale, pages, K, kh, ps, s0, a, z, w.ks.data());
+      block_scales(kv.v_scale, pages, K, kh, ps, s0, a, z, w.vs.data());
+      keys.scale = w.ks.data();
+    }
     by_row_block<BlockScoresFrom>(rows, static_cast<const float*>(w.q.data()), H,
-                                  static_cast<const KeyVectors*>(&keys), sc);
+                                  static_cast<const KeyVectors<Code>*>(&keys), sc);
     online_softmax_block(sc, rows, G, p0, s0, kKeyBlock, d.window, w.m.data(), w.l.data(),
                          w.corr.data());
+    if constexpr (PagedKV<Code>::kScaled)  // each weight takes its key's value scale
+      for (int64_t row = 0; row < rows; ++row)
+        for (int64_t s = 0; s < kKeyBlock; s += kLanes)
+          store(sc + row * kKeyBlock + s, load(sc + row * kKeyBlock + s) * load(w.vs.data() + s));
     const float* corr = w.corr.data();
     page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
       by_row_block<FusedBlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
@@ -799,27 +872,14 @@ std::string check_segments(const RaggedDims& d, const Segments& seg, const int32
   return "";
 }
 
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v,
-                                Table2 tables, Vector1i seg_slot, Vector1i seg_start,
-                                Vector1i seg_len, Vector1i seg_pos, int64_t window,
-                                ffi::Result<Tensor4> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
-  RaggedDims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1],
-               seg_slot.dimensions()[0], window, 1};
-  if (kd[1] != d.K || kd[2] != d.H || vd[0] != d.P || vd[1] != d.K || vd[2] != d.ps ||
-      vd[3] != d.H || seg_start.dimensions()[0] != d.R || seg_len.dimensions()[0] != d.R ||
-      seg_pos.dimensions()[0] != d.R)
-    return ffi::Error::InvalidArgument(ragged_error(
-        "expected q [T,K,G,H], k_pages [P,K,H,ps], v_pages [P,K,ps,H], block_tables [S,M], "
-        "seg_slot, seg_start, seg_len, seg_pos [R]"));
-  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
-  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
-                     seg_pos.typed_data()};
-  const int32_t* tp = tables.typed_data();
+// The step of d over the pool kv (shapes already checked): the segments' checks, zeros for
+// tokens no segment covers, then the (query block, kv head, head share) units.
+template <typename Code>
+ffi::Error ragged_step(ffi::ThreadPool& pool, RaggedDims d, const Segments& seg,
+                       const int32_t* tp, const float* qp, const PagedKV<Code>& kv, float* op) {
   std::vector<int32_t> owner;
   const std::string bad = check_segments(d, seg, tp, owner);
   if (!bad.empty()) return ffi::Error::InvalidArgument(ragged_error(bad));
-  float* op = out->typed_data();
   const int64_t token_size = d.K * d.G * d.H;
   for (int64_t t = 0; t < d.T; ++t)
     if (owner[t] < 0) std::fill(op + t * token_size, op + (t + 1) * token_size, 0.0f);
@@ -839,20 +899,72 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tens
   std::stable_sort(blocks.begin(), blocks.end(),
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
   const Block* bp = blocks.data();
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   // Fewer (block, kv head) units than two per thread (decode of a few rows; one kv head in
   // Gemma 3 270M): each unit takes a share of the group's query heads, so every thread
   // streams the K/V too instead of one thread reading them alone.
   const int64_t units = static_cast<int64_t>(blocks.size()) * d.K;
   const int64_t per_unit = std::clamp<int64_t>(units * d.G / (2 * pool.num_threads()), 1, d.G);
   const int64_t parts = (d.G + per_unit - 1) / per_unit;
-  parallel_units(pool, units * parts, [=, &d, &seg](int64_t u) {
-    thread_local RaggedScratch scratch;
+  parallel_units(pool, units * parts, [=, &d, &seg, &kv](int64_t u) {
+    thread_local RaggedScratch<Code> scratch;
     const Block& b = bp[u / parts / d.K];
     const int64_t g0 = (u % parts) * per_unit, g1 = std::min(d.G, g0 + per_unit);
-    ragged_unit(d, seg, b.r, u / parts % d.K, b.i0, b.i1, g0, g1, qp, kp, vp, tp, op, scratch);
+    ragged_unit(d, seg, b.r, u / parts % d.K, b.i0, b.i1, g0, g1, qp, kv, tp, op, scratch);
   });
   return ffi::Error::Success();
+}
+
+// The dimensions of a ragged step; false when the operands' shapes do not agree (the pools'
+// element type is the caller's).
+template <typename Pages>
+bool ragged_dims(Tensor4& q, Pages& k, Pages& v, Table2& tables, Vector1i& seg_slot,
+                 Vector1i& seg_start, Vector1i& seg_len, Vector1i& seg_pos, int64_t window,
+                 RaggedDims& d) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
+  d = RaggedDims{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1],
+                 seg_slot.dimensions()[0], window, 1};
+  return kd[1] == d.K && kd[2] == d.H && vd[0] == d.P && vd[1] == d.K && vd[2] == d.ps &&
+         vd[3] == d.H && seg_start.dimensions()[0] == d.R && seg_len.dimensions()[0] == d.R &&
+         seg_pos.dimensions()[0] == d.R;
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v,
+                                Table2 tables, Vector1i seg_slot, Vector1i seg_start,
+                                Vector1i seg_len, Vector1i seg_pos, int64_t window,
+                                ffi::Result<Tensor4> out) {
+  RaggedDims d;
+  if (!ragged_dims(q, k, v, tables, seg_slot, seg_start, seg_len, seg_pos, window, d))
+    return ffi::Error::InvalidArgument(ragged_error(
+        "expected q [T,K,G,H], k_pages [P,K,H,ps], v_pages [P,K,ps,H], block_tables [S,M], "
+        "seg_slot, seg_start, seg_len, seg_pos [R]"));
+  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
+  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
+                     seg_pos.typed_data()};
+  const PagedKV<float> kv{k.typed_data(), v.typed_data(), nullptr, nullptr};
+  return ragged_step(pool, d, seg, tables.typed_data(), q.typed_data(), kv, out->typed_data());
+}
+
+using Codes4 = ffi::Buffer<ffi::S8, 4>;
+using Scales3 = ffi::Buffer<ffi::F32, 3>;
+
+ffi::Error RaggedPagedAttentionInt8(ffi::ThreadPool pool, Tensor4 q, Codes4 k, Codes4 v,
+                                    Table2 tables, Vector1i seg_slot, Vector1i seg_start,
+                                    Vector1i seg_len, Vector1i seg_pos, Scales3 k_scale,
+                                    Scales3 v_scale, int64_t window, ffi::Result<Tensor4> out) {
+  RaggedDims d;
+  const auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  if (!ragged_dims(q, k, v, tables, seg_slot, seg_start, seg_len, seg_pos, window, d) ||
+      ksd[0] != d.P || ksd[1] != d.K || ksd[2] != d.ps || vsd[0] != d.P || vsd[1] != d.K ||
+      vsd[2] != d.ps)
+    return ffi::Error::InvalidArgument(ragged_error(
+        "expected q [T,K,G,H], int8 k_pages [P,K,H,ps], int8 v_pages [P,K,ps,H], block_tables "
+        "[S,M], seg_slot, seg_start, seg_len, seg_pos [R], k_scale and v_scale [P,K,ps]"));
+  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
+  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
+                     seg_pos.typed_data()};
+  const PagedKV<int8_t> kv{k.typed_data(), v.typed_data(), k_scale.typed_data(),
+                           v_scale.typed_data()};
+  return ragged_step(pool, d, seg, tables.typed_data(), q.typed_data(), kv, out->typed_data());
 }
 
 // --- Packed matmul ---
@@ -1283,6 +1395,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<Vector1i>()
                                   .Arg<Vector1i>()
                                   .Arg<Vector1i>()
+                                  .Attr<int64_t>("window")
+                                  .Ret<Tensor4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttentionInt8, RaggedPagedAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Tensor4>()
+                                  .Arg<Codes4>()
+                                  .Arg<Codes4>()
+                                  .Arg<Table2>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Vector1i>()
+                                  .Arg<Scales3>()
+                                  .Arg<Scales3>()
                                   .Attr<int64_t>("window")
                                   .Ret<Tensor4>());
 

@@ -55,12 +55,10 @@
 
 namespace {
 
-// kLanes codes to float32 lanes. GCC 12 lowers __builtin_convertvector from 8- and 16-bit
-// lanes to scalar code, so the AVX-512 and AVX2 builds use the conversion instructions.
+// kLanes 4-bit codes, float16 or bfloat16 values to float32 lanes (int8 codes: load_codes,
+// common.h). GCC 12 lowers __builtin_convertvector from 8- and 16-bit lanes to scalar code,
+// so the AVX-512 and AVX2 builds use the conversion instructions.
 #if defined(__AVX512F__)
-inline v16 load_codes(const int8_t* p) {
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
 inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
@@ -74,9 +72,6 @@ inline v16 load_bf16(const uint16_t* p) {
   return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
 }
 #elif defined(__AVX2__) && defined(__F16C__)
-inline v16 load_codes(const int8_t* p) {
-  return (v16)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
 inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = (v16)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
@@ -90,11 +85,6 @@ inline v16 load_bf16(const uint16_t* p) {
   return (v16)_mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
 }
 #else
-inline v16 load_codes(const int8_t* p) {
-  v16 r;
-  for (int i = 0; i < kLanes; ++i) r[i] = p[i];
-  return r;
-}
 inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
   for (int i = 0; i < kLanes; ++i) {
     lo[i] = p[i] & 15;

@@ -8,7 +8,8 @@ attention"). The step's new K/V are written into the pages before attention
 runs, so every query attends over pages only.
 
 - `ragged_paged_attention`: the C++ kernel (`JaxinferRaggedPagedAttention`
-  in `cpu_kernels.cc`), flash-style (online softmax over key blocks), reading
+  in `cpu_kernels.cc`, `JaxinferRaggedPagedAttentionInt8` for int8 pools
+  with their scales), flash-style (online softmax over key blocks), reading
   keys and values from the pages through the block tables. Each output row
   depends only on its query, its position and the K/V it sees, bit for bit:
   a prompt run whole, in chunks or one token at a time gives identical bits.
@@ -32,18 +33,25 @@ TOKEN_BLOCK = 32  # query tokens per step of `ragged_paged_attention_xla`'s lax.
 
 
 def _check(fn: str, q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
-           window) -> None:
+           key_scale, value_scale, window) -> None:
     """Trace-time shape, dtype and window checks shared by both versions."""
+    if (key_scale is None) != (value_scale is None):
+        raise ValueError(f"{fn}: key_scale and value_scale go together (int8 pools), "
+                         "or neither (float32 pools)")
     t, kv_heads, g, h = q.shape
     p, ps = k_pages.shape[0], k_pages.shape[-1]
     s, m = block_tables.shape if block_tables.ndim == 2 else (0, 0)
     r = seg_slot.shape[0] if seg_slot.ndim == 1 else 0
+    pages = jnp.float32 if key_scale is None else jnp.int8
     expected = {"q": (q, (t, kv_heads, g, h), jnp.float32),
-                "k_pages": (k_pages, (p, kv_heads, h, ps), jnp.float32),
-                "v_pages": (v_pages, (p, kv_heads, ps, h), jnp.float32),
+                "k_pages": (k_pages, (p, kv_heads, h, ps), pages),
+                "v_pages": (v_pages, (p, kv_heads, ps, h), pages),
                 "block_tables": (block_tables, (s, m), jnp.int32),
                 "seg_slot": (seg_slot, (r,), jnp.int32), "seg_start": (seg_start, (r,), jnp.int32),
                 "seg_len": (seg_len, (r,), jnp.int32), "seg_pos": (seg_pos, (r,), jnp.int32)}
+    if key_scale is not None:
+        expected.update(key_scale=(key_scale, (p, kv_heads, ps), jnp.float32),
+                        value_scale=(value_scale, (p, kv_heads, ps), jnp.float32))
     check_operands(fn, expected)
     if window is not None and window < 1:
         raise ValueError(f"{fn}: window={window} must be None or >= 1")
@@ -52,6 +60,8 @@ def _check(fn: str, q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, seg_slot: jax.Array, seg_start: jax.Array,
                            seg_len: jax.Array, seg_pos: jax.Array,
+                           key_scale: jax.Array | None = None,
+                           value_scale: jax.Array | None = None,
                            window: int | None = None) -> jax.Array:
     """Attention of a step's ragged query tokens over a paged cache (C++ kernel).
 
@@ -66,20 +76,31 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     values a segment sees must be finite (a NaN there reaches its other
     queries' outputs, as 0 x NaN).
 
+    An int8 pool (`cache.int8`) passes its codes as k_pages and v_pages with
+    key_scale and value_scale: the kernel attends over the dequantized K/V
+    (key = codes * key_scale, value = codes * value_scale, per token and kv
+    head) without writing them out, reading a quarter of float32's bytes;
+    every property above holds for it, bitwise invariance included, and a
+    scale the segment's queries do not see may hold anything too.
+
     Args:
       q: float32 [T, K, G, H], the step's queries already multiplied by the
         query scale (query head k*G + g reads kv head k): [T, N, H] reshaped.
-      k_pages: float32 [P, K, H, page_size], one layer's key pool (positions minor).
-      v_pages: float32 [P, K, page_size, H], the value pool.
+      k_pages: float32 [P, K, H, page_size], one layer's key pool (positions
+        minor); int8 codes with key_scale.
+      v_pages: float32 [P, K, page_size, H], the value pool; int8 codes with
+        value_scale.
       block_tables: int32 [S, M].
       seg_slot, seg_start, seg_len, seg_pos: int32 [R]; a segment with
         seg_len 0 is unused and its other entries are not read.
+      key_scale, value_scale: None (float32 pools), or float32 [P, K,
+        page_size] each (int8 pools).
       window: None, or the sliding window W >= 1.
     Returns:
       float32 [T, K, G, H].
     Raises:
-      ValueError: shapes or dtypes that do not match the above, or a window
-        below 1 (at trace time).
+      ValueError: shapes or dtypes that do not match the above (one scale
+        without the other included), or a window below 1 (at trace time).
       RuntimeError: the kernels are not `cpu.enabled()`.
       JaxRuntimeError (when run; nothing is clamped, nothing read out of
         bounds): a used segment whose tokens are not within [0, T), two used
@@ -88,32 +109,44 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         a visible position's block-table entry outside [0, P).
     """
     _check("ragged_paged_attention", q, k_pages, v_pages, block_tables, seg_slot, seg_start,
-           seg_len, seg_pos, window)
+           seg_len, seg_pos, key_scale, value_scale, window)
     _require_enabled()
     return _ragged_paged_attention(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len,
-                                   seg_pos, window)
+                                   seg_pos, key_scale, value_scale, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
 def _ragged_paged_attention(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len,
-                            seg_pos, window):
-    return jax.ffi.ffi_call("jaxinfer_ragged_paged_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
-        window=np.int64(window or 0))
+                            seg_pos, key_scale, value_scale, window):
+    operands = (q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos)
+    target = "jaxinfer_ragged_paged_attention"
+    if key_scale is not None:
+        operands, target = (*operands, key_scale, value_scale), target + "_int8"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        *operands, window=np.int64(window or 0))
 
 
-def _ragged_fwd(q, k_pages, v_pages, *rest):
-    *segments, window = rest
-    out = _ragged_paged_attention(q, k_pages, v_pages, *segments, window)
-    return out, (q, k_pages, v_pages, *segments)
+def _ragged_fwd(*args):
+    *operands, window = args
+    return _ragged_paged_attention(*operands, window), tuple(operands)
 
 
 def _ragged_bwd(window, residuals, grad):
-    q, k_pages, v_pages, *segments = residuals
-    _, vjp = jax.vjp(lambda q, k, v: ragged_paged_attention_xla(q, k, v, *segments, window=window),
-                     q, k_pages, v_pages)
-    return (*vjp(grad), None, None, None, None, None)
+    """`ragged_paged_attention_xla`'s VJP: for q and the float pools, or for
+    q and the scales of an int8 pool (its codes, like the tables and
+    segments, get none)."""
+    q, k_pages, v_pages, tables, *segments, key_scale, value_scale = residuals
+    xla = functools.partial(ragged_paged_attention_xla, block_tables=tables, seg_slot=segments[0],
+                            seg_start=segments[1], seg_len=segments[2], seg_pos=segments[3],
+                            window=window)
+    none = (None,) * 5
+    if key_scale is None:
+        _, vjp = jax.vjp(lambda q, k, v: xla(q, k, v), q, k_pages, v_pages)
+        return (*vjp(grad), *none, None, None)
+    _, vjp = jax.vjp(lambda q, ks, vs: xla(q, k_pages, v_pages, key_scale=ks, value_scale=vs),
+                     q, key_scale, value_scale)
+    dq, dks, dvs = vjp(grad)
+    return (dq, None, None, *none, dks, dvs)
 
 
 _ragged_paged_attention.defvjp(_ragged_fwd, _ragged_bwd)
@@ -131,16 +164,19 @@ def token_positions(t: int, seg_slot, seg_start, seg_len, seg_pos) -> tuple[jax.
     return pos.astype(jnp.int32), jnp.where(covered, seg_slot[r], 0).astype(jnp.int32)
 
 
-def _attend_block(q, pos, slot, k_pages, v_pages, block_tables, window):
+def _attend_block(q, pos, slot, k_pages, v_pages, block_tables, key_scale, value_scale, window):
     """One block of query tokens: q [B, K, G, H], pos and slot int32 [B] ->
-    [B, K, G, H]. Gathers each token's pages (entries clamped into [0, P));
-    keys and values at positions a token cannot see are masked out, so
-    whatever they hold (NaN included) does not reach its output."""
+    [B, K, G, H]. Gathers each token's pages (entries clamped into [0, P)),
+    dequantized when scales are given; keys and values at positions a token
+    cannot see are masked out, so whatever they hold (NaN included) does not
+    reach its output."""
     b, kv_heads, g, h = q.shape
     p, _, _, ps = k_pages.shape
     m = block_tables.shape[1]
     pages = jnp.clip(block_tables[slot], 0, p - 1)                          # [B, M]
     keys = k_pages[pages]                                                   # [B, M, K, H, ps]
+    if key_scale is not None:
+        keys = keys.astype(jnp.float32) * key_scale[pages][:, :, :, None, :]
     scores = jnp.einsum("bkgh,bmkhs->bkgms", q, keys).reshape(b, kv_heads, g, m * ps)
     key_pos = jnp.arange(m * ps, dtype=jnp.int32)
     visible = (key_pos <= pos[:, None]) & (pos[:, None] >= 0)               # [B, M * ps]
@@ -153,6 +189,8 @@ def _attend_block(q, pos, slot, k_pages, v_pages, block_tables, window):
     weights = jnp.where(seen, jnp.exp(scores - top), 0.0)
     total = jnp.sum(weights, axis=-1)[..., None]
     values = v_pages[pages]                                                 # [B, M, K, ps, H]
+    if value_scale is not None:
+        values = values.astype(jnp.float32) * value_scale[pages][..., None]
     values = jnp.where(visible.reshape(b, m, 1, ps, 1), values, 0.0)
     out = jnp.einsum("bkgms,bmksh->bkgh", weights.reshape(b, kv_heads, g, m, ps), values)
     return out / jnp.where(total > 0, total, 1.0)
@@ -161,9 +199,12 @@ def _attend_block(q, pos, slot, k_pages, v_pages, block_tables, window):
 def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                block_tables: jax.Array, seg_slot: jax.Array, seg_start: jax.Array,
                                seg_len: jax.Array, seg_pos: jax.Array,
+                               key_scale: jax.Array | None = None,
+                               value_scale: jax.Array | None = None,
                                window: int | None = None) -> jax.Array:
     """`ragged_paged_attention`'s function in pure JAX (any backend), equal
-    up to float32 rounding on the inputs the kernel accepts.
+    up to float32 rounding on the inputs the kernel accepts (int8 pools
+    with their scales included).
 
     Query tokens go in blocks of `TOKEN_BLOCK` (a `lax.map`); each token
     gathers its slot's pages, so memory holds [TOKEN_BLOCK, K, G, M * page_size]
@@ -178,9 +219,11 @@ def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         (at trace time).
     """
     _check("ragged_paged_attention_xla", q, k_pages, v_pages, block_tables, seg_slot, seg_start,
-           seg_len, seg_pos, window)
+           seg_len, seg_pos, key_scale, value_scale, window)
     q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos = map(
         jnp.asarray, (q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos))
+    if key_scale is not None:
+        key_scale, value_scale = jnp.asarray(key_scale), jnp.asarray(value_scale)
     t = q.shape[0]
     if t == 0:
         return jnp.zeros(q.shape, jnp.float32)
@@ -191,6 +234,7 @@ def ragged_paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         blocks, TOKEN_BLOCK, *q.shape[1:])
     pos_blocks = jnp.pad(pos, (0, pad), constant_values=-1).reshape(blocks, TOKEN_BLOCK)
     slot_blocks = jnp.pad(slot, (0, pad)).reshape(blocks, TOKEN_BLOCK)
-    out = jax.lax.map(lambda x: _attend_block(*x, k_pages, v_pages, block_tables, window),
+    out = jax.lax.map(lambda x: _attend_block(*x, k_pages, v_pages, block_tables, key_scale,
+                                              value_scale, window),
                       (q_blocks, pos_blocks, slot_blocks))
     return out.reshape(blocks * TOKEN_BLOCK, *q.shape[1:])[:t]

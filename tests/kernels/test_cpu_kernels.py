@@ -276,6 +276,8 @@ AVX2_CHILD_TESTS = [
     (__file__, "matches_reference and not avx2 and not bf16-dot"),
     (pathlib.Path(__file__).parent / "test_ragged_attention.py",
      "matches_reference or identical_bits or differentiable"),
+    (pathlib.Path(__file__).parent / "test_ragged_attention_int8.py",
+     "matches_reference or identical_bits or differentiable"),
     (pathlib.Path(__file__).parents[1] / "weights" / "test_quant.py",
      "int8_activations_kernel or quant_matmul_matches_float64 or bf16_and_8bit_with_min_kernels"),
     (pathlib.Path(__file__).parents[1] / "weights" / "test_quant_models.py",
