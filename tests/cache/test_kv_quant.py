@@ -98,16 +98,20 @@ def _int8_step(b, kv_heads, g, h, s, n, seed=0):
 def test_int8_pool_attention_matches_float_attention_on_dequantized_kv(b, kv_heads, g, h, s, n,
                                                                        window):
     """Ragged attention over an int8 pool (dequantized inside the step's
-    attention; on XLA under either backend) equals attention over a float32
-    pool holding the dequantized values (through the C++ kernel where it
-    runs) and the float64 reference on them: each query sees its row's
-    positions [0, p] (the last `window` of them)."""
+    attention: on XLA, or inside the C++ kernel's int8 variant where the
+    kernels run) equals attention over a float32 pool holding the
+    dequantized values (through the C++ kernel where it runs) and the
+    float64 reference on them: each query sees its row's positions [0, p]
+    (the last `window` of them)."""
     q, pool, tables, seg, positions, rows = _int8_step(b, kv_heads, g, h, s, n)
     keys, values = pool.dequantized()
     float_pool = LayerKV(keys, values)
     backends = [ragged.XLA] + ([ragged.CPU_KERNELS] if cpu_kernels.enabled() else [])
-    outs = [np.asarray(jax.jit(lambda q, kv, bk=bk: ragged.attend(bk, q, kv, tables, seg, window or 0))(
-        q, kv)) for bk in backends for kv in (pool, float_pool)]
+    attend = lambda bk: lambda q, kv: ragged.attend(bk, q, kv, tables, seg, window or 0)
+    if cpu_kernels.enabled():   # the int8 pool runs through the kernel, not the XLA fallback
+        text = str(jax.make_jaxpr(attend(ragged.CPU_KERNELS))(q, pool))
+        assert "jaxinfer_ragged_paged_attention_int8" in text
+    outs = [np.asarray(jax.jit(attend(bk))(q, kv)) for bk in backends for kv in (pool, float_pool)]
     k64 = np.asarray(paged.gather_rows(float_pool, tables)[0], np.float64)      # [b, K, H, S']
     v64 = np.asarray(paged.gather_rows(float_pool, tables)[1], np.float64)      # [b, K, S', H]
     slots = np.arange(k64.shape[-1])

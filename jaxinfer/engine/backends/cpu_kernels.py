@@ -1,5 +1,6 @@
 """The C++ CPU kernel backend (`kernels.ragged.ragged_paged_attention`):
-float32 queries over plain float32 pools, no soft-cap."""
+float32 queries over float32 pools, or int8 pools (codes and scales, read
+dequantized inside the kernel), no soft-cap."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from jaxinfer.kernels import ragged as ragged_kernel
 
 
 def applies(backend, q, kv, softcap) -> bool:
-    return not softcap and kv.plain and q.dtype == kv.keys.dtype == jnp.float32
+    pool = jnp.float32 if kv.plain else jnp.int8
+    return not softcap and q.dtype == jnp.float32 and kv.keys.dtype == kv.values.dtype == pool
 
 
 def attend(backend, q, kv, block_tables, seg, window: int, softcap=None):
     return ragged_kernel.ragged_paged_attention(q, kv.keys, kv.values, block_tables, seg.slot,
-                                                seg.start, seg.length, seg.position,
-                                                window=window or None)
+                                                seg.start, seg.length, seg.position, kv.key_scale,
+                                                kv.value_scale, window=window or None)
