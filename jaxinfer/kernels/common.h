@@ -1,7 +1,6 @@
 // What the kernel sources share (cpu_kernels.cc, quant_kernels.cc): one vector of float
-// lanes and its loads, the vector exp of the softmaxes, the masked softmax of a score row,
-// the split of work units over XLA's intra-op thread pool, and the FFI buffer types both
-// bind. Everything here has internal linkage (an anonymous namespace), so each source gets
+// lanes and its loads (int8 codes converted), the split of work units over XLA's intra-op
+// thread pool, and the FFI buffer types both bind. Everything here has internal linkage (an anonymous namespace), so each source gets
 // its own copy and the library exports none of it. jaxinfer/kernels/cpu.py keys its build
 // on this header as on the sources.
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
@@ -69,77 +68,6 @@ inline v16 load_codes(const int8_t* p) {
 }
 #endif
 
-// exp(x) for x <= 0 (positive inputs are clamped to 0, below -87 to -87): x = n ln2 + r
-// with a two-part ln2 (Cody and Waite), exp(r) by the degree-6 polynomial of Cephes' expf,
-// 2^n built in the exponent bits. Relative error about 1e-7.
-inline v16 exp_nonpositive(v16 x) {
-  x = x > splat(0.0f) ? splat(0.0f) : x;
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// The visible span [lo, hi) of a row's mask of S entries. A row that sees nothing attends
-// to nothing: then out[0, size) is zeroed and the result is false.
-inline bool visible_span(const bool* visible, int64_t S, int64_t& lo, int64_t& hi, float* out,
-                         int64_t size) {
-  lo = 0;
-  hi = S;
-  while (lo < S && !visible[lo]) ++lo;
-  while (hi > lo && !visible[hi - 1]) --hi;
-  if (lo == hi) std::fill(out, out + size, 0.0f);
-  return lo < hi;
-}
-
-// One score row of ld entries (a multiple of kLanes) to exp(score - max) where keep[s] > 0
-// and 0 elsewhere, the max taken over the kept entries, in place; returns the row's sum,
-// at least 1 when any entry is kept (the max itself contributes exp(0)).
-inline float masked_exp_row(float* row, const float* keep, int64_t ld) {
-  v16 mx = splat(-3.0e38f);
-  for (int64_t s = 0; s < ld; s += kLanes) {
-    const v16 x = load(keep + s) > splat(0.0f) ? load(row + s) : mx;
-    mx = x > mx ? x : mx;
-  }
-  float row_max = mx[0];
-  for (int j = 1; j < kLanes; ++j) row_max = std::max(row_max, mx[j]);
-  v16 sum = {};
-  for (int64_t s = 0; s < ld; s += kLanes) {
-    const v16 e = exp_nonpositive(load(row + s) - row_max) * load(keep + s);
-    store(row + s, e);
-    sum += e;
-  }
-  float total = 0.0f;
-  for (int j = 0; j < kLanes; ++j) total += sum[j];
-  return total;
-}
-
-// Runs F<GN> over the G query heads of a kv head in groups of at most 4 (register budget):
-// F<GN>::run(first + g0 * stride_first, last + g0 * stride_last, args...) for g0 = 0, 4, ...
-template <template <int> class F, typename... Args>
-void by_head_group(int64_t G, int64_t stride_first, int64_t stride_last, const float* first,
-                   float* last, Args... args) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* a = first + g0 * stride_first;
-    float* b = last + g0 * stride_last;
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: F<1>::run(a, b, args...); break;
-      case 2: F<2>::run(a, b, args...); break;
-      case 3: F<3>::run(a, b, args...); break;
-      default: F<4>::run(a, b, args...); break;
-    }
-  }
-}
-
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
 // pool tasks, which claim units from a shared counter. Returns when every unit is done.
 // A task that starts late finds nothing left, so the caller never waits on a task that
@@ -177,8 +105,6 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
 }
 
 // FFI buffer types both sources bind.
-using Tensor4 = ffi::Buffer<ffi::F32, 4>;
-using Mask2 = ffi::Buffer<ffi::PRED, 2>;
 using Matrix2 = ffi::Buffer<ffi::F32, 2>;
 
 // The rows operand of the matmuls: only x's first `rows` rows are computed (a serving

@@ -1,55 +1,15 @@
-// CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.cpu_kernels):
-//   JaxinferDecodeAttention  attention of one new token per row over its K/V cache buffer
-//   JaxinferChunkAttention   T new tokens per row, each with its own mask, over the buffer
-//   JaxinferCausalAttention  T tokens per row, causal by position, flash-style (prefill)
+// CPU kernels for XLA:CPU, as XLA FFI custom calls (jaxinfer.kernels.cpu):
 //   JaxinferRaggedPagedAttention  a step's ragged segments of query tokens over a paged cache
 //   JaxinferRaggedPagedAttentionInt8  the same over an int8 paged cache (codes and scales)
 //   JaxinferPackedMatmul     x @ W with W pre-packed into column panels
 //   JaxinferArgmaxFirst      each row's first maximum (greedy sampling)
+//   JaxinferReadSum          a plain streaming read of a vector (the bench's bandwidth probe)
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()). What this
 // file shares with quant_kernels.cc (vectors, exp, the thread-pool split) is in common.h.
 //
 // Each kernel splits its work into units shared by the calling thread and tasks it
-// schedules on XLA's intra-op thread pool (parallel_units, common.h).
-//
-// --- Decode attention ---
-// One new query token per row attends over the row's K/V cache buffer:
-//   q    f32  [B, K, G, H]  grouped queries (query head k*G + g reads kv head k), pre-scaled
-//   k    f32  [B, K, H, S]  keys, positions minor (the jaxinfer KV-cache layout of K)
-//   v    f32  [B, K, S, H]  values
-//   mask pred [B, S]        true = visible
-//   out  f32  [B, K, G, H]  softmax(q.k, masked) . v; all zeros where a row sees nothing
-// This is the same computation as jaxinfer.nn.attention_scores -> masked_softmax ->
-// attention_output for T = 1 (no soft-cap). It exists because XLA:CPU runs that chain as
-// separate fusions that read each K/V buffer at a fraction of the memory bandwidth, one of
-// them on a single core (benchmarks/README.md has the figures).
-//
-// One work unit per (row, kv head); each reads its K and V blocks once, and only the span
-// [first visible, last visible] of positions.
-//
-// --- Chunk attention ---
-// T new query tokens per row (an `extend` chunk: k drafted tokens to verify, a short
-// prompt piece) attend over the row's K/V buffer, which already holds their own K/V:
-//   q    f32  [B, K, T, G, H]  grouped queries, pre-scaled
-//   k, v as for decode attention
-//   mask pred [B, T, S]        true = query t may see position s (causal inside the chunk)
-//   out  f32  [B, K, T, G, H]
-// One work unit per (row, kv head, query token), each exactly a decode-attention unit with
-// its own mask row: the T units of a (row, kv head) read the same K/V span, from cache
-// after the first.
-//
-// --- Causal attention ---
-// T query tokens per row at consecutive positions over a buffer whose slot s holds position
-// s: a prompt over its own keys (prefill), or an extend chunk over a full layer's buffer
-// that already holds the chunk's keys:
-//   q      f32 [B, K, T, G, H]  grouped queries, pre-scaled
-//   k, v   as for decode attention
-//   starts s32 [B]              position of row b's query 0
-//   counts s32 [B]              row b's real queries: t < counts[b], at starts[b] + t
-//   window attribute            0, or W: query p sees slots [p - W + 1, p], else [0, p]
-//   out    f32 [B, K, T, G, H]  zeros for t >= counts[b]
-// Flash-style (online softmax over key blocks), so the scores of a unit never exceed one
-// block, and key blocks outside every query's band are never read; see causal_unit.
+// schedules on XLA's intra-op thread pool (parallel_units, common.h). The ragged kernel is
+// described where it starts, below.
 //
 // --- Packed matmul ---
 //   x      f32 [M, I]      M rows (tokens) of I input features
@@ -105,6 +65,26 @@ inline v16 fmadd(v16 a, v16 b, v16 c) {
 #endif
 }
 
+// exp(x) for x <= 0 (positive inputs are clamped to 0, below -87 to -87): x = n ln2 + r
+// with a two-part ln2 (Cody and Waite), exp(r) by the degree-6 polynomial of Cephes' expf,
+// 2^n built in the exponent bits. Relative error about 1e-7.
+inline v16 exp_nonpositive(v16 x) {
+  x = x > splat(0.0f) ? splat(0.0f) : x;
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // Horizontal max and sum of the lanes of x.
 inline float reduce_max(v16 x) {
 #if defined(__AVX512F__)
@@ -134,236 +114,23 @@ inline vi16 load_i32(const int32_t* p) {
   return x;
 }
 
-struct Dims {
-  int64_t B, K, G, H, S;
-  int64_t T = 1;  // query tokens per row (chunk attention; 1 for decode)
-};
-
-// A run of consecutive cached positions stored contiguously: the key of its s-th position
-// is k[h * stride + s] (h = 0..H-1), its value v[s * H + h]. A row's visible span is one
-// run or several, in position order; the sums do not depend on how it is cut.
-struct Run {
-  const float* k;
-  const float* v;
-  int64_t stride;
-  int64_t n;
-};
-
-// scores[g, s] = sum_h q[g, h] k[h, s] for the positions s of the runs (n in all, in order),
-// GN query heads at a time. Each run's rows of k are read front to back, kRows at once, so
-// the run streams sequentially; every score sums over h in the same order whatever the runs.
-template <int GN>
-void scores(const float* q, int64_t H, const Run* runs, int64_t num_runs, float* sc, int64_t ld,
-            int64_t n) {
-  constexpr int kRows = 8;
-  for (int g = 0; g < GN; ++g) std::fill(sc + g * ld, sc + g * ld + n, 0.0f);
-  float* out = sc;
-  for (int64_t i = 0; i < num_runs; out += runs[i].n, ++i) {
-    const int64_t S = runs[i].stride, m = runs[i].n, nv = m / kLanes * kLanes;
-    int64_t h = 0;
-    for (; h + kRows <= H; h += kRows) {
-      const float* rows = runs[i].k + h * S;
-      float qh[GN][kRows];
-      for (int g = 0; g < GN; ++g)
-        for (int r = 0; r < kRows; ++r) qh[g][r] = q[g * H + h + r];
-      for (int64_t s = 0; s < nv; s += kLanes) {
-        v16 kv[kRows];
-        for (int r = 0; r < kRows; ++r) kv[r] = load(rows + r * S + s);
-        for (int g = 0; g < GN; ++g) {
-          v16 acc = load(out + g * ld + s);
-          for (int r = 0; r < kRows; ++r) acc += qh[g][r] * kv[r];
-          store(out + g * ld + s, acc);
-        }
-      }
-      for (int64_t s = nv; s < m; ++s)
-        for (int g = 0; g < GN; ++g)
-          for (int r = 0; r < kRows; ++r) out[g * ld + s] += qh[g][r] * rows[r * S + s];
-    }
-    for (; h < H; ++h)
-      for (int64_t s = 0; s < m; ++s)
-        for (int g = 0; g < GN; ++g) out[g * ld + s] += q[g * H + h] * runs[i].k[h * S + s];
-  }
-}
-
-// out[g, :] = sum_s w[g, s] v[s, :] over the positions s of the runs (in order), 4 vectors
-// of columns of v at a time.
-template <int GN>
-void weighted_values(const float* w, int64_t ld, const Run* runs, int64_t num_runs, int64_t H,
-                     float* out) {
-  int64_t c = 0;
-  for (; c + 4 * kLanes <= H; c += 4 * kLanes) {
-    v16 acc[GN][4] = {};
-    const float* wr = w;
-    for (int64_t i = 0; i < num_runs; wr += runs[i].n, ++i) {
-      for (int64_t s = 0; s < runs[i].n; ++s) {
-        const float* row = runs[i].v + s * H + c;
-        const v16 v0 = load(row), v1 = load(row + kLanes), v2 = load(row + 2 * kLanes),
-                  v3 = load(row + 3 * kLanes);
-        for (int g = 0; g < GN; ++g) {
-          const float ws = wr[g * ld + s];
-          acc[g][0] += ws * v0;
-          acc[g][1] += ws * v1;
-          acc[g][2] += ws * v2;
-          acc[g][3] += ws * v3;
-        }
-      }
-    }
-    for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 4; ++j) store(out + g * H + c + j * kLanes, acc[g][j]);
-  }
-  for (; c < H; ++c)
-    for (int g = 0; g < GN; ++g) {
-      float acc = 0.0f;
-      const float* wr = w;
-      for (int64_t i = 0; i < num_runs; wr += runs[i].n, ++i)
-        for (int64_t s = 0; s < runs[i].n; ++s) acc += wr[g * ld + s] * runs[i].v[s * H + c];
-      out[g * H + c] = acc;
-    }
-}
-
-template <int GN>
-struct Scores {
-  static void run(const float* q, float* sc, int64_t H, const Run* runs, int64_t num_runs, int64_t ld,
-                  int64_t n) {
-    scores<GN>(q, H, runs, num_runs, sc, ld, n);
-  }
-};
-
-template <int GN>
-struct WeightedValues {
-  static void run(const float* w, float* out, int64_t ld, const Run* runs, int64_t num_runs,
-                  int64_t H) {
-    weighted_values<GN>(w, ld, runs, num_runs, H, out);
-  }
-};
-
-// Scratch for a unit whose span is [lo, lo + n): G rows of scores and a keep row (1 where
-// visible, 0 elsewhere and in the padding), each ld = n rounded up to kLanes long.
-inline float* unit_scratch(std::vector<float>& scratch, const bool* visible, int64_t lo, int64_t n,
-                           int64_t G, int64_t& ld) {
-  ld = (n + kLanes - 1) / kLanes * kLanes;
-  scratch.resize((G + 1) * ld);
-  float* keep = scratch.data() + G * ld;
-  for (int64_t s = 0; s < ld; ++s) keep[s] = (s < n && visible[lo + s]) ? 1.0f : 0.0f;
-  return scratch.data();
-}
-
-// Masked softmax in place over each of the G score rows of sc (entries [n, ld) zeroed first),
-// with the keep row after them.
-void masked_softmax_rows(float* sc, int64_t G, int64_t n, int64_t ld) {
-  const float* keep = sc + G * ld;
-  for (int64_t g = 0; g < G; ++g) {  // masked softmax in place, over [0, ld)
-    float* row = sc + g * ld;
-    std::fill(row + n, row + ld, 0.0f);
-    const v16 inv = splat(1.0f / masked_exp_row(row, keep, ld));  // the sum is >= 1
-    for (int64_t s = 0; s < ld; s += kLanes) store(row + s, load(row + s) * inv);
-  }
-}
-
-// Attention of one (row, kv head) unit into o [G, H]: the visible span [lo, hi) of its mask
-// row (S entries), whose positions `runs_of(lo, hi, runs)` lists as runs, scored, softmaxed
-// and summed; scratch holds G + 1 rows of hi - lo rounded up to kLanes.
-template <typename RunsOf>
-void attend_span(int64_t G, int64_t H, const float* q, const bool* visible, int64_t S, float* o,
-                 std::vector<float>& scratch, RunsOf runs_of) {
-  int64_t lo, hi, ld;
-  if (!visible_span(visible, S, lo, hi, o, G * H)) return;
-  const int64_t n = hi - lo;
-  float* sc = unit_scratch(scratch, visible, lo, n, G, ld);
-  thread_local std::vector<Run> runs;
-  runs.clear();
-  runs_of(lo, hi, runs);
-  const int64_t num_runs = static_cast<int64_t>(runs.size());
-  by_head_group<Scores>(G, H, ld, q, sc, H, runs.data(), num_runs, ld, n);
-  masked_softmax_rows(sc, G, n, ld);
-  by_head_group<WeightedValues>(G, ld, H, sc, o, ld, runs.data(), num_runs, H);
-}
-
-// One (row, kv head, query token) unit of a dense cache, unit = (b * K + kh) * T + t, with
-// q and out [B, K, T, G, H] and mask [B, T, S] (T = 1: decode): its span is one run.
-void attend_unit(const Dims& d, int64_t unit, const float* q, const float* k, const float* v,
-                 const bool* mask, float* out, std::vector<float>& scratch) {
-  const int64_t H = d.H, S = d.S, t = unit % d.T, bk = unit / d.T, b = bk / d.K;
-  attend_span(d.G, H, q + unit * d.G * H, mask + (b * d.T + t) * S, S, out + unit * d.G * H, scratch,
-              [&](int64_t lo, int64_t hi, std::vector<Run>& runs) {
-                runs.push_back(Run{k + bk * H * S + lo, v + (bk * S + lo) * H, S, hi - lo});
-              });
-}
-
-ffi::Error DecodeAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v, Mask2 mask,
-                           ffi::Result<Tensor4> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
-  const Dims d{qd[0], qd[1], qd[2], qd[3], kd[3]};
-  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
-      vd[2] != d.S || vd[3] != d.H || md[0] != d.B || md[1] != d.S)
-    return ffi::Error::InvalidArgument(
-        "decode_attention: expected q [B,K,G,H], k [B,K,H,S], v [B,K,S,H], mask [B,S]");
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const bool* mp = mask.typed_data();
-  float* op = out->typed_data();
-  parallel_units(pool, d.B * d.K, [=](int64_t unit) {
-    thread_local std::vector<float> scratch;
-    attend_unit(d, unit, qp, kp, vp, mp, op, scratch);
-  });
-  return ffi::Error::Success();
-}
-
-using Tensor5 = ffi::Buffer<ffi::F32, 5>;
-using Mask3 = ffi::Buffer<ffi::PRED, 3>;
-
-ffi::Error ChunkAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v, Mask3 mask,
-                          ffi::Result<Tensor5> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
-  const Dims d{qd[0], qd[1], qd[3], qd[4], kd[3], qd[2]};
-  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
-      vd[2] != d.S || vd[3] != d.H || md[0] != d.B || md[1] != d.T || md[2] != d.S)
-    return ffi::Error::InvalidArgument(
-        "chunk_attention: expected q [B,K,T,G,H], k [B,K,H,S], v [B,K,S,H], mask [B,T,S]");
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const bool* mp = mask.typed_data();
-  float* op = out->typed_data();
-  parallel_units(pool, d.B * d.K * d.T, [=](int64_t unit) {
-    thread_local std::vector<float> scratch;
-    attend_unit(d, unit, qp, kp, vp, mp, op, scratch);
-  });
-  return ffi::Error::Success();
-}
-
-// --- Causal attention (prefill; chunks of full layers) ---
-// Flash-style: per (row, kv head, block of query tokens) unit, the unit's queries go over
-// the key blocks they can see with a running max, normalizer and output per query row
+// --- Flash-style attention blocks (the ragged kernel's) ---
+// Per unit of query rows, the unit's queries go over the key blocks they can see with a
+// running max, normalizer and output per query row
 // (online softmax: Milakov and Gimelshein 2018, arXiv:1805.02867; Dao et al. 2022,
 // "FlashAttention", arXiv:2205.14135, Algorithm 1), so scores never exceed one
 // [rows, kKeyBlock] block and key blocks no query of the unit sees are never read.
 // Both products are register-blocked (kAttnRows query rows x 4 vectors of accumulators):
-//   scores [rows, kKeyBlock] = q [rows, H] k [H, kKeyBlock]  (K block copied contiguous)
+//   scores [rows, kKeyBlock] = q [rows, H] k [H, kKeyBlock]
 //   out    [rows, H]        += p [rows, kKeyBlock] v [kKeyBlock, H]
 constexpr int kAttnRows = kLanes == 16 ? 6 : 3;
 constexpr int kAttnVectors = 4;
 constexpr int64_t kKeyBlock = kAttnVectors * kLanes;
 
-// sc[r, 0:kKeyBlock] = q[r, :] . kb[:, 0:kKeyBlock] for R rows of q (row stride H).
-template <int R>
-void block_scores(const float* __restrict q, int64_t H, const float* __restrict kb,
-                  float* __restrict sc) {
-  v16 acc[R][kAttnVectors] = {};
-  for (int64_t h = 0; h < H; ++h) {
-    const float* row = kb + h * kKeyBlock;
-    v16 kv[kAttnVectors];
-    for (int j = 0; j < kAttnVectors; ++j) kv[j] = load(row + j * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const v16 qs = splat(q[r * H + h]);
-      for (int j = 0; j < kAttnVectors; ++j) acc[r][j] += qs * kv[j];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kAttnVectors; ++j) store(sc + r * kKeyBlock + j * kLanes, acc[r][j]);
-}
-
 // o[r, c:c+NV vectors] = o[r, c:...] * corr[r] + sum_s p[r, s] v[s, c:...] over the n keys of
-// the block, for R rows (kFused: each product an explicit fused multiply-add, see fmadd);
-// v float32 values or int8 codes (load_codes).
-template <int R, int NV, bool kFused = false, typename Code = float>
+// the block, for R rows, each product an explicit fused multiply-add (fmadd); v float32
+// values or int8 codes (load_codes).
+template <int R, int NV, typename Code>
 void block_values(const float* __restrict p, const Code* __restrict v, int64_t H, int64_t n,
                   const float* __restrict corr, float* __restrict o, int64_t c) {
   v16 acc[R][NV];
@@ -374,13 +141,7 @@ void block_values(const float* __restrict p, const Code* __restrict v, int64_t H
     for (int j = 0; j < NV; ++j) vv[j] = load_codes(v + s * H + c + j * kLanes);
     for (int r = 0; r < R; ++r) {
       const v16 ps = splat(p[r * kKeyBlock + s]);
-      for (int j = 0; j < NV; ++j) {
-        if constexpr (kFused) {
-          acc[r][j] = fmadd(ps, vv[j], acc[r][j]);
-        } else {
-          acc[r][j] += ps * vv[j];
-        }
-      }
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(ps, vv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -388,31 +149,26 @@ void block_values(const float* __restrict p, const Code* __restrict v, int64_t H
 }
 
 // All H columns: vector blocks, then the columns past the last whole vector one at a time.
-// kFused: every product is an explicit fused multiply-add, so every row's bits are the same
-// whatever R (left to the compiler, the contraction of o * corr + p * v into one FMA differs
-// between row-block sizes).
-template <int R, bool kFused = false, typename Code = float>
+// Every product is an explicit fused multiply-add, so every row's bits are the same whatever
+// R (left to the compiler, the contraction of o * corr + p * v into one FMA differs between
+// row-block sizes).
+template <int R, typename Code>
 void block_values_all(const float* p, const Code* v, int64_t H, int64_t n, const float* corr,
                       float* o) {
   int64_t c = 0;
   for (; c + kAttnVectors * kLanes <= H; c += kAttnVectors * kLanes)
-    block_values<R, kAttnVectors, kFused>(p, v, H, n, corr, o, c);
+    block_values<R, kAttnVectors>(p, v, H, n, corr, o, c);
   switch ((H - c) / kLanes) {
-    case 1: block_values<R, 1, kFused>(p, v, H, n, corr, o, c); break;
-    case 2: block_values<R, 2, kFused>(p, v, H, n, corr, o, c); break;
-    case 3: block_values<R, 3, kFused>(p, v, H, n, corr, o, c); break;
+    case 1: block_values<R, 1>(p, v, H, n, corr, o, c); break;
+    case 2: block_values<R, 2>(p, v, H, n, corr, o, c); break;
+    case 3: block_values<R, 3>(p, v, H, n, corr, o, c); break;
     default: break;
   }
   for (c += (H - c) / kLanes * kLanes; c < H; ++c)  // columns past the last whole vector
     for (int r = 0; r < R; ++r) {
       float acc = o[r * H + c] * corr[r];
-      for (int64_t s = 0; s < n; ++s) {
-        if constexpr (kFused) {
-          acc = __builtin_fmaf(p[r * kKeyBlock + s], static_cast<float>(v[s * H + c]), acc);
-        } else {
-          acc += p[r * kKeyBlock + s] * static_cast<float>(v[s * H + c]);
-        }
-      }
+      for (int64_t s = 0; s < n; ++s)
+        acc = __builtin_fmaf(p[r * kKeyBlock + s], static_cast<float>(v[s * H + c]), acc);
       o[r * H + c] = acc;
     }
 }
@@ -433,26 +189,11 @@ void by_row_block(int64_t rows, Args... args) {
 }
 
 template <int R>
-struct BlockScores {
-  static void run(int64_t r, const float* q, int64_t H, const float* kb, float* sc) {
-    block_scores<R>(q + r * H, H, kb, sc + r * kKeyBlock);
-  }
-};
-
-template <int R>
 struct BlockValues {
-  static void run(int64_t r, const float* p, const float* v, int64_t H, int64_t n,
-                  const float* corr, float* o) {
-    block_values_all<R>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
-  }
-};
-
-template <int R>
-struct FusedBlockValues {
   template <typename Code>
   static void run(int64_t r, const float* p, const Code* v, int64_t H, int64_t n,
                   const float* corr, float* o) {
-    block_values_all<R, true>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
+    block_values_all<R>(p + r * kKeyBlock, v, H, n, corr + r, o + r * H);
   }
 };
 
@@ -463,10 +204,9 @@ struct FusedBlockValues {
 // the rest 0; m (running max), l (running normalizer) and corr (the factor the row's output
 // accumulator takes before this block's values are added; 1 for a row that sees none of the
 // block) are updated. A row's results depend only on its own scores, position and running
-// state, never on the other rows. Returns n_used: the block's keys [0, n_used) some row sees.
-int64_t online_softmax_block(float* sc, int64_t rows, int64_t G, int64_t p0, int64_t s0, int64_t n,
+// state, never on the other rows.
+void online_softmax_block(float* sc, int64_t rows, int64_t G, int64_t p0, int64_t s0, int64_t n,
                              int64_t window, float* m, float* l, float* corr) {
-  int64_t n_used = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t p = p0 + r / G;
     const int64_t a = std::max<int64_t>(window ? p - window + 1 : 0, s0) - s0;
@@ -477,7 +217,6 @@ int64_t online_softmax_block(float* sc, int64_t rows, int64_t G, int64_t p0, int
       corr[r] = 1.0f;
       continue;
     }
-    n_used = std::max(n_used, z);
     // Softmax of the row's visible [a, z) against its running max: one pass for the max,
     // one for exp and sum; a partial row (the diagonal block, the window's edge) masked in
     // registers.
@@ -505,92 +244,10 @@ int64_t online_softmax_block(float* sc, int64_t rows, int64_t G, int64_t p0, int
     m[r] = mx;
     corr[r] = c;
   }
-  return n_used;
 }
 
-struct CausalDims {
-  int64_t B, K, T, G, H, S, window;  // window 0: full attention
-  int64_t Tq;                         // query tokens per unit
-};
-
-struct CausalScratch {
-  std::vector<float> kb, sc, o, m, l, corr;
-};
-
-// One (row, kv head, query block) unit: query tokens [t0, t1) of row b (t < counts[b]) at
-// positions starts[b] + t, over keys s in [max(0, p - window + 1), p]; the other tokens'
-// output rows are zero.
-void causal_unit(const CausalDims& d, int64_t b, int64_t kh, int64_t t0, const float* q,
-                 const float* k, const float* v, int64_t start, int64_t count, float* out,
-                 CausalScratch& w) {
-  const int64_t G = d.G, H = d.H, S = d.S, bk = b * d.K + kh;
-  const int64_t t_end = std::min(t0 + d.Tq, d.T), t1 = std::min(t_end, std::max(t0, count));
-  float* o_out = out + (bk * d.T + t0) * G * H;
-  std::fill(o_out + (t1 - t0) * G * H, o_out + (t_end - t0) * G * H, 0.0f);
-  if (t1 <= t0) return;
-  const int64_t rows = (t1 - t0) * G;
-  const float* qb = q + (bk * d.T + t0) * G * H;
-  const float* keys = k + bk * H * S;
-  const float* values = v + bk * S * H;
-  w.kb.resize(H * kKeyBlock);
-  w.sc.resize(rows * kKeyBlock);
-  w.o.assign(rows * H, 0.0f);
-  w.m.assign(rows, -3.0e38f);
-  w.l.assign(rows, 0.0f);
-  w.corr.resize(rows);
-  const int64_t p_first = start + t0, p_last = start + t1 - 1;
-  const int64_t lo = d.window ? std::max<int64_t>(0, p_first - d.window + 1) : 0;
-  const int64_t hi = std::min(p_last, S - 1);  // keys [lo, hi]
-  for (int64_t s0 = lo / kKeyBlock * kKeyBlock; s0 <= hi; s0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, S - s0);
-    for (int64_t h = 0; h < H; ++h) {  // K block [H, kKeyBlock], zero-padded past S
-      std::memcpy(w.kb.data() + h * kKeyBlock, keys + h * S + s0, n * sizeof(float));
-      std::fill(w.kb.data() + h * kKeyBlock + n, w.kb.data() + (h + 1) * kKeyBlock, 0.0f);
-    }
-    by_row_block<BlockScores>(rows, qb, H, static_cast<const float*>(w.kb.data()), w.sc.data());
-    const int64_t n_used = online_softmax_block(w.sc.data(), rows, G, start + t0, s0, n, d.window,
-                                                w.m.data(), w.l.data(), w.corr.data());
-    by_row_block<BlockValues>(rows, static_cast<const float*>(w.sc.data()), values + s0 * H, H,
-                              n_used, static_cast<const float*>(w.corr.data()), w.o.data());
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
-    for (int64_t h = 0; h < H; ++h) o_out[r * H + h] = w.o[r * H + h] * inv;
-  }
-}
-
+using Tensor4 = ffi::Buffer<ffi::F32, 4>;
 using Vector1i = ffi::Buffer<ffi::S32, 1>;
-
-ffi::Error CausalAttention(ffi::ThreadPool pool, Tensor5 q, Tensor4 k, Tensor4 v, Vector1i starts,
-                           Vector1i counts, int64_t window, ffi::Result<Tensor5> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  CausalDims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[3], window, 1};
-  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
-      vd[2] != d.S || vd[3] != d.H || starts.dimensions()[0] != d.B ||
-      counts.dimensions()[0] != d.B)
-    return ffi::Error::InvalidArgument(
-        "causal_attention: expected q [B,K,T,G,H], k [B,K,H,S], v [B,K,S,H], starts [B], "
-        "counts [B]");
-  if (window < 0) return ffi::Error::InvalidArgument("causal_attention: window must be >= 0");
-  const int32_t *sp = starts.typed_data(), *cp = counts.typed_data();
-  for (int64_t b = 0; b < d.B; ++b)
-    if (sp[b] < 0 || cp[b] < 0 || cp[b] > d.T || (cp[b] > 0 && sp[b] + cp[b] > d.S))
-      return ffi::Error::InvalidArgument(
-          "causal_attention: a row's queries [start, start + count) do not fit its T and S");
-  // About 96 query rows (tokens x G heads) per unit: enough rows to reuse each K/V block,
-  // few enough that the unit's scores and output stay in L2.
-  d.Tq = std::max<int64_t>(1, 96 / d.G);
-  const int64_t nq = (d.T + d.Tq - 1) / d.Tq, rows_kv = d.B * d.K;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float* op = out->typed_data();
-  // Latest query blocks first: they see the most keys, so the pool's threads end together.
-  parallel_units(pool, rows_kv * nq, [=](int64_t u) {
-    thread_local CausalScratch scratch;
-    const int64_t qblock = nq - 1 - u / rows_kv, bk = u % rows_kv, b = bk / d.K;
-    causal_unit(d, b, bk % d.K, qblock * d.Tq, qp, kp, vp, sp[b], cp[b], op, scratch);
-  });
-  return ffi::Error::Success();
-}
 
 using Table2 = ffi::Buffer<ffi::S32, 2>;
 
@@ -606,7 +263,7 @@ using Table2 = ffi::Buffer<ffi::S32, 2>;
 //                                    (len 0: unused, its other fields are not read)
 //   window       attribute           0, or W: the query at p sees positions [p - W + 1, p], else [0, p]
 //   out          f32 [T, K, G, H]   zeros for tokens no segment covers
-// Flash-style like causal_unit, with units (segment, kv head, block of up to Tq query tokens),
+// Flash-style (above), with units (segment, kv head, block of up to Tq query tokens),
 // the unit's query rows copied out of [T, K, G, H] into contiguous scratch. A key block
 // (kKeyBlock positions, aligned to absolute positions) spans several pages. Its keys are read
 // in place one vector (kLanes positions) at a time when ps is a multiple of kLanes, so that
@@ -687,9 +344,10 @@ inline const Code* zero_keys() {
   return reinterpret_cast<const Code*>(kZeros);
 }
 
-// block_scores with the keys' vectors wherever `keys` says: the same products, in the same
-// order, as block_scores over a contiguous copy of them; int8 codes are converted as they
-// are loaded, and each finished score is multiplied by its key's scale.
+// sc[r, 0:kKeyBlock] = q[r, :] . k[:, 0:kKeyBlock] for R rows of q (row stride H), with the
+// keys' vectors wherever `keys` says: the same products, in the same order, wherever they
+// are; int8 codes are converted as they are loaded, and each finished score is multiplied
+// by its key's scale.
 template <int R, typename Code>
 void block_scores_from(const float* __restrict q, int64_t H, const KeyVectors<Code>& keys,
                        float* __restrict sc) {
@@ -818,7 +476,7 @@ void ragged_unit(const RaggedDims& d, const Segments& seg, int64_t r, int64_t kh
           store(sc + row * kKeyBlock + s, load(sc + row * kKeyBlock + s) * load(w.vs.data() + s));
     const float* corr = w.corr.data();
     page_runs(pages, ps, a, z, [&](int64_t s, int64_t n, int64_t page, int64_t off) {
-      by_row_block<FusedBlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
+      by_row_block<BlockValues>(rows, static_cast<const float*>(sc + (s - s0)),
                                      vp + ((page * K + kh) * ps + off) * H, H, n, corr,
                                      w.o.data());
       corr = w.ones.data();  // the block's correction is applied once, with its first run
@@ -883,8 +541,9 @@ ffi::Error ragged_step(ffi::ThreadPool& pool, RaggedDims d, const Segments& seg,
   const int64_t token_size = d.K * d.G * d.H;
   for (int64_t t = 0; t < d.T; ++t)
     if (owner[t] < 0) std::fill(op + t * token_size, op + (t + 1) * token_size, 0.0f);
-  // Query blocks of about 96 rows (tokens x G heads), as in CausalAttention; the costliest
-  // (rows x keys read) first, so the pool's threads end together.
+  // Query blocks of about 96 rows (tokens x G heads): enough rows to reuse each K/V block,
+  // few enough that the unit's scores and output stay in L2. The costliest (rows x keys
+  // read) first, so the pool's threads end together.
   d.Tq = std::max<int64_t>(1, 96 / d.G);
   struct Block {
     int64_t r, i0, i1, cost;
@@ -1354,35 +1013,6 @@ extern "C" int jaxinfer_probe_bf16_dot() {
   return 0;
 #endif
 }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Mask2>()
-                                  .Ret<Tensor4>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferChunkAttention, ChunkAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor5>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Mask3>()
-                                  .Ret<Tensor5>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCausalAttention, CausalAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor5>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
-                                  .Attr<int64_t>("window")
-                                  .Ret<Tensor5>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()

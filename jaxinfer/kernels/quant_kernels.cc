@@ -4,7 +4,6 @@
 //   JaxinferQ4Matmul             x @ W, W 4-bit codes with a scale and a min per block of rows;
 //                                with int8_activations, x rounded to int8 first (AVX512-VNNI or AVX2)
 //   JaxinferBf16Matmul           x @ W, W bfloat16
-//   JaxinferDecodeAttentionInt8  decode attention over an int8 K/V cache buffer
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()). What this
 // file shares with cpu_kernels.cc (vectors, exp, the thread-pool split) is in common.h.
 //
@@ -34,17 +33,6 @@
 // `rows` rows are computed and the others' outputs are zeros (a serving step's padding);
 // which of the two paths runs still depends on M alone. bfloat16 codes (no scale) give the
 // same bits on both paths and for any number of rows (kOneOrder, below).
-//
-// --- int8 decode attention ---
-//   q       f32  [B, K, G, H]  grouped, pre-scaled queries (query head k*G + g reads kv head k)
-//   k       s8   [B, K, H, S]  key codes, positions minor;   key = k_scale[b, k, s] * k[b, k, :, s]
-//   k_scale f32  [B, K, S]     one scale per token per kv head
-//   v       s8   [B, K, S, H]  value codes;                 value = v_scale[b, k, s] * v[b, k, s, :]
-//   v_scale f32  [B, K, S]
-//   mask    pred [B, S]        true = visible
-//   out     f32  [B, K, G, H]  softmax(q.key, masked) . value; all zeros where a row sees nothing
-// The same function as cpu_kernels.cc's JaxinferDecodeAttention on the dequantized K/V: the
-// key scale multiplies each score, and the value scale is folded into each softmax weight.
 
 #include <cstdlib>
 #include <string>
@@ -813,139 +801,6 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// --- int8 decode attention ---
-
-struct AttnDims {
-  int64_t B, K, G, H, S;
-};
-
-// sc[g, s] = sum_h q[g, h] k[h, s] for s in [0, n) (k codes rows S apart), GN heads at once;
-// the caller multiplies by the key scales.
-template <int GN>
-void int8_scores(const float* q, int64_t H, const int8_t* k, int64_t S, float* sc, int64_t ld,
-                 int64_t n) {
-  const int64_t nv = n / kLanes * kLanes;
-  for (int64_t s = 0; s < nv; s += kLanes) {
-    v16 acc[GN] = {};
-    for (int64_t h = 0; h < H; ++h) {
-      const v16 kv = load_codes(k + h * S + s);
-      for (int g = 0; g < GN; ++g) acc[g] += q[g * H + h] * kv;
-    }
-    for (int g = 0; g < GN; ++g) store(sc + g * ld + s, acc[g]);
-  }
-  for (int64_t s = nv; s < n; ++s)
-    for (int g = 0; g < GN; ++g) {
-      float acc = 0.0f;
-      for (int64_t h = 0; h < H; ++h) acc += q[g * H + h] * k[h * S + s];
-      sc[g * ld + s] = acc;
-    }
-}
-
-// out[g, :] = sum_s w[g, s] v[s, :] for s in [0, n) (v codes rows H apart, scales already
-// folded into w), 64 columns at a time.
-template <int GN>
-void int8_weighted_values(const float* w, int64_t ld, int64_t n, const int8_t* v, int64_t H,
-                          float* out) {
-  int64_t c = 0;
-  for (; c + 4 * kLanes <= H; c += 4 * kLanes) {
-    v16 acc[GN][4] = {};
-    for (int64_t s = 0; s < n; ++s) {
-      v16 vs[4];
-      for (int j = 0; j < 4; ++j) vs[j] = load_codes(v + s * H + c + j * kLanes);
-      for (int g = 0; g < GN; ++g) {
-        const float ws = w[g * ld + s];
-        for (int j = 0; j < 4; ++j) acc[g][j] += ws * vs[j];
-      }
-    }
-    for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 4; ++j) store(out + g * H + c + j * kLanes, acc[g][j]);
-  }
-  for (; c < H; ++c)
-    for (int g = 0; g < GN; ++g) {
-      float acc = 0.0f;
-      for (int64_t s = 0; s < n; ++s) acc += w[g * ld + s] * v[s * H + c];
-      out[g * H + c] = acc;
-    }
-}
-
-template <int GN>
-struct Int8Scores {
-  static void run(const float* q, float* sc, int64_t H, const int8_t* k, int64_t S, int64_t ld,
-                  int64_t n) {
-    int8_scores<GN>(q, H, k, S, sc, ld, n);
-  }
-};
-
-template <int GN>
-struct Int8WeightedValues {
-  static void run(const float* w, float* out, int64_t ld, int64_t n, const int8_t* v, int64_t H) {
-    int8_weighted_values<GN>(w, ld, n, v, H, out);
-  }
-};
-
-struct AttnArgs {
-  const float* q;
-  const int8_t* k;
-  const float* k_scale;
-  const int8_t* v;
-  const float* v_scale;
-  const bool* mask;
-  float* out;
-};
-
-// One (row, kv head) unit over the span [first visible, last visible] of positions; scratch
-// holds G + 2 rows of n rounded up to 16.
-void attend_unit_int8(const AttnDims& d, int64_t unit, const AttnArgs& a, std::vector<float>& scratch) {
-  const int64_t G = d.G, H = d.H, S = d.S;
-  const bool* visible = a.mask + (unit / d.K) * S;
-  float* o = a.out + unit * G * H;
-  int64_t lo, hi;
-  if (!visible_span(visible, S, lo, hi, o, G * H)) return;
-  const int64_t n = hi - lo, ld = (n + kLanes - 1) / kLanes * kLanes;
-  scratch.assign((G + 2) * ld, 0.0f);
-  float* sc = scratch.data();
-  float* keep = sc + G * ld;       // 1 where visible, 0 elsewhere and in the padding
-  float* ks = keep + ld;           // key scales, 0 in the padding
-  const float* kscale = a.k_scale + unit * S + lo;
-  const float* vscale = a.v_scale + unit * S + lo;
-  for (int64_t s = 0; s < n; ++s) {
-    keep[s] = visible[lo + s] ? 1.0f : 0.0f;
-    ks[s] = kscale[s];
-  }
-  by_head_group<Int8Scores>(G, H, ld, a.q + unit * G * H, sc, H, a.k + unit * H * S + lo, S, ld, n);
-  for (int64_t g = 0; g < G; ++g) {  // key scale, masked softmax, value scale; over [0, ld)
-    float* row = sc + g * ld;
-    for (int64_t s = 0; s < ld; s += kLanes) store(row + s, load(row + s) * load(ks + s));
-    const float inv = 1.0f / masked_exp_row(row, keep, ld);  // the sum is >= 1
-    for (int64_t s = 0; s < n; ++s) row[s] *= inv * vscale[s];
-  }
-  by_head_group<Int8WeightedValues>(G, ld, H, sc, o, ld, n, a.v + (unit * S + lo) * H, H);
-}
-
-using Codes4 = ffi::Buffer<ffi::S8, 4>;
-using Scales3 = ffi::Buffer<ffi::F32, 3>;
-
-ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, Tensor4 q, Codes4 k, Scales3 k_scale, Codes4 v,
-                               Scales3 v_scale, Mask2 mask,
-                               ffi::Result<Tensor4> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
-  const auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
-  const AttnDims d{qd[0], qd[1], qd[2], qd[3], kd[3]};
-  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K ||
-      vd[2] != d.S || vd[3] != d.H || md[0] != d.B || md[1] != d.S || ksd[0] != d.B ||
-      ksd[1] != d.K || ksd[2] != d.S || vsd[0] != d.B || vsd[1] != d.K || vsd[2] != d.S)
-    return ffi::Error::InvalidArgument(
-        "decode_attention_int8: expected q [B,K,G,H], k [B,K,H,S], k_scale [B,K,S], "
-        "v [B,K,S,H], v_scale [B,K,S], mask [B,S]");
-  const AttnArgs a{q.typed_data(), k.typed_data(), k_scale.typed_data(), v.typed_data(),
-                   v_scale.typed_data(), mask.typed_data(), out->typed_data()};
-  parallel_units(pool, d.B * d.K, [=](int64_t unit) {
-    thread_local std::vector<float> scratch;
-    attend_unit_int8(d, unit, a, scratch);
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
@@ -987,14 +842,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
                                   .Arg<Bf16Panels>()
                                   .Arg<Rows>()
                                   .Ret<Matrix2>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDecodeAttentionInt8, DecodeAttentionInt8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Codes4>()
-                                  .Arg<Scales3>()
-                                  .Arg<Codes4>()
-                                  .Arg<Scales3>()
-                                  .Arg<Mask2>()
-                                  .Ret<Tensor4>());
