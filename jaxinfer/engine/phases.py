@@ -35,6 +35,7 @@ kernel switch while tracing.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import jax
@@ -51,18 +52,20 @@ from jaxinfer.kernels import cpu as cpu_kernels
 __all__ = ["extend", "prefill", "decode_step", "token_logprobs", "attention_backend", "Attend",
            "run_layers"]
 
-_BACKENDS: dict = {}   # (activation dtype, kernels enabled) -> backend, so its notice logs once
+_BACKENDS: dict = {}   # what choose_backend reads -> its backend, so its notice logs once
 
 
 def attention_backend(cache: KVCache) -> AttentionBackend:
     """`ragged.choose_backend` for the activations `cache` serves, decided
-    on the host: its pools' dtype (float32 for int8 codes, whose attention
-    runs on XLA under either backend). Remembered per dtype and kernel
-    state, so `choose_backend`'s notice is logged once per process."""
+    on the host: its pools' dtype (float32 for int8 codes, which float32
+    activations write). Remembered per dtype, platform, kernel state and
+    `$JAXINFER_ATTENTION_BACKEND`, so `choose_backend`'s notice is logged
+    once per process."""
     dtype = jnp.dtype(cache.dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         dtype = jnp.dtype(jnp.float32)
-    key = (dtype.name, cpu_kernels.enabled())
+    key = (dtype.name, jax.default_backend(), cpu_kernels.enabled(),
+           os.environ.get(ragged.BACKEND_ENV))
     if key not in _BACKENDS:
         _BACKENDS[key] = ragged.choose_backend(dtype)
     return _BACKENDS[key]

@@ -375,8 +375,8 @@ def _extend_int8_rounded(params, cache, tokens, lengths, *, config, backend):
 def test_int8_attention_equals_float_attention_on_the_dequantized_values(model):
     """An int8 cache gives the logits of a float32 cache holding the
     dequantized K/V (`_extend_int8_rounded`), at every step: a prompt of 8,
-    a chunk of 3 and a decode step (1e-5: float32 sums in another order; the
-    int8 pools attend on XLA, the float32 ones through the kernel where it runs)."""
+    a chunk of 3 and a decode step (1e-5: float32 sums in another order, the
+    scales applied per key in the kernel's int8 variant)."""
     config, _, params = model
     ids = _ids(12, config, seed=4)
     q_cache = init_cache(config, 1, 24, kv_cache_dtype="int8")
@@ -413,3 +413,18 @@ def test_prefill_is_differentiable_through_the_kernel(model):
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         bound = 1e-5 * max(1.0, float(np.abs(np.asarray(w)).max()))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=bound, rtol=0)
+
+
+def test_the_backend_follows_what_choose_backend_reads(monkeypatch):
+    """The phases pick their backend on the host per call (remembered per
+    dtype, platform, kernel switch and $JAXINFER_ATTENTION_BACKEND): a
+    changed switch or backend name takes effect on the next call; an int8
+    cache gets its float32 activations' backend."""
+    cache = init_cache(TINY_LLAMA, 1, 8)
+    int8 = init_cache(TINY_LLAMA, 1, 8, kv_cache_dtype="int8")
+    assert attention_backend(int8) == attention_backend(cache) == ragged.choose_backend(jnp.float32)
+    monkeypatch.setenv(ragged.BACKEND_ENV, "xla")
+    assert attention_backend(cache) == ragged.XLA
+    monkeypatch.delenv(ragged.BACKEND_ENV)
+    monkeypatch.setenv(cpu_kernels.SWITCH, "0")
+    assert attention_backend(cache) == ragged.XLA
