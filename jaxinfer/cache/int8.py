@@ -9,8 +9,10 @@ written, so writing new tokens never rescales old entries. Pool layouts
 (`cache.layer.LayerKV`): keys int8 [P, K, H, ps] with key_scale [P, K, ps],
 values int8 [P, K, ps, H] with value_scale [P, K, ps]: a quarter of
 float32's bytes for the codes plus 4 bytes per token per kv head and tensor
-(SmolLM2, H = 64: 68 bytes instead of 256, 0.27x). Attention reads them
-dequantized (`cache.paged.gather_rows`, the XLA path of `engine.ragged`).
+(SmolLM2, H = 64: 68 bytes instead of 256, 0.27x). Attention reads the
+codes where they are (the C++ and Pallas kernels scale scores and weights
+by the scales inside), or dequantized after gathering (`cache.paged.gather_rows`,
+the XLA backend).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ layers): causal inside the segment, everything cached before it.
 `AttentionBackend` says how, one module per backend (`engine.backends`):
 `XLA` gathers each query block's pages into dense rows (any platform, any
 pool dtype, soft-caps); `CPU_KERNELS` runs the C++ kernel (`kernels.ragged`)
-where it applies (float32 pools, no soft-cap); `PALLAS` runs the Pallas
-kernel (`kernels.pallas_ragged`: every pool dtype, soft-caps). A call the
+where it applies (float32 queries over float32 or int8 pools, no
+soft-cap); `PALLAS` runs the Pallas kernel (`kernels.pallas_ragged`: every
+pool dtype, soft-caps). A call the
 chosen backend does not apply to runs the XLA path. The backend is chosen
 once, when a model is loaded (`choose_backend`), and passed to the compiled
 step as a static argument: nothing reads a global switch while tracing.
