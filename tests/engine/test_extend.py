@@ -10,7 +10,6 @@ logits reach ~40 and the same relative error is ~2e-5 in absolute terms.
 """
 
 import functools
-
 import re
 
 import jax
