@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import threading
 
 # XLA:CPU compile options for the test run, set before JAX starts its backend
 # (processes the tests start inherit them): compiling is most of the run's
@@ -135,8 +136,14 @@ def _release_compiled_programs():
     programs, and past the kernel's limit on mappings per process
     (`vm.max_map_count`, 65,530 by default) compiling crashes the process
     (a segfault or an abort inside XLA). Programs held by session-scoped
-    fixtures stay."""
+    fixtures stay. A background warm-up a module's LLM left compiling
+    ("jaxinfer-compile" threads, `serving.warmup.WarmUp.compile_behind`) is
+    waited for first, so that it neither compiles into the next module's
+    time nor adds memory maps under its measurements."""
     yield
+    for thread in threading.enumerate():
+        if thread.name == "jaxinfer-compile":
+            thread.join(600)
     gc.collect()
     jax.clear_caches()
     gc.collect()

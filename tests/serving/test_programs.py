@@ -3,6 +3,7 @@ the least recently used is evicted, its code unmapped, and it compiles
 again when next needed; serving runs unchanged under a small cap."""
 
 import gc
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,8 @@ def test_compiling_past_the_cap_keeps_the_memory_maps_bounded():
     """40 distinct shapes under a cap of 4: 4 programs stay alive, and the
     process's memory maps grow by far less than 36 more programs' worth
     (measured: the maps 8 kept programs add)."""
+    busy = [t.name for t in threading.enumerate() if t.name == "jaxinfer-compile"]
+    assert not busy, f"background compiles would add maps under the measurement: {busy}"
     jax.clear_caches()
     gc.collect()
     kept, before = ProgramCache(max_programs=None), _maps()
