@@ -117,7 +117,7 @@ def _prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("cache",))
-def _decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: Optional[jax.Array],
+def _decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: Optional[jax.Array] = None,
                  *, config: ModelConfig, backend: AttentionBackend):
     if active is None:
         active = jnp.ones(tokens.shape, bool)

@@ -57,6 +57,20 @@ def test_parallel_prefill_matches_reference(model, n):
     assert int(cache.lengths[0]) == n
 
 
+def test_each_phase_lowers_with_the_arguments_it_is_called_with(model):
+    """`phase.lower(*args, **static)` compiles the program `phase(*args,
+    **static)` runs, optional arguments left out included (`decode_step`
+    without `active`, as `serving.programs.ProgramCache` lowers it): bitwise
+    the same logits."""
+    config, _, params = model
+    _, cache = _prefill_all(params, config, _prompt(5, config))
+    tokens = jnp.array([3], jnp.int32)
+    compiled = decode_step.lower(params, cache, tokens, config=config).compile()
+    want, _ = decode_step(params, jax.tree_util.tree_map(jnp.copy, cache), tokens, config=config)
+    got, _ = compiled(params, cache, tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("n,bucket", [(200, 256), (256, 256), (1030, 1280)])
 def test_blocked_prefill_of_long_prompts_matches_reference(model, n, bucket):
     """Long prompts (padded buckets of 256 and 1,280 tokens: many key blocks
