@@ -8,6 +8,7 @@ segments are the rows.
     prefill(params, cache, tokens[B, T], lengths[B]) -> (logits, cache)  # extend on an empty cache
     decode_step(params, cache, tokens[B], active[B]) -> (logits, cache)  # extend with C = 1
     token_logprobs(params, cache, tokens[B, T], lengths[B]) -> log-probs [B, T - 1]
+    prompt_logprobs(params, cache, tokens, lengths, top_n=n) -> log-probs, ranks, top n
 
 `extend` appends lengths[b] new tokens to row b at positions
 cache.lengths[b] ... cache.lengths[b] + lengths[b] - 1. The B x C tokens
@@ -49,8 +50,8 @@ from jaxinfer.engine.forward import Attend, logits_at, paged_forward, place, run
 from jaxinfer.engine.ragged import AttentionBackend
 from jaxinfer.kernels import cpu as cpu_kernels
 
-__all__ = ["extend", "prefill", "decode_step", "token_logprobs", "attention_backend", "Attend",
-           "run_layers"]
+__all__ = ["extend", "prefill", "decode_step", "token_logprobs", "prompt_logprobs",
+           "attention_backend", "Attend", "run_layers"]
 
 _BACKENDS: dict = {}   # what choose_backend reads -> its backend, so its notice logs once
 
@@ -125,13 +126,34 @@ def _decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: Option
                    backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("cache",))
-def _token_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
-                    config: ModelConfig, backend: AttentionBackend) -> jax.Array:
+def _next_logp(params, cache, tokens, lengths, config, backend):
+    """(log-softmax of every position's next-token logits [B, T - 1, V], the
+    log-prob of each next token [B, T - 1]): what `token_logprobs` and
+    `prompt_logprobs` share."""
     logits, _ = _prefill(params, cache, tokens, lengths, config=config, backend=backend,
                          all_logits=True)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return logp, jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("cache",))
+def _token_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
+                    config: ModelConfig, backend: AttentionBackend) -> jax.Array:
+    return _next_logp(params, cache, tokens, lengths, config, backend)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "top_n"),
+                   donate_argnames=("cache",))
+def _prompt_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
+                     config: ModelConfig, backend: AttentionBackend, top_n: int):
+    logp, token_lp = _next_logp(params, cache, tokens, lengths, config, backend)
+    rank = 1 + jnp.sum(logp > token_lp[..., None], axis=-1, dtype=jnp.int32)
+    b, t, v = logp.shape
+    k = min(top_n, v)       # a vocabulary smaller than top_n: the rest is padding
+    top_lp, top_ids = jax.lax.top_k(logp, k)
+    pad = ((0, 0), (0, 0), (0, top_n - k))
+    return (token_lp, rank, jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1),
+            jnp.pad(top_lp, pad, constant_values=-jnp.inf))
 
 
 # --- the phases ---------------------------------------------------------------------------------
@@ -228,3 +250,24 @@ def token_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax
     """
     return _token_logprobs(params, cache, tokens, lengths, config=config,
                            backend=backend or attention_backend(cache))
+
+
+@_on_host(_prompt_logprobs)
+def prompt_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
+                    config: ModelConfig, top_n: int, backend: Optional[AttentionBackend] = None):
+    """`token_logprobs` with each next token's rank and the top_n most likely
+    tokens at every position, from the same forward (prompt log-probs:
+    `LLM.prompt_logprobs`).
+
+    Args:
+      top_n: static, >= 0; the rest as `token_logprobs`.
+    Returns:
+      (token log-prob float32 [B, T - 1], rank int32 [B, T - 1]: 1 + the
+      number of tokens more likely than it, top ids int32 [B, T - 1, top_n],
+      top log-probs float32 [B, T - 1, top_n]), entry t predicting
+      tokens[b, t + 1], the top entries in descending order (ids -1 and
+      log-probs -inf past a vocabulary smaller than top_n); entries at
+      t + 1 >= lengths[b] are meaningless.
+    """
+    return _prompt_logprobs(params, cache, tokens, lengths, config=config, top_n=top_n,
+                            backend=backend or attention_backend(cache))

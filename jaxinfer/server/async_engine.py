@@ -187,6 +187,15 @@ class AsyncEngine:
             raise
         return RequestGroup(handles, queue)
 
+    async def call(self, fn):
+        """`fn()` run on the engine thread between two steps (`EngineThread.call`),
+        awaited without blocking the loop; its exception is raised here.
+
+        Raises:
+          EngineError: the engine is not running, or stopped before running it.
+        """
+        return await asyncio.wrap_future(self.engine.call(fn))
+
     def num_waiting(self) -> int:
         return self.engine.num_waiting()
 

@@ -9,7 +9,9 @@ and reads their events through thread-safe queues.
         print(event.text, end="")
     engine.stop()
 
-`submit` accepts an `on_event` callback instead, called on the engine
+`call(fn)` runs a function on the engine thread between two steps (work
+on the device outside the batch, such as prompt log-probs) and returns a
+Future. `submit` accepts an `on_event` callback instead, called on the engine
 thread (an asyncio server passes one that hands the event to its loop with
 `call_soon_threadsafe`); an exception it raises is kept in `handle.error`
 and aborts that request, the engine serving on. `handle.abort()` finishes a request with "abort" at
@@ -23,6 +25,7 @@ isolation ends the thread, every waiting caller then getting `EngineError`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -110,6 +113,14 @@ class EngineThread:
         self.error: Optional[BaseException] = None
         self.steps = 0
         self.on_step: Optional[Callable[["EngineThread", list], None]] = None
+        # Pausing (`pause` / `resume`; `serving.control`): while paused, submitted requests
+        # are held here, not handed to the scheduler; `_idle` is set once nothing runs.
+        self._paused = False
+        self._held: list[RequestHandle] = []
+        self._idle = threading.Event()
+        self.controls = getattr(scheduler.runner, "controls", None)
+        if self.controls is not None:
+            self.controls.add_engine(self)
 
     # --- the caller's side ---------------------------------------------------------------
 
@@ -129,6 +140,9 @@ class EngineThread:
         """
         if self.error is not None or self._stop.is_set():
             raise EngineError("the engine is not running")
+        if self.controls is not None and self.controls.sleep_level:
+            raise EngineError(f"the engine is asleep (sleep level {self.controls.sleep_level}): "
+                              "wake it up first")
         self.scheduler.check(request)
         with self._lock:
             waiting = self._queued + self.scheduler.num_waiting
@@ -143,6 +157,24 @@ class EngineThread:
     def abort(self, handle: RequestHandle) -> None:
         self._commands.put(("abort", handle))
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread between two scheduler steps (device
+        work outside the batch, such as `LLM.prompt_logprobs`: it runs after
+        the step in flight, and the running requests go on at the next one).
+        Returns a Future of its result or exception; the engine stopping or
+        failing first sets EngineError on it.
+
+        Raises:
+          EngineError: the engine has stopped or failed.
+        """
+        if self.error is not None or self._stop.is_set():
+            raise EngineError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        if not self._thread.is_alive() and self._thread.ident is not None:   # it ended meanwhile
+            self._fail_calls(EngineError("the engine is not running"))
+        return future
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop accepting requests, abort the running ones, and end the thread
         (joined within timeout_s)."""
@@ -150,6 +182,29 @@ class EngineThread:
         self._commands.put(("wake", None))
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+
+    def pause(self, mode: str = "wait") -> None:
+        """Stop handing new requests to the scheduler (they are held until
+        `resume`); mode "abort" also aborts every request it has (finish
+        reason "abort"). Returns at once: `wait_paused` waits for the
+        requests in flight."""
+        self._idle.clear()
+        self._commands.put(("pause", mode))
+
+    def wait_paused(self, timeout_s: Optional[float] = None) -> bool:
+        """After `pause`: wait until the scheduler has no work left (True),
+        or timeout_s passed (False). True at once for a thread not running."""
+        if not self._thread.is_alive():
+            return True
+        return self._idle.wait(timeout_s)
+
+    def resume(self) -> None:
+        """Hand the held requests to the scheduler and admit new ones again."""
+        self._commands.put(("resume", None))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     @property
     def running(self) -> bool:
@@ -169,7 +224,10 @@ class EngineThread:
                 self._drain(block=not busy)
                 if self.scheduler.has_unfinished():
                     self._deliver(self.scheduler.step())
+                elif self._paused:
+                    self._idle.set()
             self._shutdown()
+            self._fail_calls(EngineError("the engine stopped"))
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
             self.error = e
             for handle in list(self._by_sched.values()):
@@ -181,6 +239,18 @@ class EngineThread:
                     break
                 if kind == "add":
                     handle._deliver(e)
+                elif kind == "call":
+                    handle[1].set_exception(EngineError(f"the engine failed: {e!r}"))
+
+    def _fail_calls(self, error: EngineError) -> None:
+        """Fail the `call`s still queued (the thread has stopped); other commands are dropped."""
+        while True:
+            try:
+                kind, item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call" and not item[1].done():
+                item[1].set_exception(error)
 
     def _drain(self, block: bool) -> None:
         wait = self.idle_wait_s if block else None
@@ -191,24 +261,54 @@ class EngineThread:
                 return
             wait = None
             if kind == "add":
-                with self._lock:
-                    self._queued -= 1
-                    try:
-                        rid, error = self.scheduler.add_request(handle.request), None
-                    except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                        rid, error = None, e
-                if error is not None:
-                    now = self.scheduler.clock()
-                    handle._deliver(failed_output(-1, len(handle.request.prompt_ids), 0,
-                                                  Timings(now, finished=now),
-                                                  f"adding the request: {describe(error)}"))
-                    continue
-                self._by_sched[rid] = handle
-                self._sched_id[handle.request_id] = rid
+                if self._paused:
+                    self._held.append(handle)
+                else:
+                    self._add(handle)
             elif kind == "abort":
                 rid = self._sched_id.get(handle.request_id)
                 if rid is not None:
                     self.scheduler.abort(rid)
+                elif handle in self._held:
+                    self._held.remove(handle)
+                    self._add(handle)           # added, then aborted: its "abort" event comes
+                    rid = self._sched_id.get(handle.request_id)
+                    if rid is not None:
+                        self.scheduler.abort(rid)
+            elif kind == "pause":
+                self._paused = True
+                if handle == "abort":
+                    for rid in list(self._by_sched):
+                        self.scheduler.abort(rid)
+            elif kind == "resume":
+                self._paused, held, self._held = False, self._held, []
+                for h in held:
+                    self._add(h)
+
+    def _add(self, handle: RequestHandle) -> None:
+        """Hand a submitted request to the scheduler (a failure to add it is
+        its FailedOutput)."""
+        with self._lock:
+            self._queued -= 1
+            try:
+                rid, error = self.scheduler.add_request(handle.request), None
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                rid, error = None, e
+        if error is not None:
+            now = self.scheduler.clock()
+            handle._deliver(failed_output(-1, len(handle.request.prompt_ids), 0,
+                                          Timings(now, finished=now),
+                                          f"adding the request: {describe(error)}"))
+            return
+        self._by_sched[rid] = handle
+        self._sched_id[handle.request_id] = rid
+            elif kind == "call":
+                fn, future = handle
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - the caller's failure, not the engine's
+                        future.set_exception(e)
 
     def _deliver(self, events: list) -> None:
         self.steps += 1
@@ -226,6 +326,9 @@ class EngineThread:
     def _shutdown(self, max_steps: int = 10_000) -> None:
         """Abort everything still queued or running and step until it is out."""
         self._drain(block=False)
+        held, self._held = self._held, []
+        for h in held:
+            self._add(h)
         for rid in list(self._by_sched):
             self.scheduler.abort(rid)
         deadline = time.monotonic() + 60.0
