@@ -284,6 +284,13 @@ class EngineThread:
                 self._paused, held, self._held = False, self._held, []
                 for h in held:
                     self._add(h)
+            elif kind == "call":
+                fn, future = handle
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - the caller's failure, not the engine's
+                        future.set_exception(e)
 
     def _add(self, handle: RequestHandle) -> None:
         """Hand a submitted request to the scheduler (a failure to add it is
@@ -302,13 +309,6 @@ class EngineThread:
             return
         self._by_sched[rid] = handle
         self._sched_id[handle.request_id] = rid
-            elif kind == "call":
-                fn, future = handle
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except Exception as e:  # noqa: BLE001 - the caller's failure, not the engine's
-                        future.set_exception(e)
 
     def _deliver(self, events: list) -> None:
         self.steps += 1
