@@ -22,7 +22,7 @@ GREEDY = SamplingParams()
 # (prompt, sampling, max_new_tokens): prompts longer than the tiny Gemma's window (4)
 REQUESTS = [(list(range(3, 30)), GREEDY, 14), ([5, 9, 2, 7, 7, 1], SEEDED, 12),
             (list(range(40, 10, -1)), SEEDED, 16), ([8, 8, 3, 90, 4, 4, 4, 6, 1], GREEDY, 10)]
-LLM_KWARGS = dict(max_seq_len=64, min_kv_bucket=32, decode_chunk=4, prefill_chunk_size=None,
+LLM_KWARGS = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=None,
                   max_num_seqs=4)
 
 

@@ -42,4 +42,4 @@ def tiny_llm(**kw):
     from jaxinfer.serving.llm import LLM
 
     return LLM(CONFIG, params(), ascii_tokenizer(), **{
-        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, "min_kv_bucket": 16, **kw})
+        "max_seq_len": 128, "decode_chunk": 4, "max_num_seqs": 8, **kw})

@@ -19,7 +19,7 @@ def toy_server(folder, max_waiting_requests: int):
     """Yields (OpenAIServer, url) of the toy HF folder `folder` (the
     `toy_folder` fixture) while a `ServerThread` serves it."""
     llm = LLM.load(str(folder), max_seq_len=32, max_num_seqs=4, prefill_chunk_size=8,
-                   min_kv_bucket=16, progress=False, load_cache=False)
+                   progress=False, load_cache=False)
     llm.tokenizer.chat_template = TEMPLATE
     server = build_server(llm, model_name=MODEL, max_num_seqs=4,
                           max_waiting_requests=max_waiting_requests, max_request_bytes=1 << 16,

@@ -71,7 +71,7 @@ def equivalence(model: str, tps: list, dp: int = 1) -> dict:
         return skip
     config = CONFIGS[model]
     params = random_params(config, seed=3)
-    kwargs = dict(max_seq_len=64, min_kv_bucket=64, decode_chunk=4, prefill_chunk_size=8,
+    kwargs = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=8,
                   max_num_seqs=4)
     # The reference runs XLA's own matmuls too (pack=False: no C++ packed
     # matmul, which sums in another order), so only tensor parallelism differs.

@@ -4,9 +4,7 @@ Shapes are fixed before tracing, so every size a program runs at is a
 compile. The serving step pads to token buckets (`serving.runner`); the
 buckets here are `LLM`'s: a `generate` call's slot count is the batch
 bucket (a power of two) of its prompts, and `LLM.score`'s dense prefill
-pads prompts to a prompt-length bucket (powers of two). The cache buckets
-(two per doubling, `Buckets.cache`) sized the dense serving engine's KV
-cache; nothing reads them now.
+pads prompts to a prompt-length bucket (powers of two).
 """
 
 from __future__ import annotations
@@ -21,19 +19,6 @@ def power_of_two_buckets(low: int, high: int) -> tuple[int, ...]:
     while b < high:
         out.append(b)
         b *= 2
-    return tuple(out) + (high,)
-
-
-def cache_buckets(low: int, high: int) -> tuple[int, ...]:
-    """(low, 1.5*low, 2*low, 3*low, 4*low, 6*low, ...): every bucket < high, then high.
-
-    Two buckets per doubling: a decode step attends over a buffer at most
-    1.5x the context once the context passes `low`, for at most twice the
-    decode programs of power-of-two buckets (measurements in benchmarks/README.md).
-    """
-    low = max(1, low)
-    out = sorted({b for i in range(high.bit_length() + 1) for b in (low << i, (3 * low << i) // 2)
-                  if b < high})
     return tuple(out) + (high,)
 
 
@@ -55,25 +40,17 @@ class Buckets:
     """The bucket policy of one model instance.
 
     Attributes:
-      max_seq_len: tokens per row (prompt + generated), the largest cache bucket.
+      max_seq_len: tokens per row (prompt + generated), the largest prompt bucket.
       prompt: prompt-length buckets, powers of two from `min_prompt_bucket`.
-      cache: KV-cache buckets (`cache_buckets`) from `min_kv_bucket`.
     """
 
     max_seq_len: int
     prompt: tuple[int, ...]
-    cache: tuple[int, ...]
 
     @classmethod
-    def create(cls, max_seq_len: int, min_prompt_bucket: int = 16,
-               min_kv_bucket: int = 256) -> "Buckets":
-        return cls(max_seq_len, power_of_two_buckets(min(min_prompt_bucket, max_seq_len), max_seq_len),
-                   cache_buckets(min(min_kv_bucket, max_seq_len), max_seq_len))
+    def create(cls, max_seq_len: int, min_prompt_bucket: int = 16) -> "Buckets":
+        return cls(max_seq_len, power_of_two_buckets(min(min_prompt_bucket, max_seq_len), max_seq_len))
 
     def prompt_bucket(self, tokens: int) -> int:
         """The padded length for `tokens` new tokens in one call."""
         return bucket_for(tokens, self.prompt)
-
-    def cache_bucket(self, tokens: int) -> int:
-        """The cache capacity for `tokens` cached positions (capped at max_seq_len)."""
-        return bucket_for(min(tokens, self.max_seq_len), self.cache)

@@ -113,9 +113,8 @@ class LLM:
         (`serving.settings`: max_seq_len=..., max_num_seqs=...,
         sliding_window_ring=True, ...), and the LLM's own: deterministic (a
         row's tokens and log-probs bitwise independent of its batch,
-        neighbours, chunking and cache hits: `serving.deterministic`),
-        min_prompt_bucket (the smallest prompt bucket of `score`) and
-        min_kv_bucket (the smallest KV bucket of `score`'s dense cache).
+        neighbours, chunking and cache hits: `serving.deterministic`) and
+        min_prompt_bucket (the smallest prompt bucket of `score`).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
         config field out of range (naming it), no model family registered
@@ -151,7 +150,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size) if tokenizer else None
         self.max_seq_len = cache.max_seq_len
-        self.buckets = Buckets.create(self.max_seq_len, own["min_prompt_bucket"], own["min_kv_bucket"])
+        self.buckets = Buckets.create(self.max_seq_len, own["min_prompt_bucket"])
         self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
         self.stop_token_ids = tuple(sorted(set(self.eos_token_ids) | set(stop_token_ids)))
         self.speculative = speculative

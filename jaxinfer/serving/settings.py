@@ -9,7 +9,7 @@ Keys, by where they go:
   SchedulerConfig  max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
                    long_prefill_chunk_size, decode_chunk, policy,
                    max_waiting_requests
-  the LLM's own    deterministic, min_prompt_bucket, min_kv_bucket
+  the LLM's own    deterministic, min_prompt_bucket
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jaxinfer.config import CacheConfig, SchedulerConfig
 
 CACHE_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig) if f.name != "dtype")
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
-LLM_KEYS = {"deterministic": False, "min_prompt_bucket": 16, "min_kv_bucket": 256}
+LLM_KEYS = {"deterministic": False, "min_prompt_bucket": 16}
 
 
 def split_settings(cache: Optional[CacheConfig], scheduler: Optional[SchedulerConfig],

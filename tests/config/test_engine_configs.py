@@ -68,9 +68,11 @@ def test_keyword_settings_map_onto_the_configs_in_one_place():
         deterministic=True))
     assert cache == CacheConfig(max_seq_len=64, page_size=4, layout="paged_ring")
     assert sched == SchedulerConfig(max_num_seqs=2, decode_chunk=3, policy="static")
-    assert own == {"deterministic": True, "min_prompt_bucket": 16, "min_kv_bucket": 256}
+    assert own == {"deterministic": True, "min_prompt_bucket": 16}
     with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'max_seqs'"):
         split_settings(None, None, {"max_seqs": 2})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'min_kv_bucket'"):
+        split_settings(None, None, {"min_kv_bucket": 16})      # removed: it no longer did anything
     with pytest.raises(TypeError, match="give layout or sliding_window_ring, not both"):
         split_settings(None, None, {"layout": "paged", "sliding_window_ring": False})
     with pytest.raises(ValueError, match="max_num_seqs must be >= 1, got 0"):

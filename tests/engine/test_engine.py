@@ -13,7 +13,6 @@ import reference
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import packed as packed_kernels
 from jaxinfer.cache.kv import cache_nbytes, grow_cache, init_cache, read_layer
-from jaxinfer.serving.buckets import cache_buckets
 from jaxinfer.engine.phases import decode_step, prefill
 from jaxinfer.weights.prepare import prepare_params
 from jaxinfer.serving.llm import LLM
@@ -116,8 +115,7 @@ def test_cached_greedy_equals_recompute(model, n):
     # 12 decode steps with window 4 move Gemma's window several times.
     config, np_params, params = model
     prompt = _prompt(n, config, seed=n)
-    # cache buckets 8, 12, 16, 24, 32: the cache grows between decode chunks as the context grows
-    llm = LLM(config, params, max_seq_len=32, decode_chunk=5, min_kv_bucket=8)
+    llm = LLM(config, params, max_seq_len=32, decode_chunk=5)
     [out] = llm.generate([prompt.tolist()], GREEDY, max_new_tokens=13)
     assert out.token_ids == _greedy_recompute(np_params, config, prompt.tolist(), 13)
     assert out.finish_reason == "length"
@@ -218,13 +216,6 @@ def test_grow_cache_refuses_to_shrink():
     cache = init_cache(TINY_LLAMA, 1, 16)
     with pytest.raises(ValueError, match="cannot shrink a cache from 16 to 8 positions"):
         grow_cache(cache, 8)
-
-
-def test_cache_buckets_two_per_doubling():
-    assert cache_buckets(256, 2048) == (256, 384, 512, 768, 1024, 1536, 2048)
-    assert cache_buckets(8, 32) == (8, 12, 16, 24, 32)
-    assert cache_buckets(256, 300) == (256, 300)
-    assert cache_buckets(64, 64) == (64,)
 
 
 def test_cache_layers_follow_the_layer_pattern():

@@ -35,7 +35,7 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def llm(toy_folder):
     llm = LLM.load(str(toy_folder), max_seq_len=32, decode_chunk=4, max_num_seqs=SLOTS,
-                   prefill_chunk_size=8, min_kv_bucket=16, progress=False, load_cache=False)
+                   prefill_chunk_size=8, progress=False, load_cache=False)
     llm.tokenizer.chat_template = TEMPLATE
     return llm
 

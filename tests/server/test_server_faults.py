@@ -26,7 +26,7 @@ CASES = [("你好", 12), ("我爱", 20), ("世界", 9)]
 @pytest.fixture(scope="module")
 def served(toy_folder):
     llm = LLM.load(str(toy_folder), max_seq_len=32, decode_chunk=4, max_num_seqs=SLOTS,
-                   prefill_chunk_size=8, min_kv_bucket=16, progress=False, load_cache=False)
+                   prefill_chunk_size=8, progress=False, load_cache=False)
     server = build_server(llm, model_name="toy", max_num_seqs=SLOTS, max_waiting_requests=32,
                           warmup=True)
     with ServerThread(server.app) as url:

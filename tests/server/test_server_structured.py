@@ -27,8 +27,7 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(CONFIG, params(), ascii_tokenizer(), max_seq_len=128, decode_chunk=4, max_num_seqs=4,
-              min_kv_bucket=16)
+    llm = LLM(CONFIG, params(), ascii_tokenizer(), max_seq_len=128, decode_chunk=4, max_num_seqs=4)
     llm.tokenizer.chat_template = TEMPLATE
     return llm
 

@@ -37,7 +37,7 @@ def model(request):
 
 
 def _llm(model, **kwargs):
-    kwargs = {"max_seq_len": 128, "page_size": 16, "max_num_seqs": 16, "min_kv_bucket": 16,
+    kwargs = {"max_seq_len": 128, "page_size": 16, "max_num_seqs": 16,
               "max_num_batched_tokens": 256, "deterministic": True, **kwargs}
     return LLM(*model, **kwargs)
 

@@ -24,8 +24,7 @@ CONFIGS = {"llama_gqa": TINY_LLAMA, "gemma3_window4": TINY_GEMMA3}
 def llm(request):
     config = CONFIGS[request.param]
     params = jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=2))
-    return LLM(config, params, max_seq_len=64, decode_chunk=3, prefill_chunk_size=8,
-               min_kv_bucket=16)
+    return LLM(config, params, max_seq_len=64, decode_chunk=3, prefill_chunk_size=8)
 
 
 def _ids(n, vocab, seed):
@@ -171,8 +170,7 @@ def test_min_tokens_and_ignore_eos(llm):
     prompt = _ids(5, v, 7)
     [free] = llm.generate([prompt], GREEDY, max_new_tokens=12)
     stop_at = free.token_ids[3]  # make the 4th greedy token a stop token
-    stopper = LLM(llm.config, llm.params, max_seq_len=64, decode_chunk=3, stop_token_ids=[stop_at],
-                  min_kv_bucket=16)
+    stopper = LLM(llm.config, llm.params, max_seq_len=64, decode_chunk=3, stop_token_ids=[stop_at])
     [stopped] = stopper.generate([prompt], GREEDY, max_new_tokens=12)
     first = free.token_ids.index(stop_at)
     assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"

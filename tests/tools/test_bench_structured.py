@@ -27,8 +27,7 @@ SERVE_COMPILE = ("10-field JSON schema compile, cold, before its first request d
 
 @pytest.mark.slow
 def test_the_row_runs_every_configuration_on_a_tiny_model():
-    base = LLM(CONFIG, random_params(CONFIG, 0), ascii_tokenizer(), max_seq_len=256, decode_chunk=4,
-               min_kv_bucket=16)
+    base = LLM(CONFIG, random_params(CONFIG, 0), ascii_tokenizer(), max_seq_len=256, decode_chunk=4)
     base.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     sweep = S.StructSweep(batches=(1, 2), prompts=2, new_tokens=12, max_seq_len=256, cache_repeats=3)
     results = S.measure_structured(base, sweep, log=lambda msg: None)

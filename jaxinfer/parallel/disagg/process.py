@@ -78,8 +78,8 @@ class WorkerSpec:
         `--xla_force_host_platform_device_count`).
       dtype: params and KV-cache dtype name.
       llm_kwargs: `LLM` keyword arguments (max_seq_len, decode_chunk,
-        prefill_chunk_size, min_prompt_bucket, min_kv_bucket, ...); both
-        sides must agree on the buckets.
+        prefill_chunk_size, min_prompt_bucket, ...); both sides must
+        agree on the buckets.
       cpus: CPU cores to pin the process to (`os.sched_setaffinity`), or None.
       host: address of the transfer server.
       stall_on_prompt_len: fault injection for tests: a worker sleeps
