@@ -16,6 +16,9 @@ on the calling thread. Compiled shapes: `serving.runner`, `serving.buckets`.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import threading
+import weakref
 from typing import Generator, Iterator, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -25,6 +28,8 @@ import numpy as np
 from jaxinfer.engine import phases as engine
 from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
+from jaxinfer.serving.control import Controls, clear_prefix_cache
+from jaxinfer.serving import update as weights_update
 from jaxinfer.serving.deterministic import check_deterministic
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, init_cache
 from jaxinfer.cache.layouts import resolve_layout
@@ -161,6 +166,15 @@ class LLM:
         self.programs = ProgramCache()
         self.last_stats = RunStats()
         self._scheduler: Optional[Scheduler] = None
+        # Live weights (`update_weights`), pausing and sleeping (`serving.control`): the
+        # runners and schedulers built from this LLM, swapped, paused and freed together.
+        self.controls = Controls()
+        self._runners: weakref.WeakSet = weakref.WeakSet()
+        self._schedulers: weakref.WeakSet = weakref.WeakSet()
+        self._admin = threading.RLock()
+        self._params_shape = weights_update.abstract(self.params)
+        self.weights_format, self.activations = weights_update.weights_format(self.params)
+        self._paused_by_sleep = False
 
     # Read-only views of the two configs' fields most callers want.
     max_num_seqs = property(lambda self: self.scheduler_config.max_num_seqs)
@@ -204,6 +218,7 @@ class LLM:
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
         llm = cls(config, params, tokenizer, **kwargs)
         llm.programs.progress = progress
+        llm.weights_format, llm.activations = weights, activations
         return llm
 
     @classmethod
@@ -234,6 +249,7 @@ class LLM:
         llm = cls(config, params, tokenizer, cache_config=cfg.cache, scheduler_config=cfg.scheduler,
                   speculative=spec, deterministic=cfg.deterministic)
         llm.programs.progress, llm.programs.max_programs = progress, cfg.max_programs
+        llm.weights_format, llm.activations = weights, cfg.activations
         return llm
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -277,9 +293,12 @@ class LLM:
         default this LLM's) and a page pool of `pool_pages(max_num_seqs)`
         pages, compiling through this LLM's `programs`."""
         sched = (scheduler_config or self.scheduler_config).replace(max_num_seqs=max_num_seqs)
-        return ModelRunner(self.config, self.params, self.pool_config(sched), sched,
-                           tokens=self.tokens, speculative=self.speculative, programs=self.programs,
-                           backend=self.backend)
+        runner = ModelRunner(self.config, self.params, self.pool_config(sched), sched,
+                             tokens=self.tokens, speculative=self.speculative,
+                             programs=self.programs, backend=self.backend)
+        runner.controls = self.controls         # an EngineThread over it pauses with this LLM
+        self._runners.add(runner)
+        return runner
 
     def pool_config(self, scheduler_config: SchedulerConfig) -> CacheConfig:
         """This LLM's `cache_config` with the pool's pages decided for a
@@ -328,9 +347,11 @@ class LLM:
                                               **kwargs)
         runner = self.runner(sched.max_num_seqs, sched)
         tok = self.tokenizer
-        return Scheduler(runner, sched, runner.cache_config,
-                         detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
-                         tokens=self.tokens, clock=self.programs.clock, **own)
+        scheduler = Scheduler(runner, sched, runner.cache_config,
+                              detokenizer_factory=(lambda: IncrementalDetokenizer(tok)) if tok else None,
+                              tokens=self.tokens, clock=self.programs.clock, **own)
+        self._schedulers.add(scheduler)
+        return scheduler
 
     # --- generation ----------------------------------------------------------------------
 
@@ -432,6 +453,13 @@ class LLM:
              ) -> Generator[tuple[int, RequestOutput], None, list[Completion]]:
         """Run requests to the end on the scheduler; yields (index, event) and
         returns the Completions (in order). Sets `last_stats`."""
+        self.controls.check_awake(self.params is None)
+        with self.controls.run():
+            self.controls.check_awake(self.params is None)     # it may have slept meanwhile
+            return (yield from self._run_unpaused(requests, stream))
+
+    def _run_unpaused(self, requests: Sequence[Request], stream: bool = False
+                      ) -> Generator[tuple[int, RequestOutput], None, list[Completion]]:
         compile_before = self.programs.compile_s
         scheduler = self._offline_scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
         pool = scheduler.kv_pages
@@ -441,6 +469,9 @@ class LLM:
         parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None, spec=None)
                  for _ in requests]
         while scheduler.has_unfinished():
+            if self.controls.abort:         # pause("abort"): every request ends with "abort"
+                for rid in index:
+                    scheduler.abort(rid)
             for event in scheduler.step():
                 i = index[event.request_id]
                 acc = parts[i]
@@ -489,6 +520,7 @@ class LLM:
             if len(p) + len(c) > self.max_seq_len:
                 raise ValueError(f"row {row}: prompt {len(p)} + continuation {len(c)} tokens exceed "
                                  f"max_seq_len {self.max_seq_len}")
+        self.controls.check_awake(self.params is None)
         full = [p + c for p, c in rows]
         tokens, lengths = pad_rows(full, batch_bucket(len(full)),
                                self.buckets.prompt_bucket(max(map(len, full))))
@@ -558,6 +590,117 @@ class LLM:
         if not ids:
             raise ValueError("empty continuation: nothing to score")
         return self.encode_prompt(ids)
+
+    # --- live weights, pausing and sleeping (serving.control, serving.update) --------------
+
+    def update_weights(self, params) -> None:
+        """Serve new weights from memory: no reload, no new compile.
+
+        Args:
+          params: the layout the model was loaded from (`serving.update`):
+            Hugging Face-named tensors (a safetensors or GGUF model), the
+            `checkpoint.convert` params tree (stacked layers), a brought
+            family's own params, or prepared params; numpy or jax arrays.
+            They are cast to the model's dtype and prepared as loading
+            prepares them (fused, packed, quantized to `weights_format`).
+            The arrays given are not kept (copies are), so the caller may
+            change or donate them afterwards.
+        Requests in flight finish on the old weights first (an internal
+        `pause("wait")`, unless the LLM is paused already); the prefix cache
+        is invalidated; the old weights are dropped (freed once nothing else
+        refers to them). Allowed while asleep (after `sleep(level=2)` it is
+        the way back to serving).
+
+        Raises:
+          ValueError: a tree, shape or dtype that does not match the serving
+            params, naming the first bad leaf; nothing has changed.
+        """
+        with self._admin:
+            new = weights_update.prepare_update(
+                params, self.config, self._params_shape, dtype=self.cache_dtype,
+                weights=self.weights_format, activations=self.activations)
+            with self.controls.paused_for("update_weights"):
+                self.params = new
+                for runner in list(self._runners):
+                    runner.params = new
+                self._clear_prefix_caches()
+            jax.block_until_ready(new)
+
+    def pause(self, mode: str = "wait", timeout_s: Optional[float] = None) -> None:
+        """Stop starting new requests, on every engine of this LLM (`generate`
+        / `stream` callers and server engine threads): mode "wait" lets the
+        requests in flight finish, "abort" ends them with finish_reason
+        "abort". Returns once nothing runs; new requests wait for `resume`.
+
+        Raises:
+          ValueError: an unknown mode. TimeoutError: requests still ran after timeout_s.
+        """
+        self.controls.pause(mode, timeout_s)
+
+    def resume(self) -> None:
+        """Start the requests that waited during `pause` (a no-op when not paused)."""
+        self.controls.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.controls.paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.controls.sleep_level)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt page of every engine of this LLM (after
+        in-flight requests finish). Returns the cached pages freed."""
+        with self._admin, self.controls.paused_for("reset_prefix_cache"):
+            return self._clear_prefix_caches()
+
+    def _clear_prefix_caches(self) -> int:
+        return sum(clear_prefix_cache(s.kv_pages) for s in list(self._schedulers))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory while the LLM is not used (e.g. while a trainer
+        runs): level 1 deletes the KV pools (their device arrays) and keeps
+        the weights; level 2 also drops the weights (`update_weights` brings
+        new ones back). Requests in flight finish first; the LLM stays
+        paused until `wake_up`, and generating meanwhile raises RuntimeError.
+        Compiled programs are kept. A second call with a higher level drops
+        the weights too.
+
+        Raises:
+          ValueError: level not 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        with self._admin:
+            if not self.controls.paused:
+                self.controls.pause("wait")
+                self._paused_by_sleep = True
+            if not self.controls.sleep_level:
+                self._clear_prefix_caches()
+                self._scheduler = None           # the offline one is rebuilt on waking
+                gc.collect()                     # its runner leaves the registry now
+                for runner in list(self._runners):
+                    runner.free_cache()
+            if level == 2:
+                self.params = None
+                for runner in list(self._runners):
+                    runner.params = None
+            self.controls.sleep_level = max(level, self.controls.sleep_level)
+
+    def wake_up(self) -> None:
+        """Allocate the KV pools `sleep` freed again (the same shapes: nothing
+        compiles) and resume serving; after `sleep(level=2)` generating also
+        needs `update_weights`. A no-op when awake."""
+        with self._admin:
+            if not self.controls.sleep_level:
+                return
+            for runner in list(self._runners):
+                runner.reset()
+            self.controls.sleep_level = 0
+            if self._paused_by_sleep:
+                self._paused_by_sleep = False
+                self.controls.resume()
 
 
 def _params_dtype(params: dict):

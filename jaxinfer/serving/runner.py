@@ -147,6 +147,7 @@ class ModelRunner:
         self.layout, self.cache_config = resolve_layout(cache_config, config)
         self.scheduler_config = scheduler_config
         self.config, self.params = config, params
+        self.controls = None      # the LLM's `serving.control.Controls` (set by `LLM.runner`)
         self.max_num_seqs, self.max_seq_len = scheduler_config.max_num_seqs, cache_config.max_seq_len
         self.page_size, self.num_pages = cache_config.page_size, cache_config.num_pages
         self.pages_per_seq = cache_config.pages_per_seq
@@ -170,6 +171,27 @@ class ModelRunner:
         # Token buckets a step may use: all of them (compiled on first use),
         # or, once `warmup` ran, those compiled so far (`warm.ready_buckets`; larger ones pad).
         self.warm = WarmUp(self.compile_plan, self.programs)
+
+    @property
+    def params(self):
+        """The prepared params the programs run on; replaced whole
+        (`LLM.update_weights`), never changed in place."""
+        return self._params
+
+    @params.setter
+    def params(self, value) -> None:
+        # The compile plans lower from the params' shapes only, so that plans kept
+        # for later (a background warm-up) hold no reference to replaced weights.
+        self._params = value
+        self._params_shape = None if value is None else jax.tree.map(_abstract, value)
+
+    def free_cache(self) -> None:
+        """Delete the KV pool's device arrays now (`LLM.sleep`); `reset`
+        allocates a new one of the same shapes."""
+        cache, self._cache, self._cache_future = self.cache, None, None
+        for x in jax.tree.leaves(cache):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
 
     @property
     def cache(self):
@@ -416,7 +438,7 @@ class ModelRunner:
             batch = abstract(self.host_batch(segments, np.zeros(tables.shape, np.int32)))
             for n in num_logprobs:
                 plan.append((engine_step.step,
-                             (self.params, cache, rows, batch, self.stop, self.draft_params),
+                             (self._params_shape, cache, rows, batch, self.stop, self.draft_params),
                              dict(config=self.config, backend=self.backend, num_logprobs=n,
                                   spec=self.spec)))
         a = self.admit_rows
@@ -434,7 +456,7 @@ class ModelRunner:
         one = jax.ShapeDtypeStruct((rows,), jnp.int32)
         tables = jax.ShapeDtypeStruct((self.max_num_seqs, self.pages_per_seq), jnp.int32)
         return (engine_step.decode_loop,
-                (self.params, self._cache_shape, abstract(self.rows), one, tables, one, self.stop,
+                (self._params_shape, self._cache_shape, abstract(self.rows), one, tables, one, self.stop,
                  self.draft_params),
                 dict(config=self.config, backend=self.backend, num_steps=num_steps,
                      num_logprobs=num_logprobs, spec=self.spec))
@@ -444,6 +466,12 @@ class ModelRunner:
         a loop only once it is: compiling one never delays a request)."""
         fn, args, static = self.decode_plan(rows, num_steps, num_logprobs)
         return self.programs.has(fn, *args, **static)
+
+
+def _abstract(x):
+    """A param leaf's `jax.ShapeDtypeStruct`, with its sharding when it is a jax.Array."""
+    sharding = x.sharding if isinstance(x, jax.Array) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 __all__ = ["Admission", "Dispatched", "LOGPROB_BUCKETS", "ModelRunner", "NO_TOKEN", "Segment",

@@ -1,0 +1,219 @@
+"""New weights for a loaded model, prepared and checked before they replace
+the old ones (`LLM.update_weights`).
+
+What a caller hands over is the layout the model was loaded from:
+
+  * Hugging Face-named tensors ({"model.embed_tokens.weight": [V, D], ...},
+    `nn.Linear` weights [out, in]) for a model read from safetensors or
+    GGUF: converted as the readers convert them (`checkpoint.convert`,
+    the family's `fix_hf_tensor`, e.g. Gemma's norm offset);
+  * the params tree of `checkpoint.convert` (stacked [L, ...] layers), or
+    a brought family's own params (what its factory returned);
+  * already prepared params (as `LLM.params` holds them).
+
+Floating leaves are cast to the model's dtype, as loading casts them;
+then the family's `prepare` fuses, packs and quantizes them to the
+model's weight format. The result must match the serving params leaf for
+leaf: the same tree (node types included: packed, quantized format), the
+same shapes and dtypes, so the compiled programs run it without a new
+compile. Anything else is refused with a ValueError naming the first bad
+leaf, before anything changes. The new arrays are placed with the old
+ones' shardings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import models
+from jaxinfer.checkpoint.convert import (EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD, _hf_shape,
+                                         _to_param_layout, layer_table, params_from_hf_tensors)
+from jaxinfer.config import ModelConfig
+from jaxinfer.kernels.packed import PackedWeight
+from jaxinfer.models.base import CheckpointError
+from jaxinfer.weights import quant
+from jaxinfer.weights.prepare import prepare_params
+
+
+def abstract(params) -> Any:
+    """The params tree with each array as a `jax.ShapeDtypeStruct` (its sharding kept)."""
+    def one(x):
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(one, params)
+
+
+def weights_format(params) -> tuple[str, str]:
+    """(weights, activations) of prepared params: the `weights.prepare`
+    format their first layer's qkv_proj has, and what its 4-bit matmuls
+    multiply. ("float32", "float32") for unquantized or non-Llama layouts."""
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    w = layers[0].get("qkv_proj") if isinstance(layers, tuple) and layers and isinstance(
+        layers[0], Mapping) else None
+    if isinstance(w, quant.QuantizedWeight):
+        return {"bf16": "bfloat16"}.get(w.format, w.format), w.activations
+    return "float32", "float32"
+
+
+def is_hf_named(params) -> bool:
+    """Whether `params` is a flat mapping of Hugging Face tensor names."""
+    return isinstance(params, Mapping) and any(
+        isinstance(k, str) and (k in (EMBED, FINAL_NORM, LM_HEAD) or k.startswith("model."))
+        for k in params)
+
+
+def hf_names(config: ModelConfig) -> set[str]:
+    """Every Hugging Face tensor name a checkpoint of `config` may hold."""
+    names = {EMBED, FINAL_NORM, LM_HEAD}
+    for suffix, _kind in layer_table(config).values():
+        names |= {LAYER_PREFIX.format(i=i) + suffix for i in range(config.num_layers)}
+    return names
+
+
+def from_hf(tensors: Mapping, config: ModelConfig, dtype) -> dict:
+    """The `checkpoint.convert` params of Hugging Face-named tensors.
+
+    Raises:
+      ValueError: a name the model does not have, a missing tensor, a shape
+        the config does not imply, or a non-floating tensor (each named).
+    """
+    family = models.family(config.arch)
+    unknown = sorted(set(tensors) - hf_names(config))
+    if unknown:
+        raise ValueError(f"update_weights: tensor {unknown[0]!r} is not a tensor of this model")
+    for name, w in tensors.items():
+        if not jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
+            raise ValueError(f"update_weights: tensor {name!r} has dtype {np.dtype(w.dtype)}, "
+                             "expected a floating dtype")
+
+    def get(name):
+        return family.fix_hf_tensor(name, np.asarray(tensors[name]), config)
+    try:
+        return params_from_hf_tensors(get, set(tensors), config, dtype)
+    except CheckpointError as e:
+        raise ValueError(f"update_weights: {e}") from None
+
+
+def raw_shapes(config: ModelConfig) -> dict:
+    """The `checkpoint.convert` params tree of `config` as shape tuples."""
+    c = config
+    layers = {}
+    for key, (_suffix, kind) in layer_table(c).items():
+        one = jax.eval_shape(lambda w, kind=kind: _to_param_layout(w, kind, c),
+                             jax.ShapeDtypeStruct(_hf_shape(kind, c), jnp.float32))
+        layers[key] = (c.num_layers,) + tuple(one.shape)
+    out = {"embed_tokens": (c.vocab_size, c.hidden_size), "norm": (c.hidden_size,),
+           "layers": layers}
+    if not c.tie_word_embeddings:
+        out["lm_head"] = (c.hidden_size, c.vocab_size)
+    return out
+
+
+def _leaves(tree, is_leaf=None) -> dict:
+    """keystr(path) -> leaf, in flattening order."""
+    return {jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def check_raw(params, config: ModelConfig) -> None:
+    """Check a `checkpoint.convert` params tree against `config`: every leaf
+    there, none extra, the shapes the config implies, floating dtypes.
+
+    Raises:
+      ValueError: naming the first bad leaf.
+    """
+    expected = _leaves(raw_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
+    given = _leaves(params)
+    for path in expected:
+        if path not in given:
+            raise ValueError(f"update_weights: params{path} is missing (expected shape "
+                             f"{expected[path]})")
+    for path, w in given.items():
+        if path not in expected:
+            raise ValueError(f"update_weights: params{path} is not a param of this model")
+        if tuple(np.shape(w)) != expected[path]:
+            raise ValueError(f"update_weights: params{path} has shape {tuple(np.shape(w))}, "
+                             f"expected {expected[path]}")
+        if not jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
+            raise ValueError(f"update_weights: params{path} has dtype {np.dtype(w.dtype)}, "
+                             "expected a floating dtype")
+
+
+def check_prepared(new, old) -> None:
+    """Check prepared params against the serving ones (`abstract` of them):
+    the same tree, shapes and dtypes.
+
+    Raises:
+      ValueError: naming the first leaf that differs (prepared layout).
+    """
+    new_leaves, old_leaves = _leaves(new), _leaves(old)
+    for path in old_leaves:
+        if path not in new_leaves:
+            raise ValueError(f"update_weights: prepared params{path} is missing")
+    for path, w in new_leaves.items():
+        ref = old_leaves.get(path)
+        if ref is None:
+            raise ValueError(f"update_weights: prepared params{path} is not in the serving params")
+        if tuple(w.shape) != tuple(ref.shape):
+            raise ValueError(f"update_weights: prepared params{path} has shape {tuple(w.shape)}, "
+                             f"the serving params {tuple(ref.shape)}")
+        if np.dtype(w.dtype) != np.dtype(ref.dtype):
+            raise ValueError(f"update_weights: prepared params{path} has dtype "
+                             f"{np.dtype(w.dtype)}, the serving params {np.dtype(ref.dtype)}")
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError("update_weights: the prepared params' tree differs from the serving "
+                         "params' (packed or quantized weights of another format?): "
+                         f"{jax.tree.structure(new)} vs {jax.tree.structure(old)}")
+
+
+def _has_packed(params) -> bool:
+    return any(isinstance(x, PackedWeight) for x in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, PackedWeight)))
+
+
+def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
+                   activations: str) -> Any:
+    """New serving params from `params` (module docstring), checked against
+    `serving` (the abstract serving params) and placed on their shardings;
+    no array of `params` itself is kept (the caller may donate or change it).
+
+    Args:
+      dtype: the model's param dtype (floating leaves are cast to it).
+      weights, activations: the model's weight format (`weights.prepare`).
+    Raises:
+      ValueError: a mismatch, naming the first bad leaf (nothing changed).
+    """
+    family = models.family(config.arch)
+    builtin = family.prepare is prepare_params
+    if is_hf_named(params):
+        params = from_hf(params, config, dtype)
+    elif builtin and isinstance(params, Mapping) and isinstance(params.get("layers"), Mapping):
+        check_raw(params, config)
+    given = {id(x) for x in jax.tree.leaves(params) if isinstance(x, jax.Array)}
+
+    def cast(w):
+        if hasattr(w, "dtype") and jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
+            return jnp.asarray(w, dtype)
+        return w
+    try:
+        cast_params = jax.tree.map(cast, params)
+        prepared = family.prepare(cast_params, config, pack=_has_packed(serving), weights=weights)
+        prepared = quant.with_activations(prepared, activations)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise ValueError(f"update_weights: the params could not be prepared: {e!r}") from None
+    check_prepared(prepared, serving)
+
+    def place(new, ref):
+        sharding = ref.sharding
+        if sharding is None:
+            return jnp.array(new, copy=True) if id(new) in given else jnp.asarray(new)
+        return jax.device_put(new, sharding, may_alias=id(new) not in given)
+    return jax.tree.map(place, prepared, serving)
+
+
+__all__ = ["abstract", "check_prepared", "check_raw", "from_hf", "prepare_update", "raw_shapes",
+           "weights_format"]
