@@ -37,13 +37,12 @@ import json
 import time
 from typing import Callable, Optional
 
-import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxinfer.cache.sizes import kv_bytes_per_position
+from jaxinfer.cache.paged import page_nbytes, storage
 from jaxinfer.serving.request import Request, Timings
 from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
@@ -54,7 +53,8 @@ from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCompletionRequest,
                                       CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       can_start, check_messages, error_body)
-from jaxinfer.server.responses import Choice, Formatter, TokenText
+from jaxinfer.server.responses import (Choice, Formatter, TokenText, echo_logprobs,
+                                       prompt_logprobs)
 from jaxinfer.server.responses_api import ResponsesRoute
 from jaxinfer.server.tools import renders_hermes
 from jaxinfer.server.turns import THINK_START, TurnParser, TurnPlan, parse_turn, thinks
@@ -116,9 +116,8 @@ class OpenAIServer:
         self.llm, self.engine, self.settings = llm, engine, settings
         self.on_start = on_start
         self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
-        dtype_bytes = np.dtype(llm.cache_dtype).itemsize
-        self.metrics = ServerMetrics(settings.model_name,
-                                     kv_bytes_per_position(llm.config, dtype_bytes))
+        self.metrics = ServerMetrics(settings.model_name,     # K/V as stored (its codec's bytes)
+                                     page_nbytes(llm.config, 1, storage(llm.cache_config)))
         self.created = int(time.time())
         self._startable: collections.OrderedDict = collections.OrderedDict()
         self.app = self._build_app()
@@ -237,6 +236,7 @@ class OpenAIServer:
         ids, plan = await self.prepare_chat(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        self._check_prompt_logprobs(body, echo=False)
         return await self._generate(body, [ids], top, True, request, limit_param, "messages", plan)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], TurnPlan]:
@@ -287,7 +287,40 @@ class OpenAIServer:
             ids = [self.llm.encode_prompt(p) for p in prompts]
         except (ValueError, TypeError) as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
-        return await self._generate(body, ids, body.logprobs, False, request, "max_tokens", "prompt")
+        echo = bool(body.echo)
+        self._check_prompt_logprobs(body, echo)
+        return await self._generate(body, ids, body.logprobs, False, request, "max_tokens", "prompt",
+                                    echo=prompts if echo else None)
+
+    @staticmethod
+    def _check_prompt_logprobs(body, echo: bool) -> None:
+        """400 naming the field for what echo, prompt_logprobs and max_tokens 0
+        do not serve: a streamed response."""
+        if body.stream:
+            for name, given in (("echo", echo), ("prompt_logprobs", body.prompt_logprobs is not None),
+                                ("max_tokens", body.new_token_limit() == 0)):
+                if given:
+                    raise APIError(400, f"{name} is not supported with stream: true" if name != "max_tokens"
+                                   else "max_tokens 0 is not supported with stream: true", param=name)
+
+    async def _score_prompts(self, body, prompts: list[list[int]], echo_top: Optional[int]):
+        """`LLM.prompt_logprobs` of the prompts when the request asks for them
+        (echo with logprobs: echo_top; prompt_logprobs), else None; run on the
+        engine thread between two steps (`AsyncEngine.call`), awaited."""
+        want = [n for n in (echo_top, body.prompt_logprobs) if n is not None]
+        if not want:
+            return None
+        max_len = self.llm.max_seq_len
+        for ids in prompts:
+            if len(ids) > max_len:
+                raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_seq_len "
+                               f"{max_len}", param="prompt" if not isinstance(body, ChatCompletionRequest)
+                               else "messages", code="context_length_exceeded")
+        top = max(want)
+        try:
+            return await self.engine.call(lambda: self.llm.prompt_logprobs(prompts, top))
+        except EngineError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
 
     def _check_common(self, body) -> None:
         if body.model is None:     # OpenAI requires it on both routes (vLLM would take its own)
@@ -404,8 +437,23 @@ class OpenAIServer:
 
     async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
                         request: HTTPRequest, limit_param: str, prompt_param: str,
-                        plan: Optional[TurnPlan] = None):
-        group, choices = self.submit(body, prompts, top, limit_param, prompt_param)
+                        plan: Optional[TurnPlan] = None, echo: Optional[list] = None):
+        """The response (or the stream) of a chat or completions request.
+        echo: the completions request's prompts as given (text or ids), to
+        put before each choice's text, or None."""
+        scored = await self._score_prompts(body, prompts, top if echo is not None else None)
+        if body.new_token_limit() == 0:      # nothing to generate: the prompt's log-probs or echo
+            max_len = self.llm.max_seq_len
+            for ids in prompts:
+                if len(ids) > max_len:
+                    raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_seq_len "
+                                   f"{max_len}", param=prompt_param, code="context_length_exceeded")
+            now = time.perf_counter()
+            group, choices = None, [Choice(prompt=i // body.n, timings=Timings(arrival=now),
+                                           finish_reason="length")
+                                    for i in range(len(prompts) * body.n)]
+        else:
+            group, choices = self.submit(body, prompts, top, limit_param, prompt_param)
         lengths = [len(p) for p in prompts]
         fmt = Formatter(chat, self.settings.model_name, top, self.token_text)
         if body.stream:
@@ -414,12 +462,33 @@ class OpenAIServer:
                                                   parsers),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        if not await self.collect(group, choices, request):
+        if group is not None and not await self.collect(group, choices, request):
             return Response(status_code=499)      # the client went away: nobody reads this
+        echoed = {}
+        if echo is not None:     # the generated tokens' text offsets count from the prompt's start
+            for i, ids in enumerate(prompts):
+                text = echo[i] if isinstance(echo[i], str) else self.llm.tokenizer.decode(ids)
+                logprobs, offset = (echo_logprobs(ids, scored[i], top, self.token_text)
+                                    if top is not None else (None, 0))
+                echoed[i] = text, logprobs
+                for choice in choices:
+                    if choice.prompt == i:
+                        choice.text_offset = offset
         response = fmt.response(choices, lengths)
         if plan is not None:
             for item, choice in zip(response["choices"], choices):
                 fmt.set_turn(item, parse_turn(plan, "".join(choice.text)), plan.reasoning)
+        for item, choice in zip(response["choices"], choices):
+            if echo is not None:
+                text, logprobs = echoed[choice.prompt]
+                item["text"] = text + item["text"]
+                if logprobs is not None:
+                    item["logprobs"] = {k: logprobs[k] + item["logprobs"][k] for k in logprobs}
+            if body.prompt_logprobs is not None:
+                item["prompt_logprobs"] = prompt_logprobs(scored[choice.prompt],
+                                                          body.prompt_logprobs, self.token_text)
+        if chat and body.prompt_logprobs is not None:     # where vLLM puts it in a chat response
+            response["prompt_logprobs"] = response["choices"][0]["prompt_logprobs"]
         return response
 
     async def turn_deltas(self, group, choices: list[Choice], plan: TurnPlan,

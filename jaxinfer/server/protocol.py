@@ -4,7 +4,8 @@ the OpenAI error shape.
 Field names and ranges follow the OpenAI API reference
 (platform.openai.com/docs/api-reference, "Chat" and "Completions"), with
 vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos). Models are strict: a value of the wrong JSON type (a string
+ignore_eos) and `prompt_logprobs` (the prompt tokens' log-probs, vLLM's
+shape: `responses.prompt_logprobs`). Models are strict: a value of the wrong JSON type (a string
 temperature, a boolean max_tokens) is an error, not coerced. Fields the
 API defines but jaxinfer does not implement are rejected when set
 (`UNSUPPORTED`); fields it does not know are ignored, as OpenAI does.
@@ -239,13 +240,26 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a
-    list of either (several prompts: n choices each, in order)."""
+    list of either (several prompts: n choices each, in order). `echo`
+    puts the prompt before each choice's text, and with `logprobs` its
+    tokens' log-probs before the generated ones' (the first token's null);
+    `max_tokens` 0 generates nothing (the echoed prompt alone)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    echo: Optional[bool] = None
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def new_token_limit(self) -> Optional[int]:
         return self.max_tokens
+
+    def unsupported_field(self) -> Optional[str]:
+        """As `_Sampling`'s, but `echo` is served."""
+        for name, off in UNSUPPORTED.items():
+            if name != "echo" and getattr(self, name) not in off:
+                return name
+        return None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -258,6 +272,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def new_token_limit(self) -> Optional[int]:

@@ -8,6 +8,11 @@ chat completion chunk object", "The completion object"):
     completion  choices[i] = {index, text, logprobs, finish_reason}
                 logprobs = {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
     usage       {prompt_tokens, completion_tokens, total_tokens}
+    echo        completions with echo: the prompt's text before the choice's, and
+                its tokens first in `logprobs` (the first token's logprob and
+                top_logprobs null: `echo_logprobs`)
+    prompt      choices[i].prompt_logprobs (vLLM's) = [None, {token_id: {logprob,
+                rank, decoded_token}}, ...] (`prompt_logprobs`)
 
 A token's text is `tokenizer.decode([id])` with special tokens kept, and
 its `bytes` that text's UTF-8 bytes (as vLLM does; a token holding part of
@@ -79,6 +84,47 @@ def completion_logprobs(entries: list, top: int, token_text: TokenText, offset: 
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
+
+
+def echo_logprobs(ids: list, entries: list, top: int, token_text: TokenText) -> tuple[dict, int]:
+    """OpenAI completions `logprobs` of an echoed prompt of token `ids`, from
+    its `LLM.prompt_logprobs` entries (None for the first token, then
+    `PromptLogprob`s): the first token's log-prob and top_logprobs are
+    null; returns (logprobs, the text offset after the prompt)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, entry in zip(ids, entries):
+        text = token_text(token)
+        if entry is None:       # the first token: nothing before it predicts it
+            logprob, tops = None, None
+        else:
+            logprob = entry.logprob
+            tops = {token_text(t): lp for t, lp in entry.top[:top]}
+            tops.setdefault(text, logprob)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(tops)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def prompt_logprobs(entries: list, top: int, token_text: TokenText) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token None for the first, then
+    {token id: {"logprob", "rank", "decoded_token"}} for the prompt token and
+    the `top` most likely ones at its position (ids as JSON keys, strings)."""
+    out: list = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        item = {str(entry.token): {"logprob": entry.logprob, "rank": entry.rank,
+                                   "decoded_token": token_text(entry.token)}}
+        for rank, (token, logprob) in enumerate(entry.top[:top], 1):
+            item.setdefault(str(token), {"logprob": logprob, "rank": rank,
+                                         "decoded_token": token_text(token)})
+        out.append(item)
+    return out
 
 
 @dataclasses.dataclass
