@@ -13,18 +13,27 @@ see, writing, growing and copying:
            plus one step's tokens, so sliding layers' memory stops growing
            with the context; their tables are computed in the step, and
            prefix caching and page transfers (pages by id) are refused
-  `layer`  `LayerKV`, one layer's pool, and `KV_CACHE_DTYPES`
-  `int8`   the int8 codec any layout stores K/V with (codes plus a float32
-           scale per token per kv head)
+  `layer`  `LayerKV`, one layer's pool (four fields, whatever the codec)
+
+Codecs, each one module that owns how a position's K/V are stored in a pool
+(`codec.KVCodec`: the arrays it allocates, encoding written tokens, decoding
+for the XLA backend, bytes per position, what a kernel may read in place):
+  `codec`  `KVCodec`, and `FloatCodec` (K/V as they are, in a float dtype)
+  `int8`   `Int8Codec`: int8 codes plus a float32 scale per token per kv head
+  `codecs` `CODECS`, the codecs by `kv_cache_dtype` name; `codec_of(pool)`
+
   `sizes`  what a position costs in bytes, from the model's shape
   `layouts`  `LAYOUTS`, the serving layouts by name ("paged", "paged_ring"),
            each answering what it supports (prefix caching, page transfer,
-           TP re-layout); a `CacheConfig` names one (`resolve_layout`)
-A layout answers the engine's questions itself (`LayerKV.plain`,
-`PagedKVCache.layer_tables`): no layout or
-codec branch lives outside here.
+           TP re-layout); a `CacheConfig` names one (`resolve_layout`, which
+           also checks its kv_cache_dtype against `CODECS`)
+A layout answers the engine's questions itself (`PagedKVCache.layer_tables`)
+and a pool's codec answers the backends' (`codecs.codec_of(kv).kernel_pool`,
+`decode`): no layout or codec branch lives outside here. A new layout or
+codec is one module plus one line in `LAYOUTS` or `CODECS`.
 """
 
+from jaxinfer.cache.codecs import CODECS, codec_of, get_codec
 from jaxinfer.cache.layouts import LAYOUTS, get_layout, resolve_layout
 
-__all__ = ["LAYOUTS", "get_layout", "resolve_layout"]
+__all__ = ["CODECS", "LAYOUTS", "codec_of", "get_codec", "get_layout", "resolve_layout"]

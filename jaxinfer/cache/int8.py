@@ -3,6 +3,7 @@ head, the codec every cache layout stores an int8 pool with.
 
     codes, scale = quantize_kv(k_new)     # k_new [..., H] -> int8 [..., H], float32 [...]
     k = dequantize_kv(codes, scale)       # float32 [..., H]
+    INT8                                  # the `KVCodec` of `cache.codecs.CODECS["int8"]`
 
 A token's scale is computed from that token's own H values when it is
 written, so writing new tokens never rescales old entries. Pool layouts
@@ -19,6 +20,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.cache.codec import KVCodec
+from jaxinfer.cache.layer import LayerKV
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -45,3 +49,34 @@ def dequantize_kv(codes: jax.Array, scale: jax.Array, axis: int = -1) -> jax.Arr
     """float32 codes * scale, the scale broadcast along `axis` of codes (the
     head_dim axis: -1 for values [P, K, ps, H], -2 for keys [P, K, H, ps])."""
     return codes.astype(jnp.float32) * jnp.expand_dims(scale, axis)
+
+
+class Int8Codec(KVCodec):
+    """The int8 pool (module docstring): codes in keys and values, one float32
+    scale per token per kv head in key_scale and value_scale; read in place by
+    the C++ and Pallas kernels (`kernel_pool` "int8")."""
+
+    name, kernel_pool = "int8", "int8"
+
+    def owns(self, kv: LayerKV) -> bool:
+        return kv.keys.dtype == jnp.int8 and kv.key_scale is not None
+
+    def pool(self, num_pages, kv_heads, head_dim, page_size, dtype) -> LayerKV:
+        scales = tuple(jnp.zeros((num_pages, kv_heads, page_size), jnp.float32)
+                       for _ in range(2))   # two arrays: each buffer is donated on its own
+        return LayerKV(jnp.zeros((num_pages, kv_heads, head_dim, page_size), jnp.int8),
+                       jnp.zeros((num_pages, kv_heads, page_size, head_dim), jnp.int8), *scales)
+
+    def encode(self, k, v) -> LayerKV:
+        (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k), quantize_kv(v)  # scales [T, K]
+        return LayerKV(k_codes, v_codes, k_scale, v_scale)
+
+    def decode(self, kv):
+        return (dequantize_kv(kv.keys, kv.key_scale, axis=-2),
+                dequantize_kv(kv.values, kv.value_scale, axis=-1))
+
+    def position_nbytes(self, kv_heads, head_dim, dtype) -> int:
+        return 2 * kv_heads * (head_dim + 4)
+
+
+INT8 = Int8Codec()

@@ -34,11 +34,12 @@ import numpy as np
 
 from jaxinfer import pytree
 from jaxinfer.cache import paged
-from jaxinfer.cache.layer import KV_CACHE_DTYPES, LayerKV
-from jaxinfer.cache.paged import PagedKVCache
+from jaxinfer.cache.codecs import position_nbytes
+from jaxinfer.cache.layer import LayerKV
+from jaxinfer.cache.paged import PagedKVCache, check_sizes
 from jaxinfer.config import SLIDING_ATTENTION, ModelConfig
 
-__all__ = ["KVCache", "LayerKV", "KV_CACHE_DTYPES", "DEFAULT_KV_CACHE_MEMORY", "DENSE_PAGE_SIZE",
+__all__ = ["KVCache", "LayerKV", "DEFAULT_KV_CACHE_MEMORY", "DENSE_PAGE_SIZE",
            "init_cache", "cache_nbytes", "block_tables", "key_positions", "visible",
            "new_positions", "write", "reset", "truncate", "resize", "grow_cache", "read_layer",
            "write_index"]
@@ -59,10 +60,7 @@ class KVCache(PagedKVCache):
 
     max_seq_len: int = pytree.field(pytree_node=False, default=0)
 
-    @property
-    def batch_size(self) -> int:
-        """B, the number of rows."""
-        return self.lengths.shape[0]
+    batch_size = PagedKVCache.num_slots   # B, the number of rows (one slot each)
 
     @property
     def pages_per_row(self) -> int:
@@ -80,17 +78,6 @@ class KVCache(PagedKVCache):
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
 
-def _check_cache_args(batch_size: int, max_seq_len: int, ring_extra: int,
-                      kv_cache_dtype: Optional[str], page_size: int) -> None:
-    if batch_size < 1 or max_seq_len < 1 or ring_extra < 0:
-        raise ValueError(f"batch_size and max_seq_len must be >= 1 and ring_extra >= 0, got "
-                         f"{batch_size}, {max_seq_len}, {ring_extra}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-
-
 def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp.float32,
                ring_extra: int = 0, kv_cache_dtype: Optional[str] = None, *,
                page_size: int = DENSE_PAGE_SIZE) -> KVCache:
@@ -101,27 +88,23 @@ def init_cache(config: ModelConfig, batch_size: int, max_seq_len: int, dtype=jnp
       ring_extra: room for positions written and rolled back (speculative
         decoding); every layer keeps every position, so none is needed and
         the value is only validated.
-      kv_cache_dtype: None (use `dtype`) or one of KV_CACHE_DTYPES; "int8"
-        stores int8 codes with a float32 scale per token per kv head,
-        quantized when written (`cache.int8.quantize_kv`).
+      kv_cache_dtype: None (use `dtype`) or a codec's name in
+        `cache.codecs.CODECS`; "int8" stores int8 codes with a float32 scale
+        per token per kv head, quantized when written (`cache.int8.quantize_kv`).
       page_size: tokens per page (module docstring).
     Raises:
       ValueError: if batch_size < 1, max_seq_len < 1, page_size < 1,
         ring_extra < 0 or an unknown kv_cache_dtype.
     """
-    _check_cache_args(batch_size, max_seq_len, ring_extra, kv_cache_dtype, page_size)
+    if batch_size < 1 or max_seq_len < 1 or ring_extra < 0:
+        raise ValueError(f"batch_size and max_seq_len must be >= 1 and ring_extra >= 0, got "
+                         f"{batch_size}, {max_seq_len}, {ring_extra}")
+    check_sizes(page_size=page_size)
     m = -(-max_seq_len // page_size)
     pool = paged.init_paged_cache(config, batch_size, batch_size * m, page_size, dtype,
                                   kv_cache_dtype)
     return KVCache(layers=pool.layers, lengths=pool.lengths, page_size=page_size,
                    layer_types=pool.layer_types, window=pool.window, max_seq_len=max_seq_len)
-
-
-def _position_nbytes(config: ModelConfig, dtype) -> int:
-    """K and V bytes of one position of one layer ("int8": codes plus a float32 scale each)."""
-    if str(dtype) == "int8":
-        return 2 * config.num_kv_heads * (config.head_dim + 4)
-    return 2 * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
 
 
 # The paged KV pool's default budget when neither num_pages nor a budget is
@@ -134,14 +117,14 @@ def cache_nbytes(config: ModelConfig, batch_size: int, max_seq_len: int,
     """Bytes of K/V for `batch_size` rows of `max_seq_len` positions, without
     allocating anything.
 
-    `dtype` may be "int8" (codes plus a float32 scale per token per kv head
-    for K and for V). windowed=True counts each sliding layer at
+    `dtype` may be a codec's name (`cache.codecs`: "int8", codes plus a
+    float32 scale per token per kv head for K and for V). windowed=True counts each sliding layer at
     min(sliding_window, max_seq_len) positions (a layout that keeps sliding
     layers in rings, `cache.paged_ring`); windowed=False counts every layer
     at full length, as `init_cache` and `cache.paged` store them (before
     rounding up to whole pages); sliding=False leaves sliding layers out.
     """
-    per_pos = batch_size * _position_nbytes(config, dtype)
+    per_pos = batch_size * position_nbytes(config.num_kv_heads, config.head_dim, dtype)
     w = min(int(config.sliding_window), max_seq_len) if windowed and config.sliding_layers \
         else max_seq_len
     n_ring = len(config.sliding_layers) if sliding else 0

@@ -5,15 +5,17 @@ anything is allocated.
 A layout answers what it supports (`prefix_caching`, `page_transfer`,
 `tp_relayout`), checks a config against a model (`check`), sizes its pool
 (`pool_costs`) and builds its empty cache (`init`); see
-`cache.paged.PagedLayout`. A new layout is one module plus one line here.
+`cache.paged.PagedLayout`. A new layout is one module plus one line here
+(a new K/V storage codec: one module plus one line in `cache.codecs.CODECS`).
 """
 
 from __future__ import annotations
 
-from jaxinfer.cache.paged import PagedLayout
-from jaxinfer.cache.paged_ring import RING_LAYOUT
 from typing import Optional
 
+from jaxinfer.cache.codecs import get_codec
+from jaxinfer.cache.paged import PagedLayout
+from jaxinfer.cache.paged_ring import RING_LAYOUT
 from jaxinfer.config import CacheConfig, ModelConfig
 
 LAYOUTS: dict[str, PagedLayout] = {
@@ -36,11 +38,13 @@ def resolve_layout(cache: CacheConfig, config: Optional[ModelConfig] = None
     loaded) only the cache settings are checked.
 
     Raises:
-      ValueError: an unknown layout, prefix_caching=True on a layout that
+      ValueError: an unknown layout or kv_cache_dtype (`cache.CODECS`),
+        prefix_caching=True on a layout that
         does not support it (`PagedLayout.check`), or a model the layout
         does not fit (`PagedLayout.check_model`).
     """
     layout = get_layout(cache.layout)
+    get_codec(cache.kv_cache_dtype)
     layout.check(cache)
     if config is not None:
         layout.check_model(config)

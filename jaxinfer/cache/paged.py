@@ -3,7 +3,8 @@ positions found through a block table (PagedAttention, Kwon et al., SOSP 2023).
 
     layers[l].keys    [P, K, H, ps]   keys-minor, as the dense layout
     layers[l].values  [P, K, ps, H]
-    (int8: key_scale, value_scale [P, K, ps], one float32 scale per token per kv head)
+    (int8: key_scale, value_scale [P, K, ps], one float32 scale per token per kv head;
+    what the fields hold is the pool's codec's, `cache.codecs`)
     lengths           int32 [S]       tokens stored per slot (the next position)
     block_tables      int32 [S, M]    host-owned, sent with each step: position p of slot s
                                       lives in page block_tables[s, p // ps] at offset p % ps
@@ -31,11 +32,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer import pytree
-from jaxinfer.cache.int8 import quantize_kv
-from jaxinfer.cache.layer import KV_CACHE_DTYPES, LayerKV
+from jaxinfer.cache.codecs import codec_of, get_codec, position_nbytes
+from jaxinfer.cache.layer import LayerKV
 from jaxinfer.config import FULL_ATTENTION, CacheConfig, ModelConfig
 
 
@@ -71,8 +71,14 @@ class PagedKVCache:
         return self.lengths.shape[0]
 
     @property
+    def codec(self):
+        """The pools' `codec.KVCodec` (`codecs.codec_of`)."""
+        return codec_of(self.layers[0])
+
+    @property
     def quantized(self) -> bool:
-        return self.layers[0].key_scale is not None
+        """The pools hold codes, not K/V themselves (int8 here)."""
+        return self.codec.kernel_pool != "float"
 
     def layer_tables(self, layer_type: str, block_tables: jax.Array) -> jax.Array:
         """The block tables int32 [S, M] a layer of `layer_type` reads and
@@ -91,14 +97,22 @@ class PagedKVCache:
         Layouts where that is false raise ValueError naming `what`."""
 
 
-def _pool(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype) -> LayerKV:
-    kv, hd = config.num_kv_heads, config.head_dim
-    quantized = kv_cache_dtype == "int8"
-    store = jnp.int8 if quantized else jnp.dtype(kv_cache_dtype or dtype)
-    scales = (tuple(jnp.zeros((num_pages, kv, page_size), jnp.float32) for _ in range(2))
-              if quantized else (None, None))   # two arrays: each buffer is donated on its own
-    return LayerKV(jnp.zeros((num_pages, kv, hd, page_size), store),
-                   jnp.zeros((num_pages, kv, page_size, hd), store), *scales)
+def check_sizes(**sizes: int) -> None:
+    """Raise ValueError naming the sizes unless every one is >= 1."""
+    if min(sizes.values()) < 1:
+        *most, last = sizes
+        names = f"{', '.join(most)} and {last}" if most else last
+        raise ValueError(f"{names} must be >= 1, got {', '.join(map(str, sizes.values()))}")
+
+
+def pools(config: ModelConfig, num_pages: dict, page_size: int, dtype,
+          kv_cache_dtype: Optional[str]) -> tuple[LayerKV, ...]:
+    """Every layer's empty pool, of `num_pages[its layer type]` pages, in the
+    codec `kv_cache_dtype` names (`codecs.get_codec`; ValueError for an
+    unknown name) for activations of `dtype`."""
+    codec = get_codec(kv_cache_dtype)
+    return tuple(codec.pool(num_pages[t], config.num_kv_heads, config.head_dim, page_size, dtype)
+                 for t in config.attention_types)
 
 
 def init_paged_cache(config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
@@ -108,18 +122,14 @@ def init_paged_cache(config: ModelConfig, num_slots: int, num_pages: int, page_s
 
     Args:
       dtype: the K/V dtype (the activations' dtype); kv_cache_dtype: None
-        (use dtype) or one of `KV_CACHE_DTYPES` ("int8": codes plus a
-        float32 scale per token per kv head, quantized when written).
+        (use dtype) or a codec's name in `codecs.CODECS` ("int8": codes
+        plus a float32 scale per token per kv head, quantized when written).
     Raises:
       ValueError: a size below 1 or an unknown kv_cache_dtype.
     """
-    if min(num_slots, num_pages, page_size) < 1:
-        raise ValueError(f"num_slots, num_pages and page_size must be >= 1, got {num_slots}, "
-                         f"{num_pages}, {page_size}")
-    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    layers = tuple(_pool(config, num_pages, page_size, dtype, kv_cache_dtype)
-                   for _ in config.attention_types)
+    check_sizes(num_slots=num_slots, num_pages=num_pages, page_size=page_size)
+    layers = pools(config, dict.fromkeys(config.attention_types, num_pages), page_size, dtype,
+                   kv_cache_dtype)
     return PagedKVCache(layers, jnp.zeros((num_slots,), jnp.int32), None, page_size,
                         config.attention_types, int(config.sliding_window or 0))
 
@@ -139,28 +149,26 @@ def token_pages(cache: PagedKVCache, block_tables: jax.Array, slots: jax.Array,
 
 def write(kv: LayerKV, k: jax.Array, v: jax.Array, page: jax.Array, offset: jax.Array) -> LayerKV:
     """A layer's pool with new keys/values k, v [T, K, H] stored at (page,
-    offset) [T] (page P: dropped); an int8 pool quantizes each new token on
-    its own (`int8.quantize_kv`)."""
+    offset) [T] (page P: dropped), encoded by the pool's codec
+    (`KVCodec.encode`; an int8 pool quantizes each new token on its own)."""
     put = lambda buf, new: buf.at[page, :, offset].set(new.astype(buf.dtype), mode="drop")
     put_keys = lambda buf, new: buf.at[page, :, :, offset].set(new.astype(buf.dtype), mode="drop")
-    if kv.key_scale is None:
-        return LayerKV(put_keys(kv.keys, k), put(kv.values, v))
-    (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k), quantize_kv(v)  # scales [T, K]
-    return LayerKV(put_keys(kv.keys, k_codes), put(kv.values, v_codes),
-                   put(kv.key_scale, k_scale), put(kv.value_scale, v_scale))
+    new = codec_of(kv).encode(k, v)
+    return LayerKV(put_keys(kv.keys, new.keys), put(kv.values, new.values),
+                   *(None if buf is None else put(buf, x)
+                     for buf, x in ((kv.key_scale, new.key_scale),
+                                    (kv.value_scale, new.value_scale))))
 
 
 def gather_rows(kv: LayerKV, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows of the pool as dense float buffers: keys [n, K, H, M * ps] and
     values [n, K, M * ps, H] for block tables [n, M] (index p holds position
     p; entries P read page P - 1, whose contents must never be visible);
-    int8 pools are dequantized. A copy: the XLA path of attention."""
+    decoded by the pool's codec (int8 pools are dequantized). A copy: the
+    XLA path of attention."""
     n, m = tables.shape
     ps = kv.keys.shape[-1]
-    keys, values = kv.keys, kv.values
-    if kv.key_scale is not None:
-        keys = keys.astype(jnp.float32) * kv.key_scale[:, :, None, :]
-        values = values.astype(jnp.float32) * kv.value_scale[..., None]
+    keys, values = codec_of(kv).decode(kv)
     k = jnp.take(keys, tables, axis=0, mode="clip")           # [n, M, K, H, ps]
     v = jnp.take(values, tables, axis=0, mode="clip")         # [n, M, K, ps, H]
     k = k.transpose(0, 2, 3, 1, 4).reshape(n, k.shape[2], k.shape[3], m * ps)
@@ -301,7 +309,7 @@ class PagedLayout:
                    step_tokens: int) -> tuple[int, int]:
         """(bytes of one host page, bytes outside the host's pool) for sizing
         a KV budget; `cache.dtype` must be set."""
-        return page_nbytes(config, cache.page_size, store_dtype(cache)), 0
+        return page_nbytes(config, cache.page_size, storage(cache)), 0
 
     def init(self, config: ModelConfig, cache: CacheConfig, num_slots: int,
              step_tokens: int) -> PagedKVCache:
@@ -312,17 +320,15 @@ class PagedLayout:
                                 jnp.dtype(cache.dtype), cache.kv_cache_dtype)
 
 
-def store_dtype(cache: CacheConfig):
-    """The K/V storage dtype of `cache` (`cache.dtype` set): "int8", or a jnp dtype."""
-    name = cache.kv_cache_dtype or cache.dtype
-    return name if name == "int8" else jnp.dtype(name)
+def storage(cache: CacheConfig):
+    """How `cache` (`cache.dtype` set) stores K/V: its kv_cache_dtype (a
+    codec's name), else its dtype."""
+    return cache.kv_cache_dtype or jnp.dtype(cache.dtype)
 
 
-def page_nbytes(config: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one page over all layers (K and V; int8: codes plus a float32
-    scale per token per kv head)."""
-    if str(dtype) == "int8":
-        per_token = 2 * config.num_kv_heads * (config.head_dim + 4)
-    else:
-        per_token = 2 * config.num_kv_heads * config.head_dim * np.dtype(dtype).itemsize
-    return per_token * page_size * config.num_layers
+def page_nbytes(config: ModelConfig, page_size: int, store) -> int:
+    """Bytes of one page over all layers, K and V stored as `store`: a
+    codec's name ("int8": codes plus a float32 scale per token per kv head)
+    or a dtype (`codecs.position_nbytes`)."""
+    return (position_nbytes(config.num_kv_heads, config.head_dim, store) * page_size
+            * config.num_layers)

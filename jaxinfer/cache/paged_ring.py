@@ -52,8 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import pytree
-from jaxinfer.cache.kv import KV_CACHE_DTYPES
-from jaxinfer.cache.paged import PagedKVCache, PagedLayout, _pool, page_nbytes, store_dtype
+from jaxinfer.cache.paged import PagedKVCache, PagedLayout, check_sizes, page_nbytes, pools, storage
 from jaxinfer.config import SLIDING_ATTENTION, CacheConfig, ModelConfig
 
 
@@ -137,11 +136,8 @@ def init_ring_cache(config: ModelConfig, num_slots: int, num_pages: int, page_si
         `ring_pages_needed`, a size below 1 or an unknown kv_cache_dtype.
     """
     check_ring_model(config)
-    if min(num_slots, num_pages, page_size, step_tokens) < 1:
-        raise ValueError(f"num_slots, num_pages, page_size and step_tokens must be >= 1, got "
-                         f"{num_slots}, {num_pages}, {page_size}, {step_tokens}")
-    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    check_sizes(num_slots=num_slots, num_pages=num_pages, page_size=page_size,
+                step_tokens=step_tokens)
     window = int(config.sliding_window)
     need = ring_pages_needed(window, page_size, step_tokens, pages_per_seq)
     ring = need if ring_pages is None else int(ring_pages)
@@ -149,21 +145,21 @@ def init_ring_cache(config: ModelConfig, num_slots: int, num_pages: int, page_si
         raise ValueError(f"ring_pages={ring} is too small: a sliding window of {window} plus "
                          f"{step_tokens} tokens written per step needs {need} pages of "
                          f"{page_size} tokens per slot")
-    layers = tuple(_pool(config, num_slots * ring if t == SLIDING_ATTENTION else num_pages,
-                         page_size, dtype, kv_cache_dtype) for t in config.attention_types)
+    layers = pools(config, {t: num_slots * ring if t == SLIDING_ATTENTION else num_pages
+                            for t in config.attention_types}, page_size, dtype, kv_cache_dtype)
     return RingPagedKVCache(layers, jnp.zeros((num_slots,), jnp.int32), None, page_size,
                             config.attention_types, window, ring, num_pages)
 
 
-def pool_costs(config: ModelConfig, page_size: int, dtype, num_slots: int,
+def pool_costs(config: ModelConfig, page_size: int, store, num_slots: int,
                ring_pages: int) -> tuple[int, int]:
     """(bytes of one host page, bytes outside the host's pool) for sizing a
     KV budget: `paged.page_nbytes` and 0 without rings (ring_pages 0); with
     them, the full layers' share of a page (at least 1) and every sliding
-    layer's S * R ring pages."""
-    per_layer = page_nbytes(config, page_size, dtype) // config.num_layers
+    layer's S * R ring pages; K/V stored as `store` (`paged.page_nbytes`)."""
+    per_layer = page_nbytes(config, page_size, store) // config.num_layers
     if not ring_pages:
-        return page_nbytes(config, page_size, dtype), 0
+        return page_nbytes(config, page_size, store), 0
     sliding = sum(t == SLIDING_ATTENTION for t in config.attention_types)
     return (max(per_layer * (config.num_layers - sliding), 1),
             per_layer * sliding * num_slots * ring_pages)
@@ -201,7 +197,7 @@ class RingLayout(PagedLayout):
 
     def pool_costs(self, config: ModelConfig, cache: CacheConfig, num_slots: int,
                    step_tokens: int) -> tuple[int, int]:
-        return pool_costs(config, cache.page_size, store_dtype(cache), num_slots,
+        return pool_costs(config, cache.page_size, storage(cache), num_slots,
                           self.ring_pages(config, cache, step_tokens))
 
     def init(self, config: ModelConfig, cache: CacheConfig, num_slots: int,

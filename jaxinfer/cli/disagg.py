@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from jaxinfer.cache import resolve_layout
 from jaxinfer.parallel.disagg.engine import start_process_engine
 from jaxinfer.parallel.disagg.process import DEFAULT_HEARTBEAT_S, WorkerSpec
 from jaxinfer.config import GenerationConfig
@@ -58,16 +59,19 @@ def start_engine(cfg, args, *, start: bool = True):
     worker flags of `add_worker_args` (`disagg.engine.start_process_engine`).
 
     Raises:
-      ValueError: --prefill-workers < 1, --heartbeat-s < 1 or a bad CPU list.
+      ValueError: --prefill-workers < 1, --heartbeat-s < 1, a bad CPU list, an
+        unknown layout or kv_cache_dtype, or a layout without page transfer.
     """
 
     if args.prefill_workers < 1:
         raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
     check_heartbeat(args.heartbeat_s)
+    layout, _ = resolve_layout(cfg.cache)          # an unknown layout or codec, before any process
+    layout.require("page_transfer", "disaggregated prefill (a KV page transfer)")
     prefill_cpus, decode_cpus = parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)
     llm_kwargs = (("max_seq_len", cfg.max_seq_len), ("decode_chunk", cfg.decode_chunk),
                   ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs),
-                  ("kv_cache_dtype", cfg.kv_cache_dtype))
+                  ("kv_cache_dtype", cfg.kv_cache_dtype), ("layout", cfg.cache.layout))
     if cfg.page_size is not None:              # both sides must agree on it
         llm_kwargs += (("page_size", cfg.page_size),)
     spec = dict(source=cfg.model, dtype=cfg.dtype, llm_kwargs=llm_kwargs)

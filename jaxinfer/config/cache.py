@@ -7,8 +7,6 @@ import dataclasses
 import re
 from typing import Optional, Union
 
-# Storage dtypes of a KV pool (`kv_cache_dtype`); None stores K/V as `dtype`.
-KV_CACHE_DTYPE_NAMES = ("float32", "bfloat16", "float16", "int8")
 COMPUTE_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -22,8 +20,10 @@ class CacheConfig:
         of a slot; >= 1 (`LLM` also checks it against the model's context).
       dtype: activations' and K/V compute dtype name, "float32", "bfloat16"
         or "float16"; None: the params' dtype (`LLM` fills it in).
-      kv_cache_dtype: K/V storage: None (as dtype), "float32", "bfloat16",
-        "float16" or "int8" (codes plus a float32 scale per token per kv head).
+      kv_cache_dtype: K/V storage, the name of a codec in `cache.CODECS`:
+        None (as dtype), "float32", "bfloat16", "float16" or "int8" (codes
+        plus a float32 scale per token per kv head); checked against the
+        registry where the layout is resolved (`cache.resolve_layout`).
       page_size: tokens per KV page, >= 1.
       num_pages: pages in the pool, >= 1; None: from kv_cache_memory.
       kv_cache_memory: the pool's budget in bytes, >= 1 (an int, or a string
@@ -68,8 +68,9 @@ class CacheConfig:
             raise ValueError("give num_pages or kv_cache_memory, not both")
         if self.dtype is not None and self.dtype not in COMPUTE_DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {COMPUTE_DTYPE_NAMES} or None, got {self.dtype!r}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
-            raise ValueError(f"kv_cache_dtype must be null or one of {KV_CACHE_DTYPE_NAMES}, got "
+        if self.kv_cache_dtype is not None and (not isinstance(self.kv_cache_dtype, str)
+                                                or not self.kv_cache_dtype):
+            raise ValueError(f"kv_cache_dtype must be null or a codec's name (cache.CODECS), got "
                              f"{self.kv_cache_dtype!r}")
         if self.prefix_caching is not None and not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be bool or null, got {self.prefix_caching!r}")
@@ -121,4 +122,4 @@ def parse_bytes(text: str, name: str = "size") -> int:
     return int(float(m.group(1)) * _BYTE_UNITS[unit])
 
 
-__all__ = ["CacheConfig", "KV_CACHE_DTYPE_NAMES", "parse_bytes"]
+__all__ = ["CacheConfig", "parse_bytes"]

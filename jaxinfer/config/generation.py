@@ -41,9 +41,10 @@ class GenerationConfig:
         and KV cache over bfloat16 weights (weights float32 becomes bfloat16;
         `engine.ragged.serving_dtypes`), and "float16" runs attention on XLA;
         each says so in one logged warning line.
-      kv_cache_dtype: KV-cache storage: null (as dtype), "float32",
-        "bfloat16", "float16" or "int8" (codes plus a float32 scale per token per kv
-        head, a quarter of float32's bytes; see jaxinfer/cache/int8.py).
+      kv_cache_dtype: KV-cache storage, a codec of `cache.CODECS`: null (as
+        dtype), "float32", "bfloat16", "float16" or "int8" (codes plus a float32
+        scale per token per kv head, a quarter of float32's bytes; see
+        jaxinfer/cache/int8.py).
       weights: how matmul weights are kept: "float32", "bfloat16", "int8"
         (8-bit blocks of 16 rows with float16 scales) or "q4" (4-bit blocks; a GGUF file's own blocks
         where it has them); see jaxinfer/weights/quant.py and docs/quantization.md.
@@ -77,7 +78,7 @@ class GenerationConfig:
       prefix_caching: requests reuse the KV pages of an equal prompt
         prefix computed before (full pages only; a request's cache_salt
         keeps its pages apart). null: on where the cache layout supports
-        it (not with sliding_window_ring).
+        it (not with layout paged_ring).
       prefill_chunk_size: prompt tokens per serving step while requests
         decode (the bound on a running stream's gap between two tokens);
         null: the whole token budget (see jaxinfer/serving/scheduler.py).
@@ -90,12 +91,15 @@ class GenerationConfig:
         some cost to its own TTFT); null: as any prompt (prefill_chunk_size).
       max_num_batched_tokens: the most tokens one serving step runs (its
         token budget and largest compiled token bucket).
-      sliding_window_ring: sliding-window layers (Gemma 3's) keep a fixed
-        ring of KV pages per request instead of every position, so their
-        memory stops growing with the context (see
-        jaxinfer/cache/paged_ring.py; the "paged_ring" layout of
-        `cache.LAYOUTS`); prefix caching is then off (true with it is an
-        error), and disaggregated prefill refuses it.
+      layout: the KV-cache layout, a name in `cache.LAYOUTS`: "paged" (every
+        layer keeps every position in the page pool) or "paged_ring"
+        (sliding-window layers, Gemma 3's, keep a fixed ring of KV pages per
+        request instead of every position, so their memory stops growing with
+        the context; see jaxinfer/cache/paged_ring.py; prefix caching is then
+        off, true with it is an error, and disaggregated prefill refuses it).
+        null: "paged", or "paged_ring" with sliding_window_ring.
+      sliding_window_ring: true is layout "paged_ring" (the older key; give
+        one of the two).
       deterministic: a request's tokens and log-probs are bitwise the same
         whatever the batch, its neighbours, the chunking, a prefix-cache hit
         or a preemption (jaxinfer/serving/deterministic.py); loading fails
@@ -123,7 +127,7 @@ class GenerationConfig:
         YAML sets temperature > 0).
       cache: the cache keys above as one `CacheConfig` (max_seq_len,
         kv_cache_dtype, page_size, num_pages, kv_cache_memory,
-        prefix_caching; sliding_window_ring as layout "paged_ring"), built
+        prefix_caching, layout; sliding_window_ring as layout "paged_ring"), built
         and validated with this config; not a YAML key.
       scheduler: the scheduler keys above as one `SchedulerConfig`
         (max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
@@ -156,6 +160,7 @@ class GenerationConfig:
     prefill_chunk_size: Optional[int] = 512
     long_prefill_chunk_size: Optional[int] = 32
     max_num_batched_tokens: int = 512
+    layout: Optional[str] = None
     sliding_window_ring: bool = False
     deterministic: bool = False
     speculative: Optional[str] = None
@@ -192,9 +197,13 @@ class GenerationConfig:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
                              f"got {self.min_tokens}")
+        if self.sliding_window_ring and self.layout not in (None, "paged_ring"):
+            raise ValueError(f"sliding_window_ring: true is layout paged_ring; give layout or "
+                             f"sliding_window_ring, not both (got layout {self.layout!r})")
+        layout = self.layout if self.layout is not None else (
+            "paged_ring" if self.sliding_window_ring else "paged")
         cache = CacheConfig(self.max_seq_len, None, self.kv_cache_dtype, self.page_size,
-                            self.num_pages, self.kv_cache_memory, self.prefix_caching,
-                            "paged_ring" if self.sliding_window_ring else "paged")
+                            self.num_pages, self.kv_cache_memory, self.prefix_caching, layout)
         object.__setattr__(self, "cache", cache)
         object.__setattr__(self, "kv_cache_memory", cache.kv_cache_memory)   # "2GiB" -> bytes
         object.__setattr__(self, "scheduler", SchedulerConfig(

@@ -37,13 +37,12 @@ import json
 import time
 from typing import Callable, Optional
 
-import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxinfer.cache.sizes import kv_bytes_per_position
+from jaxinfer.cache.paged import page_nbytes, storage
 from jaxinfer.serving.request import Request, Timings
 from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
@@ -117,9 +116,8 @@ class OpenAIServer:
         self.llm, self.engine, self.settings = llm, engine, settings
         self.on_start = on_start
         self.token_text = TokenText(llm.tokenizer) if llm.tokenizer is not None else None
-        dtype_bytes = np.dtype(llm.cache_dtype).itemsize
-        self.metrics = ServerMetrics(settings.model_name,
-                                     kv_bytes_per_position(llm.config, dtype_bytes))
+        self.metrics = ServerMetrics(settings.model_name,     # K/V as stored (its codec's bytes)
+                                     page_nbytes(llm.config, 1, storage(llm.cache_config)))
         self.created = int(time.time())
         self._startable: collections.OrderedDict = collections.OrderedDict()
         self.app = self._build_app()

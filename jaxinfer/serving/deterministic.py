@@ -91,7 +91,7 @@ def check_deterministic(config: ModelConfig, params: dict, backend: AttentionBac
       config: the model's ModelConfig.
       params: the prepared params (`models.family(...).prepare`).
       backend: the serving step's attention backend (`engine.ragged.choose_backend`).
-      kv_dtype: the KV page pool's dtype.
+      kv_dtype: the KV page pool's storage: a codec's name (`cache.CODECS`) or a dtype.
       token_budget: the serving step's largest token bucket.
       xla_flags: the XLA flags this process compiles with; None reads
         `XLA_FLAGS` from the environment (XLA reads it once, when the
@@ -102,8 +102,9 @@ def check_deterministic(config: ModelConfig, params: dict, backend: AttentionBac
         problems.append("the C++ CPU kernels are off (float32 activations on one CPU device "
                         "with JAXINFER_CPU_KERNELS unset are needed): XLA's matmul and "
                         "attention sum in an order that depends on the batch")
-    if jnp.dtype(kv_dtype) != jnp.float32:
-        problems.append(f"kv_cache_dtype {jnp.dtype(kv_dtype).name}: only float32 pools run "
+    kv_name = kv_dtype if isinstance(kv_dtype, str) else jnp.dtype(kv_dtype).name  # a codec's name
+    if kv_name != "float32":
+        problems.append(f"kv_cache_dtype {kv_name}: only float32 pools run "
                         "the ragged attention kernel")
     if config.attn_logit_softcapping:
         problems.append("attention soft-capping runs on XLA's attention")

@@ -14,6 +14,7 @@ import pytest
 from attention_cases import reference_attention
 
 from jaxinfer.cache import int8 as kv_quant, paged
+from jaxinfer.cache.codecs import dequantize
 from jaxinfer.cache.layer import LayerKV
 from jaxinfer.engine import ragged
 from jaxinfer.engine.forward import place
@@ -104,7 +105,7 @@ def test_int8_pool_attention_matches_float_attention_on_dequantized_kv(b, kv_hea
     float64 reference on them: each query sees its row's positions [0, p]
     (the last `window` of them)."""
     q, pool, tables, seg, positions, rows = _int8_step(b, kv_heads, g, h, s, n)
-    keys, values = pool.dequantized()
+    keys, values = dequantize(pool)
     float_pool = LayerKV(keys, values)
     backends = [ragged.XLA] + ([ragged.CPU_KERNELS] if cpu_kernels.enabled() else [])
     attend = lambda bk: lambda q, kv: ragged.attend(bk, q, kv, tables, seg, window or 0)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from jaxinfer.cache import resolve_layout
 from jaxinfer.config import CacheConfig, GenerationConfig, SchedulerConfig
 from jaxinfer.serving.settings import split_settings
 
@@ -18,7 +19,7 @@ from jaxinfer.serving.settings import split_settings
     (lambda: CacheConfig(num_pages=4, kv_cache_memory=1 << 20),
      "give num_pages or kv_cache_memory, not both"),
     (lambda: CacheConfig(kv_cache_memory="lots"), "kv_cache_memory must be a number of bytes"),
-    (lambda: CacheConfig(kv_cache_dtype="int4"), "kv_cache_dtype must be null or one of"),
+    (lambda: CacheConfig(kv_cache_dtype=4), "kv_cache_dtype must be null or a codec's name"),
     (lambda: CacheConfig(dtype="int8"), "dtype must be one of ('float32', 'bfloat16', 'float16')"),
     (lambda: CacheConfig(prefix_caching="yes"), "prefix_caching must be bool or null, got 'yes'"),
     (lambda: CacheConfig(layout=""), "layout must be a layout's name"),
@@ -57,9 +58,30 @@ def test_generation_config_holds_one_of_each_from_the_flat_keys():
     assert "cache" not in GenerationConfig.keys() and "scheduler" not in GenerationConfig.keys()
     for override, message in (("page_size=0", "page_size must be >= 1, got 0"),
                               ("max_num_seqs=x", "max_num_seqs must be int, got 'x'"),
-                              ("kv_cache_dtype=int4", "kv_cache_dtype must be null or one of")):
+                              ("layout=5", "layout must be a layout's name"),
+                              ("kv_cache_dtype=[int8]", "kv_cache_dtype must be null or a codec's")):
         with pytest.raises(ValueError, match=re.escape(message)):
             GenerationConfig.load(None, (override,))
+    # names are checked against the registries (cache.CODECS, cache.LAYOUTS) where the
+    # layout is resolved, before anything loads (LLM.from_config)
+    for override, message in (("kv_cache_dtype=int4", "kv_cache_dtype must be null or one of "
+                                                      "('float32', 'bfloat16', 'float16', 'int8')"),
+                              ("layout=rings", "layout must be one of ['paged', 'paged_ring']")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            resolve_layout(GenerationConfig.load(None, (override,)).cache)
+
+
+def test_the_layout_is_a_yaml_key_and_sliding_window_ring_still_names_the_ring(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("layout: paged_ring\n")
+    assert GenerationConfig.load(str(path)).cache.layout == "paged_ring"
+    assert GenerationConfig.load(None, ("layout=paged_ring",)).cache.layout == "paged_ring"
+    assert GenerationConfig.load(None, ("sliding_window_ring=true",)).cache.layout == "paged_ring"
+    assert GenerationConfig.load(None, ("sliding_window_ring=true", "layout=paged_ring")
+                                 ).cache.layout == "paged_ring"
+    assert GenerationConfig().cache.layout == "paged"
+    with pytest.raises(ValueError, match="give layout or sliding_window_ring, not both"):
+        GenerationConfig.load(None, ("sliding_window_ring=true", "layout=paged"))
 
 
 def test_keyword_settings_map_onto_the_configs_in_one_place():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.cache.codecs import dequantize
 from jaxinfer.cache.int8 import quantize_kv
 from jaxinfer.cache.kv import LayerKV
 from jaxinfer.engine import ragged
@@ -107,7 +108,7 @@ def test_kernel_matches_the_xla_path_with_softcaps_and_int8_pools(heads, window,
                      k_scale.transpose(0, 2, 1), v_scale.transpose(0, 2, 1))
     else:
         kv = LayerKV(jnp.asarray(k), jnp.asarray(v))
-    plain = [np.asarray(x) for x in kv.dequantized()]
+    plain = [np.asarray(x) for x in dequantize(kv)]
     want = reference_softcapped(q, *plain, tables, *args[4:], window, softcap)
     seg = _segments((q, k, v, tables, *args[4:]))
     xla = np.asarray(ragged.attend_xla(jnp.asarray(q), kv, jnp.asarray(tables), seg, window or 0,

@@ -8,7 +8,7 @@ over the contract of `engine.ragged.attend` (q [T, K, G, H] pre-scaled, the
 layer's pool `kv` with the step's K/V already written, block tables [S, M],
 the step's `Segments`; out [T, K, G, H], zeros for tokens of no segment).
 A call the chosen backend does not apply to runs on `xla`, which serves
-every pool dtype, soft-cap and platform. Adding a backend is one module and
+every pool codec, soft-cap and platform. Adding a backend is one module and
 one line in `BACKENDS`; `engine.ragged.choose_backend` picks one per loaded
 model.
 """

@@ -1,15 +1,17 @@
-"""The Pallas backend (`kernels.pallas_ragged`): one kernel for every pool
-dtype (int8 codes dequantized inside) and soft-caps, for GPUs and TPUs;
+"""The Pallas backend (`kernels.pallas_ragged`): one kernel for every pool a
+kernel may read (`KVCodec.kernel_pool`: float, or int8 codes dequantized
+inside) and soft-caps, for GPUs and TPUs;
 `AttentionBackend("pallas", interpret=True)` runs it on any platform
 through Pallas' interpreter."""
 
 from __future__ import annotations
 
+from jaxinfer.cache.codecs import codec_of
 from jaxinfer.kernels.pallas_ragged import ragged_paged_attention_pallas
 
 
 def applies(backend, q, kv, softcap) -> bool:
-    return True
+    return codec_of(kv).kernel_pool in ("float", "int8")
 
 
 def attend(backend, q, kv, block_tables, seg, window: int, softcap=None):

@@ -1,7 +1,8 @@
 """The XLA backend: ragged paged attention in plain JAX, for any platform,
-pool dtype (int8 pools dequantized) and soft-cap; every other backend falls
-back to it where it does not apply. Each block of query tokens gathers its
-tokens' pages into dense rows (`cache.paged.gather_rows`)."""
+pool codec (read through `KVCodec.decode`: int8 pools dequantized) and
+soft-cap; every other backend falls back to it where it does not apply.
+Each block of query tokens gathers its tokens' pages into dense rows
+(`cache.paged.gather_rows`)."""
 
 from __future__ import annotations
 
