@@ -25,7 +25,8 @@ def json_error(status: int, message: str, type: str = "invalid_request_error",
 
 class Guard:
     """ASGI middleware: counts responses by route and status, checks the API
-    key on /v1/ routes (constant-time compare) and bounds the body size.
+    key on /v1/ routes and the server's `admin_routes` (constant-time
+    compare) and bounds the body size.
 
     Args:
       app: the ASGI app it guards.
@@ -41,7 +42,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in self.routes else "other"
+        admin = path in getattr(self.server, "admin_routes", ())    # `server.admin`
+        route = path if path in self.routes or admin else "other"
         metrics = self.server.metrics
 
         async def counted_send(message):
@@ -52,7 +54,8 @@ class Guard:
         settings = self.server.settings
         error = anthropic_error if path.startswith("/v1/messages") else (
             lambda status, message, code: json_error(status, message, code=code))
-        if settings.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+        if settings.api_key is not None and (path.startswith("/v1/") or admin) and (
+                not self._authorized(scope)):
             return await error(401, "invalid or missing API key: send 'Authorization: Bearer "
                                "<key>' (or 'x-api-key: <key>')", code="invalid_api_key")(
                 scope, receive, counted_send)

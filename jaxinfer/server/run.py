@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import uvicorn
 
 from jaxinfer.config import GenerationConfig, SamplingParams
+from jaxinfer.server.admin import AdminRoutes
 from jaxinfer.server.app import OpenAIServer, ServerSettings
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.serving.request import Request
@@ -80,10 +81,15 @@ def build_engine_server(llm, engine, *, model_name: str, defaults: SamplingParam
                         on_start: Optional[Callable[[], None]] = None):
     """An `OpenAIServer` of `llm` over an engine thread that is already built
     (an `EngineThread`, or the disaggregated engine of
-    `parallel.disagg.engine`); the app starts it, then calls `on_start`."""
+    `parallel.disagg.engine`); the app starts it, then calls `on_start`.
+    An engine thread of `llm`'s own runners also gets the admin routes
+    (`server.admin`: pause, resume, sleep, wake_up, reset_prefix_cache)."""
     settings = ServerSettings(model_name=model_name, api_key=api_key,
                               max_request_bytes=max_request_bytes, defaults=defaults)
-    return OpenAIServer(llm, AsyncEngine(engine), settings, on_start=on_start)
+    server = OpenAIServer(llm, AsyncEngine(engine), settings, on_start=on_start)
+    if isinstance(engine, EngineThread) and getattr(engine, "controls", None) is llm.controls:
+        AdminRoutes(server).register(server.app)     # /pause, /sleep, ... (`server.admin`)
+    return server
 
 
 def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None,
