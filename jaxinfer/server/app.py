@@ -433,7 +433,7 @@ class OpenAIServer:
             raise APIError(500, str(e), type="server_error") from None
         finally:
             self._close(group, choices)
-        return not any(c.finish_reason == "abort" for c in choices)
+        return not group.cancelled       # requests aborted otherwise (POST /pause "abort") answer
 
     async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
                         request: HTTPRequest, limit_param: str, prompt_param: str,

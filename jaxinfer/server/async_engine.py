@@ -89,12 +89,14 @@ class RequestGroup:
 
     Attributes:
       handles: the `RequestHandle`s, in choice order.
+      cancelled: `events` aborted the group because its client went away.
     """
 
     def __init__(self, handles: list[RequestHandle], queue: asyncio.Queue):
         self.handles = handles
         self._queue = queue
         self._open = len(handles)
+        self.cancelled = False       # aborted because the client went away (`events`)
 
     async def events(self, poll_s: Optional[float] = None, cancelled=None
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -114,6 +116,7 @@ class RequestGroup:
                 done, _ = await asyncio.wait({getter}, timeout=poll_s)
                 if not done:
                     if cancelled is not None and await cancelled():
+                        self.cancelled = True
                         self.abort()
                         return
                     continue

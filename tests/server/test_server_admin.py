@@ -89,6 +89,9 @@ def test_pause_abort_ends_a_running_request(served):
     thread.join(60)
     httpx.post(url + "/resume", headers=AUTH, timeout=30)
     assert not thread.is_alive()
+    assert out["r"].status_code == 200            # answered, not dropped as a gone client's
+    [choice] = out["r"].json()["choices"]
+    assert choice["finish_reason"] == "abort"
     assert _complete(url).status_code == 200
 
 
