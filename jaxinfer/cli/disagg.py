@@ -66,8 +66,7 @@ def start_engine(cfg, args, *, start: bool = True):
     if args.prefill_workers < 1:
         raise ValueError(f"--prefill-workers must be >= 1, got {args.prefill_workers}")
     check_heartbeat(args.heartbeat_s)
-    layout, _ = resolve_layout(cfg.cache)          # an unknown layout or codec, before any process
-    layout.require("page_transfer", "disaggregated prefill (a KV page transfer)")
+    check_cache(cfg)
     prefill_cpus, decode_cpus = parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)
     llm_kwargs = (("max_seq_len", cfg.max_seq_len), ("decode_chunk", cfg.decode_chunk),
                   ("prefill_chunk_size", cfg.prefill_chunk_size), ("max_num_seqs", cfg.max_num_seqs),
@@ -110,11 +109,20 @@ def parse_cpus(text: str):
     return tuple(out)
 
 
+def check_cache(cfg) -> None:
+    """Raise ValueError, before any process starts, for a layout or
+    kv_cache_dtype not registered (`cache.resolve_layout`) or a layout
+    without page transfer."""
+    layout, _ = resolve_layout(cfg.cache)
+    layout.require("page_transfer", "disaggregated prefill (a KV page transfer)")
+
+
 def cmd_disagg(args) -> int:
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
     parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)     # usage errors first
     check_heartbeat(args.heartbeat_s)
+    check_cache(cfg)
     lines = _prompt_lines(args.prompts_file)
     engine = start_engine(cfg, args)
     try:

@@ -301,3 +301,16 @@ def test_disagg_heartbeat_flag_reaches_the_engine_and_is_checked_first(capsys, m
     rc = main(["disagg", "--heartbeat-s", "0", "--prompts-file", os.devnull, "max_seq_len=32"])
     err = capsys.readouterr().err
     assert rc == 2 and "jaxinfer disagg: error: --heartbeat-s must be >= 1 (seconds), got 0" in err, err
+
+
+def test_disagg_refuses_a_layout_without_page_transfer_before_any_process_starts(capsys):
+    """The layout and codec names are resolved against `cache.LAYOUTS` and
+    `cache.CODECS`, and the layout asked for page transfer, before a worker starts."""
+    import os
+
+    for override, message in (("layout=paged_ring", "disaggregated prefill (a KV page transfer) "
+                                                    "needs every layer's K/V in the host's pages"),
+                              ("kv_cache_dtype=int4", "kv_cache_dtype must be null or one of")):
+        rc = main(["disagg", "--prompts-file", os.devnull, "max_seq_len=32", override])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err, err
