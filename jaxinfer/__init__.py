@@ -7,12 +7,14 @@ Public API:
   CacheConfig, SchedulerConfig       the KV cache's and the scheduler's settings
   KVCache, init_cache                the KV-cache pytree
   extend, prefill, decode_step       the compiled phases
+  token_logprobs, logits             the engine's forward, differentiable (for trainers)
   Request, RequestOutput, Scheduler  the serving engine (continuous batching)
 """
 
 from jaxinfer.cache.kv import KVCache, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.config import CacheConfig, GenerationConfig, SchedulerConfig
+from jaxinfer.engine.differentiable import logits, token_logprobs
 from jaxinfer.engine.phases import decode_step, extend, prefill
 from jaxinfer.serving.llm import LLM, Completion
 from jaxinfer.serving.request import Request, RequestOutput
@@ -22,5 +24,5 @@ from jaxinfer.serving.stats import RunStats
 
 __all__ = ["LLM", "Completion", "RunStats", "SamplingParams", "ModelConfig", "GenerationConfig",
            "CacheConfig", "SchedulerConfig",
-           "KVCache", "init_cache", "extend", "prefill", "decode_step", "Request", "RequestOutput",
-           "Scheduler"]
+           "KVCache", "init_cache", "extend", "prefill", "decode_step", "token_logprobs", "logits",
+           "Request", "RequestOutput", "Scheduler"]

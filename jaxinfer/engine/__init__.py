@@ -10,4 +10,6 @@
              `paged_forward`, which the step and the phases run
   `phases`   the library's extend / prefill / decode_step / token_logprobs
              on a dense cache (one slot of pages per row), one segment a row
+  `differentiable`  token_logprobs / logits: that forward as a pure function of
+             the params, jax.grad-able, for a trainer (no cache in or out)
 """

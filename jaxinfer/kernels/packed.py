@@ -5,6 +5,7 @@ shapes (benchmarks/README.md has the measurements)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -98,8 +99,38 @@ def packed_matmul(x: jax.Array, w: PackedWeight, rows: Optional[jax.Array] = Non
         out = jax.ffi.ffi_call("jaxinfer_packed_matmul_bf16", result)(
             flat, w.panels, count, dot=np.int32(bf16_dot()))
     else:
-        out = jax.ffi.ffi_call("jaxinfer_packed_matmul", result)(flat, w.panels, count)
+        out = _packed_matmul_f32(flat, w.panels, count, n)
     return out.reshape(*x.shape[:-1], n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _packed_matmul_f32(flat, panels, count, n: int):
+    """The float32 panels' kernel call, differentiable: its VJP is XLA's
+    (`_packed_bwd`), so `jax.grad` runs through the forward the engine
+    serves with (`engine.differentiable`; FFI calls have no gradient)."""
+    return jax.ffi.ffi_call("jaxinfer_packed_matmul", jax.ShapeDtypeStruct((flat.shape[0], n),
+                                                                            jnp.float32))(
+        flat, panels, count)
+
+
+def _packed_fwd(flat, panels, count, n):
+    return _packed_matmul_f32(flat, panels, count, n), (flat, panels, count)
+
+
+def _packed_bwd(n, residuals, grad):
+    """x @ W's VJP on XLA, for x and the panels: rows past `count` (zeros
+    in the output) get none, nor do the panels' zero columns past n."""
+    flat, panels, count = residuals
+    p, k, width = panels.shape
+    grad = jnp.where((jnp.arange(flat.shape[0]) < count)[:, None], grad, 0.0)
+    w = panels.transpose(1, 0, 2).reshape(k, p * width)[:, :n]
+    dx = jnp.einsum("mo,io->mi", grad, w, precision=jax.lax.Precision.HIGHEST)
+    dw = jnp.einsum("mi,mo->io", flat, grad, precision=jax.lax.Precision.HIGHEST)
+    dpanels = jnp.pad(dw, ((0, 0), (0, p * width - n))).reshape(k, p, width).transpose(1, 0, 2)
+    return dx, dpanels, None
+
+
+_packed_matmul_f32.defvjp(_packed_fwd, _packed_bwd)
 
 
 def take_columns(w: PackedWeight, ids: jax.Array) -> jax.Array:

@@ -40,9 +40,8 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
     With `pack` (default: where `cpu_kernels.enabled()` and the weights
     are float32 or bfloat16), the four projections and the LM head become
     `packed_kernels.PackedWeight` column panels (o_proj as [N*H, D]) for
-    `packed_kernels.packed_matmul`. The jitted phases prepare raw params
-    without packing, so they stay differentiable (the toy trainer
-    differentiates `prefill`; FFI calls have no gradient).
+    `packed_kernels.packed_matmul`, whose float32 kernel has XLA's VJP:
+    `engine.differentiable` differentiates through packing and the kernel.
 
     `weights` stores the four projections and the LM head as
     `quant.QuantizedWeight` panels (whatever `pack` says; `weights.matmul`
