@@ -616,9 +616,18 @@ class LLM:
             params, naming the first bad leaf; nothing has changed.
         """
         with self._admin:
+            if self.params is not None:      # (placed after construction: `parallel.load_llm`)
+                self._params_shape = weights_update.abstract(self.params)
+            config, prepare = self.config, None
+            plan = getattr(self, "sharding_plan", None)
+            if plan is not None:             # tensor parallel: laid out per shard as loading does
+                from jaxinfer.parallel.plan import shard_params
+                config, mesh = self.base_config, self.programs.mesh
+                if plan.tp > 1:
+                    prepare = lambda raw: shard_params(raw, config, mesh, plan)  # noqa: E731
             new = weights_update.prepare_update(
-                params, self.config, self._params_shape, dtype=self.cache_dtype,
-                weights=self.weights_format, activations=self.activations)
+                params, config, self._params_shape, dtype=self.cache_dtype,
+                weights=self.weights_format, activations=self.activations, prepare=prepare)
             with self.controls.paused_for("update_weights"):
                 self.params = new
                 for runner in list(self._runners):

@@ -23,7 +23,7 @@ ones' shardings.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +176,7 @@ def _has_packed(params) -> bool:
 
 
 def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
-                   activations: str) -> Any:
+                   activations: str, prepare: Optional[Callable] = None) -> Any:
     """New serving params from `params` (module docstring), checked against
     `serving` (the abstract serving params) and placed on their shardings;
     no array of `params` itself is kept (the caller may donate or change it).
@@ -184,6 +184,8 @@ def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
     Args:
       dtype: the model's param dtype (floating leaves are cast to it).
       weights, activations: the model's weight format (`weights.prepare`).
+      prepare: raw params -> prepared params, instead of the family's
+        `prepare` (a tensor-parallel LLM's `parallel.plan.shard_params`).
     Raises:
       ValueError: a mismatch, naming the first bad leaf (nothing changed).
     """
@@ -201,7 +203,11 @@ def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
         return w
     try:
         cast_params = jax.tree.map(cast, params)
-        prepared = family.prepare(cast_params, config, pack=_has_packed(serving), weights=weights)
+        if prepare is not None:
+            prepared = prepare(cast_params)
+        else:
+            prepared = family.prepare(cast_params, config, pack=_has_packed(serving),
+                                      weights=weights)
         prepared = quant.with_activations(prepared, activations)
     except (ValueError, TypeError, KeyError, IndexError) as e:
         raise ValueError(f"update_weights: the params could not be prepared: {e!r}") from None

@@ -306,3 +306,11 @@ def test_the_prefix_cache_is_invalidated_by_an_update(llm, raw):
     _tokens(llm, prompt)
     assert pool.hit_tokens == hit              # nothing served from before the update
     assert llm.reset_prefix_cache() > 0
+
+
+def test_a_tensor_parallel_llm_keeps_its_shardings():
+    from multidevice import run_case
+    r = run_case(2, "update_cases", "tensor_parallel", timeout_s=300, tp=2)
+    assert r["split_heads"]
+    assert r["got"] == r["fresh"] and r["got"] != r["before"]
+    assert r["compiles"] == 0 and r["same_shardings"]
