@@ -16,6 +16,7 @@ LLM can swap its weights (`LLM.update_weights`) or free its KV pools
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
 import weakref
@@ -123,6 +124,19 @@ class Controls:
                                "update_weights(params) before generating")
 
 
+def return_freed_memory() -> bool:
+    """Hand the heap's free memory back to the OS (glibc's `malloc_trim`).
+    XLA:CPU allocates a KV pool's arrays (a few MiB each) from the C heap,
+    which keeps freed blocks for reuse: after `LLM.sleep` deleted them the
+    process's RSS would not drop without this. Returns False where there is
+    no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.malloc_trim(0) or True)
+    except (OSError, AttributeError):
+        return False
+
+
 def clear_prefix_cache(pool) -> int:
     """Invalidate a `serving.pages.PagePool`'s prefix cache entirely: cached
     pages are freed, and pages still referenced forget their hashes (their
@@ -135,4 +149,4 @@ def clear_prefix_cache(pool) -> int:
     return n
 
 
-__all__ = ["Controls", "PAUSE_MODES", "clear_prefix_cache"]
+__all__ = ["Controls", "PAUSE_MODES", "clear_prefix_cache", "return_freed_memory"]

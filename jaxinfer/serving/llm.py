@@ -28,7 +28,7 @@ import numpy as np
 from jaxinfer.engine import phases as engine
 from jaxinfer import models, sampling
 from jaxinfer.serving.buckets import Buckets, batch_bucket
-from jaxinfer.serving.control import Controls, clear_prefix_cache
+from jaxinfer.serving.control import Controls, clear_prefix_cache, return_freed_memory
 from jaxinfer.serving import update as weights_update
 from jaxinfer.serving.deterministic import check_deterministic
 from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, init_cache
@@ -549,6 +549,7 @@ class LLM:
         """
         if not 0 <= top_n <= MAX_LOGPROBS:
             raise ValueError(f"top_n must be in [0, {MAX_LOGPROBS}], got {top_n}")
+        self.controls.check_awake(self.params is None)
         rows = [self.encode_prompt(p, chat) for p in prompts]
         for row, p in enumerate(rows):
             if len(p) > self.max_seq_len:
@@ -695,6 +696,8 @@ class LLM:
                 self.params = None
                 for runner in list(self._runners):
                     runner.params = None
+                gc.collect()
+            return_freed_memory()
             self.controls.sleep_level = max(level, self.controls.sleep_level)
 
     def wake_up(self) -> None:
