@@ -259,9 +259,10 @@ def test_update_while_requests_run_lets_them_finish_then_serves_the_new_weights(
 
 def test_sleep_and_wake_up_serve_the_same_tokens_without_compiling(llm, raw):
     before = _tokens(llm)
-    compiles = llm.programs.num_compiles
     engine = _engine(llm)
     try:
+        assert [_finish(engine.submit(r))[0] for r in _requests(max_new_tokens=NEW)] == before
+        compiles = llm.programs.num_compiles        # the engine's programs are compiled now
         runner = engine.scheduler.runner
         pool = jax.tree.leaves(runner.cache)
         llm.sleep(1)
