@@ -25,6 +25,11 @@ failed (`serving.faults.FailedOutput`: a fault in its prefill worker, its
 KV transfer, its admission, a step it ran in, or processing its tokens)
 answers 500 with code "request_failed" (streamed: an error event, then
 `data: [DONE]`); the other requests and the server go on.
+
+Prompt log-probs (completions `echo` with `logprobs`, `prompt_logprobs` on
+both routes) are `LLM.prompt_logprobs`, run on the engine thread between
+two steps (`AsyncEngine.call`) before the request's choices are submitted;
+`max_tokens` 0 submits nothing (docs/server.md, "Prompt log-probs").
 """
 
 from __future__ import annotations
