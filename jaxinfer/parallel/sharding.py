@@ -254,6 +254,7 @@ def tensor_parallel_llm(config: ModelConfig, params: dict, tokenizer, mesh: Mesh
     if mesh.size > 1:
         llm.backend = XLA       # the C++ attention kernels do not partition
     llm.sharding_plan, llm.base_config = plan, config
+    llm.prepare_update = lambda raw: shard_params(raw, config, mesh, plan)   # update_weights
     return llm
 
 

@@ -175,6 +175,9 @@ class LLM:
         self._params_shape = weights_update.abstract(self.params)
         self.weights_format, self.activations = weights_update.weights_format(self.params)
         self._paused_by_sleep = False
+        # raw params -> serving params for `update_weights` where the family's `prepare`
+        # does not make them (a tensor-parallel LLM's per-shard layout); None: it does.
+        self.prepare_update = None
 
     # Read-only views of the two configs' fields most callers want.
     max_num_seqs = property(lambda self: self.scheduler_config.max_num_seqs)
@@ -619,16 +622,13 @@ class LLM:
         with self._admin:
             if self.params is not None:      # (placed after construction: `parallel.load_llm`)
                 self._params_shape = weights_update.abstract(self.params)
-            config, prepare = self.config, None
-            plan = getattr(self, "sharding_plan", None)
-            if plan is not None:             # tensor parallel: laid out per shard as loading does
-                from jaxinfer.parallel.plan import shard_params
-                config, mesh = self.base_config, self.programs.mesh
-                if plan.tp > 1:
-                    prepare = lambda raw: shard_params(raw, config, mesh, plan)  # noqa: E731
+            # A tensor-parallel LLM lays params out per shard as loading does (its
+            # `prepare_update`, set by `parallel.sharding.tensor_parallel_llm`).
+            config = getattr(self, "base_config", self.config)
             new = weights_update.prepare_update(
                 params, config, self._params_shape, dtype=self.cache_dtype,
-                weights=self.weights_format, activations=self.activations, prepare=prepare)
+                weights=self.weights_format, activations=self.activations,
+                prepare=self.prepare_update)
             with self.controls.paused_for("update_weights"):
                 self.params = new
                 for runner in list(self._runners):
