@@ -16,9 +16,9 @@ log-probs' normaliser of the sampler's reported log-probs
 cache is an intermediate value of the program, never an input or output:
 nothing to allocate, donate or keep.
 
-`jax.grad` and `jax.jit` run through them: the C++ kernels the forward
-calls have VJPs on XLA (`kernels.packed`'s float32 panels,
-`kernels.ragged`'s attention), and preparing is array ops, so the
+`jax.grad` (reverse mode) and `jax.jit` run through them: the C++
+kernels the forward calls have VJPs on XLA (`kernels.packed`'s float32
+panels, `kernels.ragged`'s attention), and preparing is array ops, so the
 gradient is taken with respect to whichever params are passed: the raw
 layout a model is loaded from (`checkpoint.convert`'s stacked [L, ...]
 arrays, what `tests/tiny.random_params` builds and `LLM.update_weights`
@@ -31,7 +31,10 @@ log-probs `LLM.generate(..., logprobs=0)` reports for its tokens equal
 `token_logprobs` over the prompt and those tokens within float32
 rounding (the serving step's batches and chunks sum in other orders), and
 bitwise under `deterministic=True`, whose reductions do not depend on the
-batch or the chunking (docs/deterministic.md).
+batch or the chunking (docs/deterministic.md), alone or inside a
+trainer's `jax.jit(jax.value_and_grad(...))`: the backward recomputes the
+forward apart from it (`_pinned`), so XLA cannot fuse the forward's
+values into other ones.
 """
 
 from __future__ import annotations
@@ -102,6 +105,34 @@ def _token_logprobs(params, tokens, lengths, *, config: ModelConfig, backend: At
     return jnp.where(jnp.arange(t)[None, :] < lengths[:, None], lp, 0.0)
 
 
+def _pinned(program):
+    """`program(params, tokens, lengths, config=, backend=)` with a VJP
+    that recomputes the forward behind an optimization barrier: the values
+    it returns inside a `jax.grad` or `jax.value_and_grad` program are the
+    ones it returns alone (XLA fusing the forward with its backward's
+    linearization gave 7e-6 other log-probs in deterministic mode), at the
+    cost of one more forward per gradient. Reverse mode only (a
+    `jax.custom_vjp`): `jax.jvp` and `jax.jacfwd` do not run through it."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def pinned(params, tokens, lengths, config, backend):
+        return program(params, tokens, lengths, config=config, backend=backend)
+
+    def forward(params, tokens, lengths, config, backend):
+        return pinned(params, tokens, lengths, config, backend), (params, tokens, lengths)
+
+    def backward(config, backend, residuals, grad):
+        params, tokens, lengths = jax.lax.optimization_barrier(residuals)   # no CSE with the forward
+        _, vjp = jax.vjp(lambda p: program(p, tokens, lengths, config=config, backend=backend),
+                         params)
+        return (*vjp(grad), None, None)
+
+    pinned.defvjp(forward, backward)
+    return pinned
+
+
+_logits_pinned, _token_logprobs_pinned = _pinned(_logits), _pinned(_token_logprobs)
+
+
 def logits(config: ModelConfig, params: dict, tokens, lengths=None, *,
            backend: Optional[AttentionBackend] = None) -> jax.Array:
     """The engine's float32 logits at every position (module docstring).
@@ -120,7 +151,7 @@ def logits(config: ModelConfig, params: dict, tokens, lengths=None, *,
       tokens[b, :t + 1]; rows past lengths[b] are meaningless.
     """
     tokens, lengths, backend = _inputs(params, tokens, lengths, backend)
-    return _logits(params, tokens, lengths, config=config, backend=backend)
+    return _logits_pinned(params, tokens, lengths, config, backend)
 
 
 def token_logprobs(config: ModelConfig, params: dict, tokens, lengths=None, *,
@@ -138,4 +169,4 @@ def token_logprobs(config: ModelConfig, params: dict, tokens, lengths=None, *,
       gradient.
     """
     tokens, lengths, backend = _inputs(params, tokens, lengths, backend)
-    return _token_logprobs(params, tokens, lengths, config=config, backend=backend)
+    return _token_logprobs_pinned(params, tokens, lengths, config, backend)
