@@ -50,7 +50,7 @@ def codec_of(kv: LayerKV) -> KVCodec:
                      f"{'with' if kv.key_scale is not None else 'without'} scales")
 
 
-def storage(store) -> tuple[KVCodec, Optional[str]]:
+def store_codec(store) -> tuple[KVCodec, Optional[str]]:
     """(codec, activations' dtype) of a storage given as a codec name
     ("int8", "bfloat16") or as a dtype (the float codec of that dtype)."""
     if isinstance(store, str) and store in CODECS:
@@ -59,8 +59,8 @@ def storage(store) -> tuple[KVCodec, Optional[str]]:
 
 
 def position_nbytes(kv_heads: int, head_dim: int, store) -> int:
-    """Bytes of K and V of one position in one layer stored as `store` (`storage`)."""
-    codec, dtype = storage(store)
+    """Bytes of K and V of one position in one layer stored as `store` (`store_codec`)."""
+    codec, dtype = store_codec(store)
     return codec.position_nbytes(kv_heads, head_dim, dtype)
 
 
@@ -70,4 +70,4 @@ def dequantize(kv: LayerKV):
 
 
 __all__ = ["AS_DTYPE", "CODECS", "codec_of", "dequantize", "get_codec", "position_nbytes",
-           "storage"]
+           "store_codec"]
