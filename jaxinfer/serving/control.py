@@ -41,7 +41,8 @@ class Controls:
         self.paused = False
         self.abort = False
         self.sleep_level = 0
-        self._active = 0                      # offline runs in progress
+        self._active = 0                      # offline runs in progress (not at a stream's yield)
+        self._interrupts = 0                  # pauses in "abort" mode and sleeps so far
         self._engines = weakref.WeakSet()     # EngineThreads serving this LLM
 
     def add_engine(self, engine) -> None:
@@ -64,6 +65,33 @@ class Controls:
                 self._active -= 1
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """Inside an offline run: the run is suspended at a `yield` (a `stream`
+        handing a piece to its reader), so it does not hold a pause up; on
+        coming back it waits while paused. Yields a function telling
+        whether a pause in "abort" mode or a sleep (`interrupt`) happened
+        meanwhile: the run must then abort its requests."""
+        with self._cond:
+            self._active -= 1
+            epoch = self._interrupts
+            self._cond.notify_all()
+        back = False
+        try:
+            yield lambda: self._interrupts != epoch
+            back = True
+        finally:
+            with self._cond:
+                while back and self.paused:
+                    self._cond.wait()
+                self._active += 1
+
+    def interrupt(self) -> None:
+        """Streams suspended now must abort their requests when read again
+        (`LLM.sleep`: their KV pages are gone)."""
+        with self._cond:
+            self._interrupts += 1
+
     def pause(self, mode: str = "wait", timeout_s: Optional[float] = None) -> None:
         """Stop admitting work and wait until nothing is in flight: requests
         running finish ("wait") or end with reason "abort" ("abort").
@@ -79,6 +107,7 @@ class Controls:
         with self._cond:
             self.paused = True
             self.abort = self.abort or mode == "abort"
+            self._interrupts += mode == "abort"
         engines = list(self._engines)
         for engine in engines:
             engine.pause(mode)

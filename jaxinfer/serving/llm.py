@@ -482,7 +482,16 @@ class LLM:
                 acc["text"].append(event.text)
                 acc["logprobs"] += event.logprobs or []
                 acc["reason"], acc["timings"], acc["spec"] = event.finish_reason, event.timings, event.spec
-                yield i, event
+                if not stream:
+                    yield i, event
+                    continue
+                # A stream's reader may stop reading for a while: it holds no pause up
+                # meanwhile (`generate` reads on, so its requests finish under pause "wait").
+                with self.controls.suspended() as aborted:
+                    yield i, event
+                if aborted():
+                    for rid in index:
+                        scheduler.abort(rid)
         steps = scheduler.runner.decode_steps - steps
         self.last_stats = RunStats.from_requests(
             [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
@@ -687,6 +696,7 @@ class LLM:
                 self.controls.pause("wait")
                 self._paused_by_sleep = True
             if not self.controls.sleep_level:
+                self.controls.interrupt()        # a stream read later aborts: its pages are gone
                 self._clear_prefix_caches()
                 self._scheduler = None           # the offline one is rebuilt on waking
                 gc.collect()                     # its runner leaves the registry now

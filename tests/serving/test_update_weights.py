@@ -315,3 +315,25 @@ def test_a_tensor_parallel_llm_keeps_its_shardings():
     assert r["split_heads"]
     assert r["got"] == r["fresh"] and r["got"] != r["before"]
     assert r["compiles"] == 0 and r["same_shardings"]
+
+
+def test_a_stream_its_reader_holds_does_not_hold_a_pause_up(llm, raw):
+    def stream():       # what `LLM.stream` iterates (the tiny model has no tokenizer: no text)
+        return llm._run(llm.requests([PROMPTS[0]], max_new_tokens=30, ignore_eos=True),
+                        stream=True)
+
+    events = stream()
+    next(events)                         # suspended at its first event, its request in flight
+    llm.update_weights(raw)              # pauses ("wait") without waiting for the reader
+    assert list(events)[-1][1].finish_reason == "length"      # read on: it finishes
+    events = stream()
+    next(events)
+    llm.pause("abort")
+    llm.resume()
+    assert list(events)[-1][1].finish_reason == "abort"       # read again: it was aborted
+    events = stream()
+    next(events)
+    llm.sleep(1)                         # its pages are freed: read after waking, it aborts
+    llm.wake_up()
+    assert list(events)[-1][1].finish_reason == "abort"
+    assert _tokens(llm)
