@@ -150,9 +150,10 @@ def test_a_mismatched_hugging_face_tensor_is_refused_by_name(llm, raw):
         llm.update_weights(tensors)
 
 
-def test_q4_weights_are_quantized_again_as_loading_does(raw):
-    q4 = LLM(TINY_LLAMA, prepare_params(raw, TINY_LLAMA, weights="q4"), **SETTINGS)
-    assert q4.weights_format == "q4"
+@pytest.mark.parametrize("weights", ["q4", "int8"])
+def test_quantized_weights_are_quantized_again_as_loading_does(raw, weights):
+    q4 = LLM(TINY_LLAMA, prepare_params(raw, TINY_LLAMA, weights=weights), **SETTINGS)
+    assert q4.weights_format == weights
     before = _tokens(q4)
     compiles = q4.programs.num_compiles
     q4.update_weights(raw)
@@ -160,7 +161,7 @@ def test_q4_weights_are_quantized_again_as_loading_does(raw):
     new = _perturbed(raw)
     q4.update_weights(new)
     assert q4.programs.num_compiles == compiles
-    fresh = LLM(TINY_LLAMA, prepare_params(new, TINY_LLAMA, weights="q4"), **SETTINGS)
+    fresh = LLM(TINY_LLAMA, prepare_params(new, TINY_LLAMA, weights=weights), **SETTINGS)
     assert _tokens(q4) == _tokens(fresh)
 
 
