@@ -59,7 +59,8 @@ class Completion:
       prompt_token_ids: the prompt as fed to the model.
       token_ids: generated ids, including a final stop token when one ended it.
       text: detokenized generated text, stop token and stop string excluded.
-      finish_reason: "stop" (stop token or stop string) or "length".
+      finish_reason: "stop" (stop token or stop string), "length", or "abort"
+        (`LLM.pause("abort")` ended it).
       logprobs: per generated token (token_id, logprob, [(alt_id, alt_logprob), ...])
         when requested, else None. Log-probs are of the model's raw distribution.
     """
