@@ -17,6 +17,12 @@ thread (an asyncio server passes one that hands the event to its loop with
 and aborts that request, the engine serving on. `handle.abort()` finishes a request with "abort" at
 the next scheduler step and frees its slot.
 
+`pause("wait" | "abort")` holds submitted requests back (the running ones
+finish, or end with "abort"), `wait_paused` waits until nothing runs and
+`resume` hands the held requests on; an engine thread over a runner of an
+`LLM` registers with its `serving.control.Controls`, so it pauses, sleeps
+and wakes with that LLM (`LLM.pause`, `update_weights`, `sleep`).
+
 A request that fails (`serving.faults`: the scheduler could not add it, or
 a fault while it ran) gets a `FailedOutput` as its last event and the
 thread serves on; only an exception outside the scheduler's fault
