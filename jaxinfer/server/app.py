@@ -38,13 +38,12 @@ import asyncio
 import contextlib
 import collections
 import dataclasses
-import json
 import time
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from jaxinfer.cache.paged import page_nbytes, storage
@@ -61,6 +60,7 @@ from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCo
 from jaxinfer.server.responses import (Choice, Formatter, TokenText, echo_logprobs,
                                        prompt_logprobs)
 from jaxinfer.server.responses_api import ResponsesRoute
+from jaxinfer.server.routes import event_stream, sse
 from jaxinfer.server.tools import renders_hermes
 from jaxinfer.server.turns import THINK_START, TurnParser, TurnPlan, parse_turn, thinks
 from jaxinfer.serving.thread import EngineError
@@ -96,10 +96,6 @@ def _constraint_param(body) -> str:
     return next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar", "grammar", "tool_choice")
                 if getattr(body, n, None) is not None)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class OpenAIServer:
@@ -308,6 +304,15 @@ class OpenAIServer:
                     raise APIError(400, f"{name} is not supported with stream: true" if name != "max_tokens"
                                    else "max_tokens 0 is not supported with stream: true", param=name)
 
+    def _check_prompt_lengths(self, prompts: list[list[int]], param: str) -> None:
+        """Raise APIError 400 (context_length_exceeded, naming `param`) for a
+        prompt longer than max_seq_len."""
+        max_len = self.llm.max_seq_len
+        for ids in prompts:
+            if len(ids) > max_len:
+                raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_seq_len "
+                               f"{max_len}", param=param, code="context_length_exceeded")
+
     async def _score_prompts(self, body, prompts: list[list[int]], echo_top: Optional[int]):
         """`LLM.prompt_logprobs` of the prompts when the request asks for them
         (echo with logprobs: echo_top; prompt_logprobs), else None; run on the
@@ -315,12 +320,8 @@ class OpenAIServer:
         want = [n for n in (echo_top, body.prompt_logprobs) if n is not None]
         if not want:
             return None
-        max_len = self.llm.max_seq_len
-        for ids in prompts:
-            if len(ids) > max_len:
-                raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_seq_len "
-                               f"{max_len}", param="prompt" if not isinstance(body, ChatCompletionRequest)
-                               else "messages", code="context_length_exceeded")
+        self._check_prompt_lengths(prompts, "prompt" if not isinstance(body, ChatCompletionRequest)
+                                   else "messages")
         top = max(want)
         try:
             return await self.engine.call(lambda: self.llm.prompt_logprobs(prompts, top))
@@ -425,19 +426,28 @@ class OpenAIServer:
         return group, [Choice(prompt=i // body.n, timings=Timings(arrival=t0))
                        for i in range(len(requests))]
 
-    async def collect(self, group, choices: list[Choice], request: HTTPRequest) -> bool:
-        """Await every event of `group` into `choices`; False when the client
-        went away (the group is aborted). Raises APIError 500 for a failed request."""
+    async def _recorded(self, group, choices: list[Choice], gone: Optional[Callable] = None):
+        """(index, event) of each of `group`'s events, recorded into its
+        choice first; polling `gone` (an async callable: has the client gone
+        away?) when given. The group is closed at the end, or when the
+        consumer stops. Raises APIError 500 for a failed request or engine."""
         try:
-            async for index, event in group.events(self.settings.poll_s, request.is_disconnected):
+            async for index, event in group.events(self.settings.poll_s if gone else None, gone):
                 self._record(choices[index], event)
                 if event.finish_reason == "error":      # a FailedOutput (serving.faults)
                     raise APIError(500, f"the request failed: {event.error}", type="server_error",
                                    code="request_failed")
+                yield index, event
         except EngineError as e:
             raise APIError(500, str(e), type="server_error") from None
         finally:
             self._close(group, choices)
+
+    async def collect(self, group, choices: list[Choice], request: HTTPRequest) -> bool:
+        """Await every event of `group` into `choices`; False when the client
+        went away (the group is aborted). Raises APIError 500 for a failed request."""
+        async for _ in self._recorded(group, choices, request.is_disconnected):
+            pass
         return not group.cancelled       # requests aborted otherwise (POST /pause "abort") answer
 
     async def _generate(self, body, prompts: list[list[int]], top: Optional[int], chat: bool,
@@ -448,11 +458,7 @@ class OpenAIServer:
         put before each choice's text, or None."""
         scored = await self._score_prompts(body, prompts, top if echo is not None else None)
         if body.new_token_limit() == 0:      # nothing to generate: the prompt's log-probs or echo
-            max_len = self.llm.max_seq_len
-            for ids in prompts:
-                if len(ids) > max_len:
-                    raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_seq_len "
-                                   f"{max_len}", param=prompt_param, code="context_length_exceeded")
+            self._check_prompt_lengths(prompts, prompt_param)
             now = time.perf_counter()
             group, choices = None, [Choice(prompt=i // body.n, timings=Timings(arrival=now),
                                            finish_reason="length")
@@ -463,10 +469,8 @@ class OpenAIServer:
         fmt = Formatter(chat, self.settings.model_name, top, self.token_text)
         if body.stream:
             parsers = [TurnParser(plan) for _ in choices] if plan is not None else None
-            return StreamingResponse(self._stream(group, choices, lengths, fmt, body.include_usage,
-                                                  parsers),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(self._stream(group, choices, lengths, fmt, body.include_usage,
+                                             parsers))
         if group is not None and not await self.collect(group, choices, request):
             return Response(status_code=499)      # the client went away: nobody reads this
         echoed = {}
@@ -504,18 +508,10 @@ class OpenAIServer:
         APIError 500 for a failed request or engine."""
         parser = TurnParser(plan)
         gone = request.is_disconnected if request is not None else None
-        try:
-            async for index, event in group.events(self.settings.poll_s if gone else None, gone):
-                self._record(choices[index], event)
-                if event.finish_reason == "error":      # a FailedOutput (serving.faults)
-                    raise APIError(500, f"the request failed: {event.error}", type="server_error",
-                                   code="request_failed")
+        async with contextlib.aclosing(self._recorded(group, choices, gone)) as events:
+            async for _, event in events:
                 for delta in parser.feed(event.text) + (parser.finish() if event.finished else []):
                     yield delta
-        except EngineError as e:
-            raise APIError(500, str(e), type="server_error") from None
-        finally:
-            self._close(group, choices)
 
     def _record(self, choice: Choice, event) -> None:
         choice.add(event, time.perf_counter())
@@ -539,33 +535,33 @@ class OpenAIServer:
         try:
             if fmt.chat:
                 for index, choice in enumerate(choices):
-                    yield _sse(fmt.chunk(index, choice, None, None, role=True,
-                                         include_usage=include_usage))
+                    yield sse(fmt.chunk(index, choice, None, None, role=True,
+                                        include_usage=include_usage))
             async for index, event in group.events():
                 choice = choices[index]
                 self._record(choice, event)
                 if event.finish_reason == "error":      # a FailedOutput (serving.faults)
-                    yield _sse(error_body(f"the request failed: {event.error}", "server_error",
-                                          code="request_failed"))
+                    yield sse(error_body(f"the request failed: {event.error}", "server_error",
+                                         code="request_failed"))
                     break
                 if parsers is None:
                     if event.text or (fmt.top is not None and event.logprobs):
-                        yield _sse(fmt.chunk(index, choice, event.text, event.logprobs,
-                                             include_usage=include_usage))
+                        yield sse(fmt.chunk(index, choice, event.text, event.logprobs,
+                                            include_usage=include_usage))
                 else:
                     deltas = parsers[index].feed(event.text)
                     if event.finished:
                         deltas += parsers[index].finish()
                     for chunk in fmt.delta_chunks(index, choice, deltas, event.logprobs,
                                                   include_usage):
-                        yield _sse(chunk)
+                        yield sse(chunk)
                 if event.finished:
-                    yield _sse(fmt.chunk(index, choice, None, None, event.finish_reason,
-                                         include_usage=include_usage))
+                    yield sse(fmt.chunk(index, choice, None, None, event.finish_reason,
+                                        include_usage=include_usage))
             if include_usage:
-                yield _sse(fmt.usage_chunk(choices, lengths))
+                yield sse(fmt.usage_chunk(choices, lengths))
         except EngineError as e:
-            yield _sse(error_body(str(e), "server_error"))
+            yield sse(error_body(str(e), "server_error"))
         finally:
             self._close(group, choices)    # a client that went away: free the slots
         yield "data: [DONE]\n\n"

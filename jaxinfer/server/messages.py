@@ -39,19 +39,23 @@ import uuid
 from typing import Any, Literal, Optional, Union
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import Field, ValidationError
 
 from jaxinfer.server.guard import anthropic_error
-from jaxinfer.server.protocol import APIError, ChatCompletionRequest, _Strict, anthropic_error_body
+from jaxinfer.server.protocol import (APIError, ChatCompletionRequest, _Refusing, _Strict,
+                                      anthropic_error_body)
+from jaxinfer.server.routes import Routes, event_stream, sse
 
 class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
     content: Union[str, list[dict]]
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(_Refusing):
     """POST /v1/messages (max_tokens required) and /v1/messages/count_tokens."""
+
+    REFUSED = {"mcp_servers": (None,), "container": (None,)}
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -67,8 +71,6 @@ class MessagesRequest(_Strict):
     thinking: Optional[dict] = None
     metadata: Optional[dict] = None
     service_tier: Optional[str] = None
-    mcp_servers: Any = None
-    container: Any = None
 
 
 def _text(blocks: Union[str, list], where: str) -> str:
@@ -87,23 +89,36 @@ def _text(blocks: Union[str, list], where: str) -> str:
     return "".join(parts)
 
 
-def _user_turns(blocks: list, where: str) -> list[dict]:
-    """A user turn's blocks: a tool turn per tool_result, then the text."""
-    turns, text = [], []
+def _other_blocks(blocks: list, where: str, text: list, turn: str, kinds: tuple[str, ...],
+                  dropped: tuple[str, ...] = ()):
+    """A `turn` turn's blocks of `kinds`, (index, type, block) in order;
+    each text block's text is appended to `text` as it is passed, blocks of
+    `dropped` are skipped.
+
+    Raises:
+      APIError: 400 for a block of another type (met in order).
+    """
     for i, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             text.append(_text([block], where))
-        elif kind == "tool_result":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise APIError(400, f"{where}[{i}].tool_use_id must be a string")
-            content = block.get("content", "")
-            turns.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                          "content": _text(content if content is not None else "",
-                                           f"{where}[{i}].content")})
-        else:
+        elif kind in kinds:
+            yield i, kind, block
+        elif kind not in dropped:
             raise APIError(400, f"{where}[{i}]: content block type {kind!r} is not supported by "
-                           "this server in a user turn (text, tool_result)")
+                           f"this server in {turn} turn ({', '.join(('text',) + kinds)})")
+
+
+def _user_turns(blocks: list, where: str) -> list[dict]:
+    """A user turn's blocks: a tool turn per tool_result, then the text."""
+    turns, text = [], []
+    for i, _, block in _other_blocks(blocks, where, text, "a user", ("tool_result",)):
+        if not isinstance(block.get("tool_use_id"), str):
+            raise APIError(400, f"{where}[{i}].tool_use_id must be a string")
+        content = block.get("content", "")
+        turns.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                      "content": _text(content if content is not None else "",
+                                       f"{where}[{i}].content")})
     if text or not turns:
         turns.append({"role": "user", "content": "".join(text)})
     return turns
@@ -111,15 +126,11 @@ def _user_turns(blocks: list, where: str) -> list[dict]:
 
 def _assistant_turn(blocks: list, where: str) -> dict:
     text, reasoning, calls = [], [], []
-    for i, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            text.append(_text([block], where))
-        elif kind == "thinking":
+    for i, kind, block in _other_blocks(blocks, where, text, "an assistant",
+                                        ("thinking", "tool_use"), dropped=("redacted_thinking",)):
+        if kind == "thinking":
             if isinstance(block.get("thinking"), str):
                 reasoning.append(block["thinking"])
-        elif kind == "redacted_thinking":
-            continue
         elif kind == "tool_use":
             if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                     and isinstance(block.get("input"), dict)):
@@ -127,9 +138,6 @@ def _assistant_turn(blocks: list, where: str) -> dict:
                                "and an object input")
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}})
-        else:
-            raise APIError(400, f"{where}[{i}]: content block type {kind!r} is not supported by "
-                           "this server in an assistant turn (text, thinking, tool_use)")
     turn: dict = {"role": "assistant", "content": "".join(text)}
     if calls:
         turn["tool_calls"] = calls
@@ -173,9 +181,9 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     Raises:
       APIError: 400 for an unsupported block, tool or field (see the module docstring).
     """
-    for name in ("mcp_servers", "container"):
-        if getattr(body, name) is not None:
-            raise APIError(400, f"{name} is not supported by this server")
+    refused = body.unsupported_field()
+    if refused is not None:
+        raise APIError(400, f"{refused} is not supported by this server")
     turns = [] if body.system is None else [{"role": "system", "content": _text(body.system,
                                                                                "system")}]
     for i, message in enumerate(body.messages):
@@ -210,18 +218,14 @@ def _validation_message(e: ValidationError) -> str:
 
 
 def _sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return sse(data, event)
 
 
-class MessagesRoute:
+class MessagesRoute(Routes):
     """The Messages routes of an `app.OpenAIServer`."""
 
-    def __init__(self, server):
-        self.server = server
-
-    def register(self, app) -> None:
-        app.post("/v1/messages")(self.create)
-        app.post("/v1/messages/count_tokens")(self.count_tokens)
+    ROUTES = (("post", "/v1/messages", "create"),
+              ("post", "/v1/messages/count_tokens", "count_tokens"))
 
     async def _parse(self, request: HTTPRequest, count: bool = False):
         try:
@@ -255,9 +259,7 @@ class MessagesRoute:
             return anthropic_error(e.status, e.message)
         reply = _Reply(self.server, body, len(ids))
         if body.stream:
-            return StreamingResponse(self._stream(reply, group, choices, plan),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(self._stream(reply, group, choices, plan))
         try:
             deltas = [d async for d in self.server.turn_deltas(group, choices, plan, request)]
         except APIError as e:

@@ -26,7 +26,7 @@ the chat template (`auto_tools`; jaxinfer.server.tools).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -82,6 +82,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+class _Refusing(_Strict):
+    """A request body whose API defines fields this server refuses: `REFUSED`
+    maps each to the values that leave its feature off. They are not
+    declared (a subclass that serves one declares it, which takes it off the
+    list), so the body keeps the fields it does not declare, untyped
+    (`model_extra`), and `unsupported_field` names the first refused one
+    set to another value."""
+
+    model_config = ConfigDict(extra="allow")
+    REFUSED: ClassVar[dict[str, tuple]] = {}
+
+    def unsupported_field(self) -> Optional[str]:
+        """The first refused field set to a value that asks for the feature, or None."""
+        extra = self.model_extra or {}
+        for name, off in self.REFUSED.items():
+            if name not in type(self).model_fields and extra.get(name) not in off:
+                return name
+        return None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -134,26 +154,34 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "chat_
                             "tokenize")
 
 # Request fields of the OpenAI API that jaxinfer does not implement: an error when set
-# to anything but these "off" values.
+# to anything but these "off" values (`_Refusing`; a request model that declares one serves it).
 UNSUPPORTED = {"logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"),
                "echo": (None, False),
                "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,)}
 
 
-class _Sampling(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _OpenAISampling(_Refusing):
+    """The sampling fields of every OpenAI request body (/v1/completions,
+    /v1/chat/completions, /v1/responses), with their ranges."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+
+
+class _Sampling(_OpenAISampling):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    REFUSED = UNSUPPORTED
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
     min_p: Optional[float] = Field(None, ge=0, le=1)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, gt=0)
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -167,23 +195,6 @@ class _Sampling(_Strict):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     grammar: Optional[str] = None
-    # Unsupported (see UNSUPPORTED): typed loosely so that the check below names them.
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
-    parallel_tool_calls: Any = None
-
-    def unsupported_field(self) -> Optional[str]:
-        """The first unsupported field set to a value that asks for the feature, or None."""
-        for name, off in UNSUPPORTED.items():
-            if getattr(self, name) not in off:
-                return name
-        return None
 
     def structured_output(self) -> Optional[StructuredOutput]:
         """The request's output constraint, or None.
@@ -254,13 +265,6 @@ class CompletionRequest(_Sampling):
     def new_token_limit(self) -> Optional[int]:
         return self.max_tokens
 
-    def unsupported_field(self) -> Optional[str]:
-        """As `_Sampling`'s, but `echo` is served."""
-        for name, off in UNSUPPORTED.items():
-            if name != "echo" and getattr(self, name) not in off:
-                return name
-        return None
-
 
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions. `max_completion_tokens` wins over
@@ -274,16 +278,13 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Served here (`forced_tool`), refused by completions (UNSUPPORTED); typed loosely, checked
+    # by `_functions`.
+    tools: Any = None
+    tool_choice: Any = None
 
     def new_token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def unsupported_field(self) -> Optional[str]:
-        """As `_Sampling`'s, but `tools` and `tool_choice` are served (`forced_tool`)."""
-        for name, off in UNSUPPORTED.items():
-            if name not in ("tools", "tool_choice") and getattr(self, name) not in off:
-                return name
-        return None
 
     def _functions(self) -> dict:
         """tools as {name: function dict} ({} without tools or with tool_choice "none").

@@ -69,21 +69,35 @@ def chat_logprobs(entries: list, top: int, token_text: TokenText) -> dict:
     return {"content": content}
 
 
-def completion_logprobs(entries: list, top: int, token_text: TokenText, offset: int = 0
-                        ) -> tuple[dict, int]:
-    """OpenAI completions `logprobs` for entries (as `chat_logprobs`), the
-    first text offset being `offset`; returns (logprobs, the next offset)."""
+def _completion_logprobs(rows, offset: int) -> tuple[dict, int]:
+    """OpenAI completions `logprobs` of (text, logprob, top_logprobs) rows,
+    the first text offset being `offset`; returns (logprobs, the next offset)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, logprob, alts in entries:
-        text = token_text(token)
-        tops = {token_text(i): lp for i, lp in alts[:top]}
-        tops.setdefault(text, logprob)
+    for text, logprob, tops in rows:
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
         out["top_logprobs"].append(tops)
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
+
+
+def _top_logprobs(text: str, logprob: float, alts: list, top: int, token_text: TokenText) -> dict:
+    """{text: logprob} of the first `top` (id, logprob) alternatives, and of the token itself."""
+    tops = {token_text(i): lp for i, lp in alts[:top]}
+    tops.setdefault(text, logprob)
+    return tops
+
+
+def completion_logprobs(entries: list, top: int, token_text: TokenText, offset: int = 0
+                        ) -> tuple[dict, int]:
+    """OpenAI completions `logprobs` for entries (as `chat_logprobs`), the
+    first text offset being `offset`; returns (logprobs, the next offset)."""
+    rows = []
+    for token, logprob, alts in entries:
+        text = token_text(token)
+        rows.append((text, logprob, _top_logprobs(text, logprob, alts, top, token_text)))
+    return _completion_logprobs(rows, offset)
 
 
 def echo_logprobs(ids: list, entries: list, top: int, token_text: TokenText) -> tuple[dict, int]:
@@ -91,22 +105,15 @@ def echo_logprobs(ids: list, entries: list, top: int, token_text: TokenText) -> 
     its `LLM.prompt_logprobs` entries (None for the first token, then
     `PromptLogprob`s): the first token's log-prob and top_logprobs are
     null; returns (logprobs, the text offset after the prompt)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
+    rows = []
     for token, entry in zip(ids, entries):
         text = token_text(token)
         if entry is None:       # the first token: nothing before it predicts it
-            logprob, tops = None, None
+            rows.append((text, None, None))
         else:
-            logprob = entry.logprob
-            tops = {token_text(t): lp for t, lp in entry.top[:top]}
-            tops.setdefault(text, logprob)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(tops)
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out, offset
+            rows.append((text, entry.logprob,
+                         _top_logprobs(text, entry.logprob, entry.top, top, token_text)))
+    return _completion_logprobs(rows, 0)
 
 
 def prompt_logprobs(entries: list, top: int, token_text: TokenText) -> list:

@@ -38,32 +38,27 @@ response.failed. Errors are OpenAI's JSON.
 from __future__ import annotations
 
 import copy
-import json
 import time
 import uuid
 from typing import Any, Optional, Union
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import Field, ValidationError
 
-from jaxinfer.sampling import MAX_SEED
-from jaxinfer.server.protocol import APIError, ChatCompletionRequest, _Strict
+from jaxinfer.server.protocol import APIError, ChatCompletionRequest, _OpenAISampling
+from jaxinfer.server.routes import Routes, event_stream, sse
 
-_STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
+class ResponsesRequest(_OpenAISampling):
+    """POST /v1/responses. Refused: the fields that need stored state."""
 
-
-class ResponsesRequest(_Strict):
-    """POST /v1/responses."""
+    REFUSED = {name: (None, False) for name in
+               ("previous_response_id", "conversation", "background", "prompt")}
 
     model: Optional[str] = None
     input: Union[str, list[dict]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     store: Optional[bool] = None
     tools: Optional[list[dict]] = None
@@ -71,10 +66,6 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict] = None
     metadata: Optional[dict] = None
-    previous_response_id: Any = None
-    conversation: Any = None
-    background: Any = None
-    prompt: Any = None
 
 
 def _parts_text(content: Union[str, list], where: str) -> str:
@@ -173,10 +164,10 @@ def _response_format(body: ResponsesRequest) -> Optional[dict]:
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that serves `body`. Raises APIError 400 (see the module docstring)."""
-    for name in _STATEFUL:
-        if getattr(body, name) not in (None, False):
-            raise APIError(400, f"{name} needs stored state, and this server is stateless "
-                           "(store: false): send the whole conversation in input", param=name)
+    stateful = body.unsupported_field()
+    if stateful is not None:
+        raise APIError(400, f"{stateful} needs stored state, and this server is stateless "
+                       "(store: false): send the whole conversation in input", param=stateful)
     if body.store:
         raise APIError(400, "this server stores no responses: set store to false (or leave it out)",
                        param="store")
@@ -194,19 +185,15 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _sse(data: dict) -> str:
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return sse(data, data["type"])
 
 
-class ResponsesRoute:
+class ResponsesRoute(Routes):
     """POST /v1/responses of an `app.OpenAIServer`."""
 
-    def __init__(self, server):
-        self.server = server
-
-    def register(self, app) -> None:
-        app.post("/v1/responses")(self.create)
-        app.get("/v1/responses/{response_id}")(self.stored)
-        app.delete("/v1/responses/{response_id}")(self.stored)
+    ROUTES = (("post", "/v1/responses", "create"),
+              ("get", "/v1/responses/{response_id}", "stored"),
+              ("delete", "/v1/responses/{response_id}", "stored"))
 
     @staticmethod
     async def stored(response_id: str):
@@ -227,9 +214,7 @@ class ResponsesRoute:
         group, choices = self.server.submit(chat, [ids], None, limit, "input")
         builder = _Builder(self.server, body, len(ids))
         if body.stream:
-            return StreamingResponse(self._stream(builder, group, choices, plan),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(self._stream(builder, group, choices, plan))
         async for delta in self.server.turn_deltas(group, choices, plan, request):
             builder.add(delta)
         if choices[0].finish_reason == "abort":
