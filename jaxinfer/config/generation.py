@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 import yaml
 
 from jaxinfer.config.cache import CacheConfig
-from jaxinfer.config.sampling import SamplingParams
+from jaxinfer.config.sampling import SamplingParams, check_token_limits
 from jaxinfer.config.scheduler import SchedulerConfig
 
 # Compiled programs a process keeps alive at most (`serving.programs.ProgramCache`):
@@ -189,14 +189,9 @@ class GenerationConfig:
         if self.activations == "int8" and self.weights != "q4":
             raise ValueError(f"activations=int8 needs weights=q4 (int8 activations multiply "
                              f"4-bit weights), got weights={self.weights!r}")
-        for name in ("max_new_tokens",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_token_limits(self.max_new_tokens, self.min_tokens)
         if self.max_programs is not None and self.max_programs < 1:
             raise ValueError(f"max_programs must be >= 1 or null, got {self.max_programs}")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
-                             f"got {self.min_tokens}")
         if self.sliding_window_ring and self.layout not in (None, "paged_ring"):
             raise ValueError(f"sliding_window_ring: true is layout paged_ring; give layout or "
                              f"sliding_window_ring, not both (got layout {self.layout!r})")

@@ -170,6 +170,21 @@ def _check(ok: bool, name: str, rule: str, value) -> None:
         raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
 
 
+def check_token_limits(max_new_tokens: int, min_tokens: int) -> None:
+    """One request's token limits, as `serving.Request` and
+    `config.GenerationConfig` take them: max_new_tokens >= 1 and
+    0 <= min_tokens <= max_new_tokens (both ints; types are the caller's).
+
+    Raises:
+      ValueError: naming the field out of range and its value.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= min_tokens <= max_new_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_new_tokens = {max_new_tokens}], "
+                         f"got {min_tokens}")
+
+
 def resolve_seeds(seeds: Sequence[Optional[int]]) -> tuple[int, ...]:
     """Replaces each None seed by a fresh random 32-bit seed from `secrets`.
 

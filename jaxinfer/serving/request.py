@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from jaxinfer.config.sampling import check_token_limits
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer.stop import StopMatcher
 
@@ -64,11 +65,7 @@ class Request:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
-                             f"got {self.min_tokens}")
+        check_token_limits(self.max_new_tokens, self.min_tokens)
         if self.min_tokens and self.sampling.structured is not None:
             raise ValueError("min_tokens cannot be combined with structured output (the "
                              "constraint decides where the output ends)")
