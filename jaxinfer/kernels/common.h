@@ -1,6 +1,7 @@
 // What the kernel sources share (cpu_kernels.cc, quant_kernels.cc): one vector of float
-// lanes and its loads (int8 codes converted), the split of work units over XLA's intra-op
-// thread pool, and the FFI buffer types both bind. Everything here has internal linkage (an anonymous namespace), so each source gets
+// lanes, its loads (int8 and uint16 lanes widened) and the store of a weight panel's output
+// row, the split of work units over XLA's intra-op thread pool, and the FFI binding start
+// and buffer types both use. Everything here has internal linkage (an anonymous namespace), so each source gets
 // its own copy and the library exports none of it. jaxinfer/kernels/cpu.py keys its build
 // on this header as on the sources.
 // FFI API: xla/ffi/api/ffi.h as shipped in jaxlib (jax.ffi.include_dir()).
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -48,25 +50,55 @@ inline vu16 load_u32(const uint32_t* p) { return *reinterpret_cast<const vu16u*>
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return v16{} + x; }
 
-// kLanes entries of a K/V pool or weight panel as float32 lanes: float32 as it is, int8
-// codes converted (GCC 12 lowers __builtin_convertvector from 8-bit lanes to scalar code,
-// so the AVX-512 and AVX2 builds use the conversion instructions).
-inline v16 load_codes(const float* p) { return load(p); }
-#if defined(__AVX512F__)
-inline v16 load_codes(const int8_t* p) {
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+template <typename To, typename From>
+inline To bit_cast(From x) {
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
 }
-#elif defined(__AVX2__)
-inline v16 load_codes(const int8_t* p) {
-  return (v16)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-#else
-inline v16 load_codes(const int8_t* p) {
-  v16 r;
+
+// The vector V of kLanes elements p[0 .. kLanes - 1], each converted on its own (the scalar
+// builds' loads).
+template <typename V, typename T>
+inline V lanes_of(const T* p) {
+  V r;
   for (int i = 0; i < kLanes; ++i) r[i] = p[i];
   return r;
 }
+
+// kLanes int8s sign-extended, or kLanes uint16s zero-extended, to int32 lanes. GCC 12 lowers
+// __builtin_convertvector from 8- and 16-bit lanes to scalar code, so the AVX-512 and AVX2
+// builds use the extending loads.
+#if defined(__AVX512F__)
+inline vi16 widen(const int8_t* p) { return (vi16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline vi16 widen(const uint16_t* p) { return (vi16)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
+#elif defined(__AVX2__)
+inline vi16 widen(const int8_t* p) { return (vi16)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline vi16 widen(const uint16_t* p) { return (vi16)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
+#else
+template <typename T>
+inline vi16 widen(const T* p) {
+  return lanes_of<vi16>(p);
+}
 #endif
+
+// kLanes entries of a K/V pool or weight panel as float32 lanes: float32 as it is, int8
+// codes converted.
+inline v16 load_codes(const float* p) { return load(p); }
+inline v16 load_codes(const int8_t* p) { return __builtin_convertvector(widen(p), v16); }
+
+// out[0:cols] = the first cols lanes of the NV vectors `row` (one output row of a weight panel
+// NV vectors wide; cols is less than that for the zero-padded last panel).
+template <int NV>
+inline void store_panel_row(float* out, const v16 (&row)[NV], int64_t cols) {
+  if (cols == NV * kLanes) {
+    for (int j = 0; j < NV; ++j) store(out + j * kLanes, row[j]);
+    return;
+  }
+  float full[NV * kLanes];
+  for (int j = 0; j < NV; ++j) store(full + j * kLanes, row[j]);
+  std::memcpy(out, full, cols * sizeof(float));
+}
 
 // Runs unit(i) for i in [0, units) on the calling thread and up to pool.num_threads() - 1
 // pool tasks, which claim units from a shared counter. Returns when every unit is done.
@@ -102,6 +134,23 @@ void parallel_units(ffi::ThreadPool& pool, int64_t units, Unit unit) {
       std::this_thread::yield();
     }
   }
+}
+
+// The start of a kernel's FFI binding: XLA's intra-op thread pool (every kernel splits its
+// work over it with parallel_units), then operands of the types Args, in order. The rest
+// (more operands, attributes, results) chains on: bind_with_pool<A, B>().Ret<C>().
+// (Bindings cannot be moved or copied by others than the FFI's own classes, so each step
+// hands its result on as a temporary.)
+template <typename First, typename... Rest, typename Binding>
+auto bind_args(Binding&& b) {
+  if constexpr (sizeof...(Rest) == 0)
+    return std::move(b).template Arg<First>();
+  else
+    return bind_args<Rest...>(std::move(b).template Arg<First>());
+}
+template <typename... Args>
+auto bind_with_pool() {
+  return bind_args<Args...>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>());
 }
 
 // FFI buffer types both sources bind.

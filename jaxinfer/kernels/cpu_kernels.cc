@@ -44,13 +44,6 @@ constexpr int kRowBlock = kLanes == 16 ? 8 : 4;
 constexpr int kPanelVectors = 3;
 constexpr int kPanel = kLanes * kPanelVectors;
 
-template <typename To, typename From>
-inline To bit_cast(From x) {
-  To y;
-  std::memcpy(&y, &x, sizeof y);
-  return y;
-}
-
 // a * b + c rounded once, as an explicit instruction: the compiler's own contraction of
 // `c + a * b` may differ between two instantiations of one loop, and so change the bits.
 inline v16 fmadd(v16 a, v16 b, v16 c) {
@@ -86,25 +79,22 @@ inline v16 exp_nonpositive(v16 x) {
 }
 
 // Horizontal max and sum of the lanes of x.
-inline float reduce_max(v16 x) {
 #if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(x);
+inline float reduce_max(v16 x) { return _mm512_reduce_max_ps(x); }
+inline float reduce_add(v16 x) { return _mm512_reduce_add_ps(x); }
 #else
+inline float reduce_max(v16 x) {
   float m = x[0];
   for (int j = 1; j < kLanes; ++j) m = std::max(m, x[j]);
   return m;
-#endif
 }
 
 inline float reduce_add(v16 x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(x);
-#else
   float total = 0.0f;
   for (int j = 0; j < kLanes; ++j) total += x[j];
   return total;
-#endif
 }
+#endif
 
 // Lane indices 0 .. kLanes - 1.
 alignas(64) constexpr int32_t kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -573,57 +563,58 @@ ffi::Error ragged_step(ffi::ThreadPool& pool, RaggedDims d, const Segments& seg,
   return ffi::Error::Success();
 }
 
-// The dimensions of a ragged step; false when the operands' shapes do not agree (the pools'
-// element type is the caller's).
+using Codes4 = ffi::Buffer<ffi::S8, 4>;
+using Scales3 = ffi::Buffer<ffi::F32, 3>;
+
+// What both ragged handlers do: check the operands' shapes (those of the scales too, for an
+// int8 pool; `expected` is the message when they do not agree) and the window, then run the
+// step over the pool k, v (float32 values, or int8 codes with their scales).
 template <typename Pages>
-bool ragged_dims(Tensor4& q, Pages& k, Pages& v, Table2& tables, Vector1i& seg_slot,
-                 Vector1i& seg_start, Vector1i& seg_len, Vector1i& seg_pos, int64_t window,
-                 RaggedDims& d) {
+ffi::Error ragged_attention(ffi::ThreadPool& pool, Tensor4& q, Pages& k, Pages& v, Table2& tables,
+                            Vector1i& seg_slot, Vector1i& seg_start, Vector1i& seg_len,
+                            Vector1i& seg_pos, Scales3* k_scale, Scales3* v_scale, int64_t window,
+                            ffi::Result<Tensor4>& out, const char* expected) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
-  d = RaggedDims{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1],
-                 seg_slot.dimensions()[0], window, 1};
-  return kd[1] == d.K && kd[2] == d.H && vd[0] == d.P && vd[1] == d.K && vd[2] == d.ps &&
-         vd[3] == d.H && seg_start.dimensions()[0] == d.R && seg_len.dimensions()[0] == d.R &&
-         seg_pos.dimensions()[0] == d.R;
+  const RaggedDims d{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1],
+                     seg_slot.dimensions()[0], window, 1};
+  bool ok = kd[1] == d.K && kd[2] == d.H && vd[0] == d.P && vd[1] == d.K && vd[2] == d.ps &&
+            vd[3] == d.H && seg_start.dimensions()[0] == d.R && seg_len.dimensions()[0] == d.R &&
+            seg_pos.dimensions()[0] == d.R;
+  for (Scales3* scales : {k_scale, v_scale})
+    if (scales != nullptr) {
+      const auto sd = scales->dimensions();
+      ok = ok && sd[0] == d.P && sd[1] == d.K && sd[2] == d.ps;
+    }
+  if (!ok) return ffi::Error::InvalidArgument(ragged_error(expected));
+  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
+  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
+                     seg_pos.typed_data()};
+  using Code = std::remove_const_t<std::remove_pointer_t<decltype(k.typed_data())>>;
+  const PagedKV<Code> kv{k.typed_data(), v.typed_data(),
+                         k_scale != nullptr ? k_scale->typed_data() : nullptr,
+                         v_scale != nullptr ? v_scale->typed_data() : nullptr};
+  return ragged_step(pool, d, seg, tables.typed_data(), q.typed_data(), kv, out->typed_data());
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, Tensor4 q, Tensor4 k, Tensor4 v,
                                 Table2 tables, Vector1i seg_slot, Vector1i seg_start,
                                 Vector1i seg_len, Vector1i seg_pos, int64_t window,
                                 ffi::Result<Tensor4> out) {
-  RaggedDims d;
-  if (!ragged_dims(q, k, v, tables, seg_slot, seg_start, seg_len, seg_pos, window, d))
-    return ffi::Error::InvalidArgument(ragged_error(
-        "expected q [T,K,G,H], k_pages [P,K,H,ps], v_pages [P,K,ps,H], block_tables [S,M], "
-        "seg_slot, seg_start, seg_len, seg_pos [R]"));
-  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
-  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
-                     seg_pos.typed_data()};
-  const PagedKV<float> kv{k.typed_data(), v.typed_data(), nullptr, nullptr};
-  return ragged_step(pool, d, seg, tables.typed_data(), q.typed_data(), kv, out->typed_data());
+  return ragged_attention(pool, q, k, v, tables, seg_slot, seg_start, seg_len, seg_pos, nullptr,
+                          nullptr, window, out,
+                          "expected q [T,K,G,H], k_pages [P,K,H,ps], v_pages [P,K,ps,H], "
+                          "block_tables [S,M], seg_slot, seg_start, seg_len, seg_pos [R]");
 }
-
-using Codes4 = ffi::Buffer<ffi::S8, 4>;
-using Scales3 = ffi::Buffer<ffi::F32, 3>;
 
 ffi::Error RaggedPagedAttentionInt8(ffi::ThreadPool pool, Tensor4 q, Codes4 k, Codes4 v,
                                     Table2 tables, Vector1i seg_slot, Vector1i seg_start,
                                     Vector1i seg_len, Vector1i seg_pos, Scales3 k_scale,
                                     Scales3 v_scale, int64_t window, ffi::Result<Tensor4> out) {
-  RaggedDims d;
-  const auto ksd = k_scale.dimensions(), vsd = v_scale.dimensions();
-  if (!ragged_dims(q, k, v, tables, seg_slot, seg_start, seg_len, seg_pos, window, d) ||
-      ksd[0] != d.P || ksd[1] != d.K || ksd[2] != d.ps || vsd[0] != d.P || vsd[1] != d.K ||
-      vsd[2] != d.ps)
-    return ffi::Error::InvalidArgument(ragged_error(
-        "expected q [T,K,G,H], int8 k_pages [P,K,H,ps], int8 v_pages [P,K,ps,H], block_tables "
-        "[S,M], seg_slot, seg_start, seg_len, seg_pos [R], k_scale and v_scale [P,K,ps]"));
-  if (window < 0) return ffi::Error::InvalidArgument(ragged_error("window must be >= 0"));
-  const Segments seg{seg_slot.typed_data(), seg_start.typed_data(), seg_len.typed_data(),
-                     seg_pos.typed_data()};
-  const PagedKV<int8_t> kv{k.typed_data(), v.typed_data(), k_scale.typed_data(),
-                           v_scale.typed_data()};
-  return ragged_step(pool, d, seg, tables.typed_data(), q.typed_data(), kv, out->typed_data());
+  return ragged_attention(pool, q, k, v, tables, seg_slot, seg_start, seg_len, seg_pos, &k_scale,
+                          &v_scale, window, out,
+                          "expected q [T,K,G,H], int8 k_pages [P,K,H,ps], int8 v_pages [P,K,ps,H], "
+                          "block_tables [S,M], seg_slot, seg_start, seg_len, seg_pos [R], k_scale "
+                          "and v_scale [P,K,ps]");
 }
 
 // --- Packed matmul ---
@@ -634,17 +625,19 @@ constexpr int64_t kRowsPerUnit = 64;
 // float32 panels hold one input row per kPanel floats; bfloat16 panels hold two input rows
 // interleaved per kPanel uint32 (a pair (W[2i, c], W[2i+1, c]) in each uint32, low half
 // first), widened here to float32 by moving each bfloat16 into the high half of a float.
-struct F32Panel {
-  using T = float;
-  static constexpr int kRowsPerStep = 1;
+template <typename Stored, int RowsPerStep>
+struct PanelFormat {
+  using T = Stored;
+  static constexpr int kRowsPerStep = RowsPerStep;
+};
+
+struct F32Panel : PanelFormat<float, 1> {
   static inline void weights(const float* w, v16 (&b)[kRowsPerStep][kPanelVectors]) {
     for (int j = 0; j < kPanelVectors; ++j) b[0][j] = load(w + j * kLanes);
   }
 };
 
-struct Bf16WidenPanel {
-  using T = uint32_t;
-  static constexpr int kRowsPerStep = 2;
+struct Bf16WidenPanel : PanelFormat<uint32_t, 2> {
   static inline void weights(const uint32_t* w, v16 (&b)[kRowsPerStep][kPanelVectors]) {
     for (int j = 0; j < kPanelVectors; ++j) {
       const vu16 pair = load_u32(w + j * kLanes);
@@ -687,16 +680,7 @@ void panel_block(const float* __restrict x, int64_t I, const typename Panel::T* 
       for (int j = 0; j < kPanelVectors; ++j) acc[r][j] += xr * b[0][j];
     }
   }
-  if (cols == kPanel) {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < kPanelVectors; ++j) store(out + r * O + j * kLanes, acc[r][j]);
-  } else {  // the zero-padded last panel
-    for (int r = 0; r < R; ++r) {
-      float row[kPanel];
-      for (int j = 0; j < kPanelVectors; ++j) store(row + j * kLanes, acc[r][j]);
-      std::memcpy(out + r * O, row, cols * sizeof(float));
-    }
-  }
+  for (int r = 0; r < R; ++r) store_panel_row(out + r * O, acc[r], cols);
 }
 
 template <typename Panel, int R>
@@ -764,23 +748,18 @@ constexpr bool kHasBf16Dot = true;
 template <int R>
 void dot_block(const uint32_t* __restrict xp, int64_t I2, const uint32_t* __restrict panel,
                float* __restrict out, int64_t O, int64_t cols) {
-  __m512 acc[R][kPanelVectors];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kPanelVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+  v16 acc[R][kPanelVectors] = {};
   for (int64_t i = 0; i < I2; ++i) {
     __m512bh b[kPanelVectors];
     for (int j = 0; j < kPanelVectors; ++j)
       b[j] = (__m512bh)_mm512_loadu_si512(panel + i * kPanel + j * kLanes);
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * I2 + i]));
-      for (int j = 0; j < kPanelVectors; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+      for (int j = 0; j < kPanelVectors; ++j)
+        acc[r][j] = (v16)_mm512_dpbf16_ps((__m512)acc[r][j], a, b[j]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float row[kPanel];
-    for (int j = 0; j < kPanelVectors; ++j) _mm512_storeu_ps(row + j * kLanes, acc[r][j]);
-    std::memcpy(out + r * O, row, cols * sizeof(float));
-  }
+  for (int r = 0; r < R; ++r) store_panel_row(out + r * O, acc[r], cols);
 }
 
 template <int R>
@@ -1014,61 +993,32 @@ extern "C" int jaxinfer_probe_bf16_dot() {
 #endif
 }
 
+// The ragged kernels' operands up to the segments: q, the pool's keys and values (Pages),
+// block_tables and the four segment vectors.
+template <typename Pages>
+auto bind_ragged() {
+  return bind_with_pool<Tensor4, Pages, Pages, Table2, Vector1i, Vector1i, Vector1i, Vector1i>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Table2>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
-                                  .Attr<int64_t>("window")
-                                  .Ret<Tensor4>());
+                              bind_ragged<Tensor4>().Attr<int64_t>("window").Ret<Tensor4>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttentionInt8, RaggedPagedAttentionInt8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Tensor4>()
-                                  .Arg<Codes4>()
-                                  .Arg<Codes4>()
-                                  .Arg<Table2>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
-                                  .Arg<Vector1i>()
+                              bind_ragged<Codes4>()
                                   .Arg<Scales3>()
                                   .Arg<Scales3>()
                                   .Attr<int64_t>("window")
                                   .Ret<Tensor4>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmul, PackedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Arg<Panels3>()
-                                  .Arg<Rows>()
-                                  .Ret<Matrix2>());
+                              (bind_with_pool<Matrix2, Panels3, Rows>().Ret<Matrix2>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Arg<Bf16Panels3>()
-                                  .Arg<Rows>()
-                                  .Attr<int32_t>("dot")
-                                  .Ret<Matrix2>());
+                              (bind_with_pool<Matrix2, Bf16Panels3, Rows>()
+                                   .Attr<int32_t>("dot")
+                                   .Ret<Matrix2>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferArgmaxFirst, ArgmaxFirst,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Ret<Vector1i>());
+                              bind_with_pool<Matrix2>().Ret<Vector1i>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferReadSum, ReadSum,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Vector1>()
-                                  .Ret<Scalar0>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferReadSum, ReadSum, bind_with_pool<Vector1>().Ret<Scalar0>());

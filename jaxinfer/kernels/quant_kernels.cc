@@ -44,55 +44,27 @@
 namespace {
 
 // kLanes 4-bit codes, float16 or bfloat16 values to float32 lanes (int8 codes: load_codes,
-// common.h). GCC 12 lowers __builtin_convertvector from 8- and 16-bit lanes to scalar code,
-// so the AVX-512 and AVX2 builds use the conversion instructions.
+// common.h). A byte of 4-bit codes holds two: the low nibble, and the high one, which the
+// byte's sign extension (widen) keeps in bits 4..7 after the shift.
+inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+  const vi16 b = widen(reinterpret_cast<const int8_t*>(p));
+  lo = __builtin_convertvector(b & 15, v16);
+  hi = __builtin_convertvector((b >> 4) & 15, v16);
+}
+
+inline v16 load_bf16(const uint16_t* p) { return bit_cast<v16>(vu16(widen(p)) << 16); }
+
+// GCC 12 lowers __builtin_convertvector from 16-bit floats to scalar code, so the AVX-512 and
+// AVX2 (F16C) builds use the conversion instructions.
+inline v16 load_codes(const _Float16* p) {
 #if defined(__AVX512F__)
-inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = (v16)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  hi = (v16)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-inline v16 load_codes(const _Float16* p) {
   return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-}
-inline v16 load_bf16(const uint16_t* p) {
-  const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-}
 #elif defined(__AVX2__) && defined(__F16C__)
-inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = (v16)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  hi = (v16)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-inline v16 load_codes(const _Float16* p) {
   return (v16)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-}
-inline v16 load_bf16(const uint16_t* p) {
-  const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-  return (v16)_mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-}
 #else
-inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
-  for (int i = 0; i < kLanes; ++i) {
-    lo[i] = p[i] & 15;
-    hi[i] = p[i] >> 4;
-  }
-}
-inline v16 load_codes(const _Float16* p) {
-  v16 r;
-  for (int i = 0; i < kLanes; ++i) r[i] = p[i];
-  return r;
-}
-inline v16 load_bf16(const uint16_t* p) {
-  v16 r;
-  for (int i = 0; i < kLanes; ++i) {
-    const uint32_t bits = uint32_t(p[i]) << 16;
-    std::memcpy(&r[i], &bits, sizeof bits);
-  }
-  return r;
-}
+  return lanes_of<v16>(p);
 #endif
+}
 
 // Software prefetch of the weight codes `prefetch_distance` bytes ahead of the read, into
 // every cache level (T0): on Intel the hardware prefetcher alone left the code stream
@@ -142,32 +114,27 @@ constexpr int kTileBlockRows = 2;
 // tile holds the codes exactly), so a row's result does not depend on the rows beside it,
 // which the deterministic mode needs (serving/deterministic.py). int8 and q4 sum in another
 // order from kTileRows rows on anyway (scales applied per block below it, in the tile above).
-struct Int8Codes {
-  using Code = int8_t;
-  static constexpr int kStep = 1;
-  static constexpr bool kOneOrder = false;
+template <typename C, int Step, bool OneOrder>
+struct CodeFormat {
+  using Code = C;
+  static constexpr int kStep = Step;
+  static constexpr bool kOneOrder = OneOrder;
+};
+
+struct Int8Codes : CodeFormat<int8_t, 1, false> {
   static void load_one(const int8_t* p, int j, v16 w[1]) { w[0] = load_codes(p + j * kLanes); }
 };
 
-struct Q4Codes {
-  using Code = uint8_t;
-  static constexpr int kStep = 2;
-  static constexpr bool kOneOrder = false;
+struct Q4Codes : CodeFormat<uint8_t, 2, false> {
   static void load_one(const uint8_t* p, int j, v16 w[2]) { load_nibbles(p + j * kLanes, w[0], w[1]); }
 };
 
-struct Bf16Codes {
-  using Code = uint16_t;
-  static constexpr int kStep = 1;
-  static constexpr bool kOneOrder = true;
+struct Bf16Codes : CodeFormat<uint16_t, 1, true> {
   static void load_one(const uint16_t* p, int j, v16 w[1]) { w[0] = load_bf16(p + j * kLanes); }
 };
 
 // A panel already turned into float32 (the staging tile of `dequantize_panel`).
-struct F32Codes {
-  using Code = float;
-  static constexpr int kStep = 1;
-  static constexpr bool kOneOrder = true;
+struct F32Codes : CodeFormat<float, 1, true> {
   static void load_one(const float* p, int j, v16 w[1]) { w[0] = ::load(p + j * kLanes); }
 };
 
@@ -179,6 +146,14 @@ inline void load_step(const typename Fmt::Code* p, v16 w[Fmt::kStep][NV]) {
     Fmt::load_one(p, j, one);
     for (int s = 0; s < Fmt::kStep; ++s) w[s][j] = one[s];
   }
+}
+
+// load_step of the codes at c, a stream's next step, with the codes prefetch_distance ahead
+// asked for.
+template <class Fmt>
+inline void stream_step(const typename Fmt::Code* c, v16 w[Fmt::kStep][NV]) {
+  prefetch_ahead(c, kPanel * sizeof(*c));
+  load_step<Fmt>(c, w);
 }
 
 template <typename Scale>
@@ -242,9 +217,8 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) part[r][j] = v16{};
   for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
-    prefetch_ahead(c, kPanel * sizeof(*c));
     v16 w[S][NV];
-    load_step<Fmt>(c, w);
+    stream_step<Fmt>(c, w);
     for (int s = 0; s < S; ++s)
       for (int r = 0; r < R; ++r) {
         const float xr = xb[r * K + k + s];
@@ -296,15 +270,7 @@ void quant_panel_block(const PanelArgs<Scale>& a, const typename Fmt::Code* code
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (a.cols == kPanel) {
-      for (int j = 0; j < NV; ++j) store(a.out + r * a.N + j * kLanes, acc[r][j]);
-    } else {  // the zero-padded last panel
-      float row[kPanel];
-      for (int j = 0; j < NV; ++j) store(row + j * kLanes, acc[r][j]);
-      std::memcpy(a.out + r * a.N, row, a.cols * sizeof(float));
-    }
-  }
+  for (int r = 0; r < R; ++r) store_panel_row(a.out + r * a.N, acc[r], a.cols);
 }
 
 template <class Fmt, typename Scale, int R>
@@ -331,9 +297,8 @@ void dequantize_panel(const typename Fmt::Code* c, const Scale* scale, const Sca
     if (scale != nullptr) load_scales(scale + k0 / bs * kPanel, sc);
     if (min != nullptr) load_scales(min + k0 / bs * kPanel, mn);
     for (int64_t k = k0; k < k0 + bs; k += S, c += kPanel) {
-      prefetch_ahead(c, kPanel * sizeof(*c));
       v16 w[S][NV];
-      load_step<Fmt>(c, w);
+      stream_step<Fmt>(c, w);
       for (int s = 0; s < S; ++s)
         for (int j = 0; j < NV; ++j)
           store(tile + (k + s) * kPanel + j * kLanes, scale != nullptr ? w[s][j] * sc[j] + mn[j] : w[s][j]);
@@ -617,16 +582,21 @@ struct X8Args {
   const float* d;
   const float* qsum;
   int64_t K, bs, nb;
+
+  // The quantized x of row r, group g (4 inputs), as one int32 to broadcast.
+  int32_t four(int r, int64_t g) const {
+    int32_t v;
+    std::memcpy(&v, q + r * K + 4 * g, 4);
+    return v;
+  }
 };
 
-#if defined(JAXINFER_Q4_X8_VNNI)
 // out[0:R, 0:cols] for one panel over R rows of quantized x.
 template <class Src, typename Scale, int R>
 void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const Scale* min,
                     float* out, int64_t N, int64_t cols) {
-  __m512 acc[R][3];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 3; ++j) acc[r][j] = _mm512_setzero_ps();
+  v16 acc[R][NV] = {};
+#if defined(JAXINFER_Q4_X8_VNNI)
   for (int64_t b = 0; b < x.nb; ++b) {
     __m512i dot[R][3];
     for (int r = 0; r < R; ++r)
@@ -635,9 +605,7 @@ void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const S
       __m512i w[3];
       for (int j = 0; j < 3; ++j) w[j] = src.load(g, j);
       for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, x.q + r * x.K + 4 * g, 4);
-        const __m512i xr = _mm512_set1_epi32(four);
+        const __m512i xr = _mm512_set1_epi32(x.four(r, g));
         for (int j = 0; j < 3; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], w[j], xr);
       }
     }
@@ -648,25 +616,15 @@ void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const S
       const __m512 dr = _mm512_set1_ps(x.d[r * x.nb + b]);
       const __m512 sr = _mm512_set1_ps(x.qsum[r * x.nb + b]);
       for (int j = 0; j < 3; ++j) {
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]), _mm512_mul_ps(dr, (__m512)sc[j]),
-                                    acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(sr, (__m512)mn[j], acc[r][j]);
+        const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]),
+                                         _mm512_mul_ps(dr, (__m512)sc[j]), (__m512)acc[r][j]);
+        acc[r][j] = (v16)_mm512_fmadd_ps(sr, (__m512)mn[j], a);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float row[kPanel];
-    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(row + 16 * j, acc[r][j]);
-    std::memcpy(out + r * N, row, cols * sizeof(float));
-  }
-}
 #else
-// The AVX2 block: the panel's 6 vectors in two halves of 3 (R x 3 int16 sums in registers),
-// each over the whole K; the float sums live in `acc` (L1), updated once per 32 rows.
-template <class Src, typename Scale, int R>
-void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const Scale* min,
-                    float* out, int64_t N, int64_t cols) {
-  alignas(32) float acc[R][kPanel] = {};
+  // AVX2: the panel's 6 vectors in two halves of 3 (R x 3 int16 sums in registers), each over
+  // the whole K; the float sums `acc` are updated once per 32 rows.
   const __m256i ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {
     const int j0 = 3 * half;
@@ -683,35 +641,29 @@ void x8_panel_block(const X8Args& x, const Src& src, const Scale* scale, const S
           __m256i w[3];
           for (int j = 0; j < 3; ++j) w[j] = src.load(g, j0 + j);
           for (int r = 0; r < R; ++r) {
-            int32_t four;
-            std::memcpy(&four, x.q + r * x.K + 4 * g, 4);
-            const __m256i xr = _mm256_set1_epi32(four);
+            const __m256i xr = _mm256_set1_epi32(x.four(r, g));
             for (int j = 0; j < 3; ++j)
               dot[r][j] = _mm256_add_epi16(dot[r][j], _mm256_maddubs_epi16(w[j], xr));
           }
         }
         for (int r = 0; r < R; ++r) {
           const __m256 dr = _mm256_set1_ps(x.d[r * x.nb + b]);
-          for (int j = 0; j < 3; ++j) {
-            float* a = acc[r] + 8 * (j0 + j);
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][j], ones));
-            _mm256_store_ps(a, _mm256_fmadd_ps(s, _mm256_mul_ps(dr, (__m256)sc[j0 + j]),
-                                               _mm256_load_ps(a)));
+          for (int j = j0; j < j0 + 3; ++j) {
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][j - j0], ones));
+            acc[r][j] = (v16)_mm256_fmadd_ps(s, _mm256_mul_ps(dr, (__m256)sc[j]), (__m256)acc[r][j]);
           }
         }
       }
       for (int r = 0; r < R; ++r) {
         const __m256 sr = _mm256_set1_ps(x.qsum[r * x.nb + b]);
-        for (int j = 0; j < 3; ++j) {
-          float* a = acc[r] + 8 * (j0 + j);
-          _mm256_store_ps(a, _mm256_fmadd_ps(sr, (__m256)mn[j0 + j], _mm256_load_ps(a)));
-        }
+        for (int j = j0; j < j0 + 3; ++j)
+          acc[r][j] = (v16)_mm256_fmadd_ps(sr, (__m256)mn[j], (__m256)acc[r][j]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(out + r * N, acc[r], cols * sizeof(float));
-}
 #endif
+  for (int r = 0; r < R; ++r) store_panel_row(out + r * N, acc[r], cols);
+}
 
 template <class Src, typename Scale, int R>
 void x8_panel_rows(int64_t rows, const X8Args& x, const Src& src, const Scale* scale,
@@ -804,41 +756,19 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuf
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Arg<Int8Panels>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<Rows>()
-                                  .Ret<Matrix2>());
+                              (bind_with_pool<Matrix2, Int8Panels, ffi::AnyBuffer, Rows>()
+                                   .Ret<Matrix2>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MinMatmul, Int8MinMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Arg<Int8Panels>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<Rows>()
-                                  .Ret<Matrix2>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxinferInt8MinMatmul, Int8MinMatmul,
+    (bind_with_pool<Matrix2, Int8Panels, ffi::AnyBuffer, ffi::AnyBuffer, Rows>().Ret<Matrix2>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Arg<Q4Panels>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<Rows>()
-                                  .Ret<Matrix2>()
-                                  .Attr<bool>("int8_activations"));
+                              (bind_with_pool<Matrix2, Q4Panels, ffi::AnyBuffer, ffi::AnyBuffer, Rows>()
+                                   .Ret<Matrix2>()
+                                   .Attr<bool>("int8_activations")));
 
 extern "C" int jaxinfer_has_q4_x8() { return kHasQ4X8 ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix2>()
-                                  .Arg<Bf16Panels>()
-                                  .Arg<Rows>()
-                                  .Ret<Matrix2>());
+                              (bind_with_pool<Matrix2, Bf16Panels, Rows>().Ret<Matrix2>()));
