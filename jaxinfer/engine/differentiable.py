@@ -39,6 +39,7 @@ values into other ones.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -51,7 +52,8 @@ from jaxinfer.cache import kv as kv_cache
 from jaxinfer.cache.kv import init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.forward import logits_at, paged_forward, place
-from jaxinfer.engine.ragged import AttentionBackend, choose_backend
+from jaxinfer.engine import phases
+from jaxinfer.engine.ragged import AttentionBackend
 from jaxinfer.sampling.draw import log_softmax_topn
 
 __all__ = ["logits", "token_logprobs"]
@@ -63,6 +65,12 @@ def _dtype(params: dict):
         return jnp.dtype(params["norm"].dtype)
     return next(jnp.dtype(w.dtype) for w in jax.tree.leaves(params)
                 if jnp.issubdtype(w.dtype, jnp.floating))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pools:
+    """What `phases.attention_backend` reads of a cache: its pools' dtype."""
+    dtype: object
 
 
 def _inputs(params, tokens, lengths, backend: Optional[AttentionBackend]):
@@ -77,7 +85,8 @@ def _inputs(params, tokens, lengths, backend: Optional[AttentionBackend]):
         lengths = np.full(shape[:1], shape[1], np.int32)
     if np.shape(lengths) != shape[:1]:
         raise ValueError(f"lengths must be [B] = [{shape[0]}], got {np.shape(lengths)}")
-    return tokens, lengths, backend or choose_backend(_dtype(params))
+    # the phases' choice for a cache of the params' dtype, remembered as theirs (one notice)
+    return tokens, lengths, backend or phases.attention_backend(_Pools(_dtype(params)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"))
