@@ -26,7 +26,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "byo_model.
 @pytest.fixture(scope="module")
 def served():
     config, params, tokenizer = import_python_file(EXAMPLE).build()
-    llm = LLM(config, params, tokenizer, max_seq_len=64, max_num_seqs=2)
+    llm = LLM(config, params, tokenizer, max_seq_len=160, max_num_seqs=2)
     server = build_server(llm, model_name=MODEL, max_num_seqs=2, max_waiting_requests=8,
                           api_key=KEY)
     with ServerThread(server.app) as url:
@@ -79,11 +79,14 @@ def test_pause_holds_requests_until_resume(served):
 
 
 def test_pause_abort_ends_a_running_request(served):
-    _, url = served
+    llm, url = served
     out = {}
-    thread = threading.Thread(target=lambda: out.update(r=_complete(url, max_tokens=40)))
+    thread = threading.Thread(target=lambda: out.update(r=_complete(url, max_tokens=140)))
     thread.start()
-    time.sleep(0.3)
+    [engine] = list(llm.controls._engines)
+    deadline = time.monotonic() + 30
+    while not engine.scheduler.num_running and time.monotonic() < deadline:
+        time.sleep(0.002)                          # until the request decodes
     r = httpx.post(url + "/pause", headers=AUTH, json={"mode": "abort"}, timeout=30)
     assert r.status_code == 200
     thread.join(60)
