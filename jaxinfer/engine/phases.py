@@ -88,8 +88,14 @@ def _on_host(program):
 # --- the programs -------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "all_logits"),
-                   donate_argnames=("cache",))
+def _program(*static: str):
+    """jax.jit as every program below takes it: config, backend and `static` static, the cache
+    donated."""
+    return functools.partial(jax.jit, static_argnames=("config", "backend", *static),
+                             donate_argnames=("cache",))
+
+
+@_program("all_logits")
 def _extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
             config: ModelConfig, backend: AttentionBackend, all_logits: bool = False):
     b, c = tokens.shape
@@ -108,8 +114,7 @@ def _check_bucket(cache: KVCache, t: int) -> None:
                          f"{cache.max_seq_len} positions")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "all_logits"),
-                   donate_argnames=("cache",))
+@_program("all_logits")
 def _prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
              config: ModelConfig, backend: AttentionBackend, all_logits: bool = False):
     _check_bucket(cache, tokens.shape[1])
@@ -117,7 +122,7 @@ def _prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array
                    all_logits=all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("cache",))
+@_program()
 def _decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: Optional[jax.Array] = None,
                  *, config: ModelConfig, backend: AttentionBackend):
     if active is None:
@@ -136,14 +141,13 @@ def _next_logp(params, cache, tokens, lengths, config, backend):
     return logp, jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("cache",))
+@_program()
 def _token_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
                     config: ModelConfig, backend: AttentionBackend) -> jax.Array:
     return _next_logp(params, cache, tokens, lengths, config, backend)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "top_n"),
-                   donate_argnames=("cache",))
+@_program("top_n")
 def _prompt_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
                      config: ModelConfig, backend: AttentionBackend, top_n: int):
     logp, token_lp = _next_logp(params, cache, tokens, lengths, config, backend)
