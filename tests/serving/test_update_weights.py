@@ -26,7 +26,8 @@ from tiny import TINY_LLAMA, random_params
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
 NEW = 6
-SETTINGS = dict(max_seq_len=48, max_num_seqs=2, prefill_chunk_size=8)
+SETTINGS = dict(max_seq_len=128, max_num_seqs=2, prefill_chunk_size=8)
+LONG = 110          # tokens of a request a pause ("abort") must catch running
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "byo_model.py"
 
 
@@ -213,13 +214,13 @@ def test_pause_wait_and_abort_with_requests_in_flight(llm):
         assert _finish(held)[1] == "length"
 
         steps = engine.steps
-        handles = [engine.submit(r) for r in _requests(max_new_tokens=40)]
+        handles = [engine.submit(r) for r in _requests(max_new_tokens=LONG)]
         while engine.steps < steps + 3:
             time.sleep(0.01)
         llm.pause("abort")
         results = [_finish(h) for h in handles]
         assert [r[1] for r in results] == ["abort", "abort"]
-        assert all(len(r[0]) < 40 for r in results)
+        assert all(len(r[0]) < LONG for r in results)
         llm.resume()
         assert _finish(engine.submit(_requests(1, 3)[0]))[1] == "length"
     finally:
@@ -229,7 +230,7 @@ def test_pause_wait_and_abort_with_requests_in_flight(llm):
 def test_pause_abort_ends_an_offline_generate(llm):
     out = {}
     thread = threading.Thread(target=lambda: out.update(c=llm.generate(
-        PROMPTS, max_new_tokens=40, ignore_eos=True)))
+        PROMPTS, max_new_tokens=LONG, ignore_eos=True)))
     thread.start()
     while llm.controls._active == 0 and thread.is_alive():
         time.sleep(0.001)
@@ -320,7 +321,7 @@ def test_a_tensor_parallel_llm_keeps_its_shardings():
 
 def test_a_stream_its_reader_holds_does_not_hold_a_pause_up(llm, raw):
     def stream():       # what `LLM.stream` iterates (the tiny model has no tokenizer: no text)
-        return llm._run(llm.requests([PROMPTS[0]], max_new_tokens=30, ignore_eos=True),
+        return llm._run(llm.requests([PROMPTS[0]], max_new_tokens=LONG, ignore_eos=True),
                         stream=True)
 
     events = stream()
