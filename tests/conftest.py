@@ -96,6 +96,33 @@ def pytest_unconfigure(config):
         shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
+AVX2_ARCH = "x86-64-v3"
+
+
+@pytest.fixture(scope="session")
+def avx2_kernel_env() -> dict:
+    """The environment of a child process that loads the C++ kernels built for
+    AVX2 (`JAXINFER_KERNEL_ARCH=x86-64-v3`): os.environ with the arch and a
+    kernel cache shared by the whole test run (`RUN_DIR`/avx2-cache), so the
+    AVX2 library is compiled once per run, by the first test process to ask
+    (under a file lock), not once per test. Skips off x86-64. Raises
+    AssertionError with the build's stderr when the build fails or loads
+    another arch."""
+    import filelock
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    folder = RUN_DIR / "avx2-cache"
+    env = dict(os.environ, JAXINFER_KERNEL_ARCH=AVX2_ARCH, JAXINFER_CACHE_DIR=str(folder))
+    code = "from jaxinfer.kernels import cpu as c; assert c.enabled(); print(c.kernel_info()['arch'])"
+    with filelock.FileLock(f"{folder}.lock"):
+        built = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert built.stdout.split() == [f"-march={AVX2_ARCH}"], built.stderr[-2000:]
+    return env
+
+
 @pytest.fixture(scope="session")
 def jaxinfer_xla_flags() -> str:
     """XLA_FLAGS as `jaxinfer` compiles, without the test run's fast-compile

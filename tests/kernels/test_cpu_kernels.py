@@ -271,7 +271,8 @@ def test_bf16_dot_switch_needs_no_probe(monkeypatch, restore_bf16_choice):
 
 # The AVX2 build's numerical tests: this file's, the ragged attention kernel's, and the quantized kernels' of
 # tests/weights/ (weight-only formats and q4 with int8 activations, whose AVX2
-# path `-march=native` on an AVX-512 CPU never builds).
+# path `-march=native` on an AVX-512 CPU never builds): (module, -k expression) pairs,
+# run in one child pytest (`_avx2_child_args`).
 AVX2_CHILD_TESTS = [
     (__file__, "matches_reference and not avx2 and not bf16-dot"),
     (pathlib.Path(__file__).parent / "test_ragged_attention.py",
@@ -285,32 +286,38 @@ AVX2_CHILD_TESTS = [
 ]
 
 
+def _avx2_child_args() -> list:
+    """One pytest command line for every pair of `AVX2_CHILD_TESTS`: the modules,
+    and one -k expression that takes each module's own expression (a module's
+    file name is one of its tests' keywords, so `test_quant.py` does not match
+    `test_quant_models.py`). One child process starts and imports once."""
+    paths = [str(path) for path, _ in AVX2_CHILD_TESTS]
+    either = " or ".join(f"({pathlib.Path(path).name} and ({expression}))"
+                         for path, expression in AVX2_CHILD_TESTS)
+    return [*paths, "-k", either]
+
+
 @needs_kernels
 @pytest.mark.slow
-def test_avx2_blocking_matches_reference(tmp_path):
+def test_avx2_blocking_matches_reference(avx2_kernel_env):
     """The AVX2 register blocking (4 rows x 3 vectors of 8, panels of 24) and the
-    AVX2 int8-activation q4 kernel, built with -march=x86-64-v3 into a fresh cache
-    and run through the numerical tests of `AVX2_CHILD_TESTS` in child pytests
-    (one process loads one library), where every test must pass: none may skip
-    (`child_pytest.check`; the int8-activation tests skip without that kernel)."""
-    import os
-    import platform
+    AVX2 int8-activation q4 kernel, built with -march=x86-64-v3 (once per test
+    run, `avx2_kernel_env`) and run through the numerical tests of
+    `AVX2_CHILD_TESTS` in a child pytest (one process loads one library),
+    where every test must pass: none may skip (`child_pytest.check`; the
+    int8-activation tests skip without that kernel)."""
     import subprocess
     import sys
 
     import child_pytest
 
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
-    env = dict(os.environ, JAXINFER_KERNEL_ARCH="x86-64-v3", JAXINFER_CACHE_DIR=str(tmp_path))
     code = ("from jaxinfer.kernels import cpu as c, quant as q; assert c.enabled(); i = c.kernel_info(); "
             "print(i['panel_width'], i['row_block'], i['vector_lanes'], i['bf16_dot_built'], q.has_q4_x8())")
-    info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    info = subprocess.run([sys.executable, "-c", code], env=avx2_kernel_env, capture_output=True, text=True)
     assert info.returncode == 0, info.stderr[-2000:]
     assert info.stdout.split() == ["24", "4", "8", "False", "True"]
-    ran = {}
-    for path, expression in AVX2_CHILD_TESTS:
-        child = child_pytest.run([path, "-k", expression], env=env, timeout_s=1200)
-        child_pytest.check(child, what="-march=x86-64-v3")
-        ran.update(child.outcomes)
+    child = child_pytest.run(_avx2_child_args(), env=avx2_kernel_env, timeout_s=1800)
+    child_pytest.check(child, what="-march=x86-64-v3")
+    ran = child.outcomes
+    assert len(ran) == 427, len(ran)
     assert sum("int8_activations" in name for name in ran) == 38, sorted(ran)

@@ -10,8 +10,6 @@ failed: the bfloat16 codes kernel summed one row in two interleaved halves.
 `test_avx2_build_is_batch_invariant` runs this file again on the AVX2
 build (-march=x86-64-v3), whose register blocks are other sizes."""
 
-import os
-import platform
 import subprocess
 import sys
 
@@ -88,13 +86,12 @@ def test_a_row_is_bitwise_the_same_alone_and_among_neighbours(matmul):
 
 @needs_kernels
 @pytest.mark.slow
-def test_avx2_build_is_batch_invariant(tmp_path):
-    """This file's test on the AVX2 build (-march=x86-64-v3, built into a fresh
-    cache, run in a subprocess: one process loads one library): the register
-    blocks there are 2 rows x 6 vectors of 8 (codes) and 4 rows x 3 (panels)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
-    env = dict(os.environ, JAXINFER_KERNEL_ARCH="x86-64-v3", JAXINFER_CACHE_DIR=str(tmp_path))
+def test_avx2_build_is_batch_invariant(avx2_kernel_env):
+    """This file's test on the AVX2 build (-march=x86-64-v3, built once per
+    test run by `avx2_kernel_env`, run in a subprocess: one process loads one
+    library): the register blocks there are 2 rows x 6 vectors of 8 (codes)
+    and 4 rows x 3 (panels)."""
+    env = avx2_kernel_env
     code = ("from jaxinfer.kernels import cpu as c; assert c.enabled(); i = c.kernel_info(); "
             "print(i['vector_lanes'], i['bf16_dot_built'])")
     info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

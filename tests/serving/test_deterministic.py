@@ -5,8 +5,6 @@ on or off a page boundary, greedy n-gram speculation, or a preemption, on
 tiny Llama and tiny Gemma 3 (prompts longer than its 4-token window), with
 float32 and bfloat16 weights, on the AVX-512 and the AVX2 kernels."""
 
-import os
-import platform
 import subprocess
 import sys
 
@@ -94,15 +92,6 @@ def _target(vocab):
 
 @pytest.mark.slow
 @pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
-def test_a_row_is_bitwise_the_same_among_15_neighbours():
-    model = (TINY_LLAMA, jax.tree_util.tree_map(jnp.asarray, random_params(TINY_LLAMA, seed=3)))
-    llm = _llm(model)
-    _assert_bitwise(_with_neighbours(llm, 15), _serve(llm, [_target(TINY_LLAMA.vocab_size)]),
-                    "15 neighbours")
-
-
-@pytest.mark.slow
-@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 @pytest.mark.parametrize("arch,weights", [("llama", "float32"), ("llama", "bfloat16"),
                                           ("gemma3", "bfloat16")])
 def test_a_lone_row_is_bitwise_the_same_among_1_to_128_neighbours(arch, weights):
@@ -122,17 +111,12 @@ def test_a_lone_row_is_bitwise_the_same_among_1_to_128_neighbours(arch, weights)
 
 @pytest.mark.slow
 @pytest.mark.default_xla_flags(skip_allowed=True)   # bitwise; skips off x86-64
-def test_the_avx2_build_keeps_the_bits_among_neighbours(tmp_path):
-    """The test above on the AVX2 kernels (-march=x86-64-v3, built into a
-    fresh cache; a child pytest: one process loads one library), whose
-    register blocks are other sizes. Its bits differ from the AVX-512
-    build's, within float32 rounding; among themselves they agree."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
-    env = dict(os.environ, JAXINFER_KERNEL_ARCH="x86-64-v3", JAXINFER_CACHE_DIR=str(tmp_path))
-    code = "from jaxinfer.kernels import cpu as c; assert c.enabled(); print(c.kernel_info()['arch'])"
-    built = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert built.stdout.split() == ["-march=x86-64-v3"], built.stderr[-2000:]
+def test_the_avx2_build_keeps_the_bits_among_neighbours(avx2_kernel_env):
+    """The test above on the AVX2 kernels (-march=x86-64-v3, built once per
+    test run by `avx2_kernel_env`; a child pytest: one process loads one
+    library), whose register blocks are other sizes. Its bits differ from
+    the AVX-512 build's, within float32 rounding; among themselves they agree."""
+    env = avx2_kernel_env
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
                            "slow", f"{__file__}::test_a_lone_row_is_bitwise_the_same_among_1_to_128_"
                            "neighbours"], env=env, capture_output=True, text=True)
@@ -176,19 +160,22 @@ def test_a_row_is_bitwise_the_same_whatever_its_batch_chunking_and_prefix_hits(m
 @pytest.mark.slow
 @pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_greedy_speculation_and_preemption_keep_the_bits(model):
+    """Pages of 4 tokens throughout, so the k = 4 drafts cross pages, and one
+    LLM serves the plain runs (one set of compiled programs for both)."""
     v = model[0].vocab_size
     prompt = (ids(6, v, 7) * 5)[:29]          # repeats: the n-gram proposer finds drafts
-    plain = _serve(_llm(model), [_request(prompt, GREEDY)])
-    spec = _llm(model, speculative=SpecConfig("ngram", num_speculative_tokens=4))
+    roomy = _llm(model, page_size=4)
+    plain = _serve(roomy, [_request(prompt, GREEDY)])
+    spec = _llm(model, page_size=4, speculative=SpecConfig("ngram", num_speculative_tokens=4))
     _assert_bitwise(_serve(spec, [_request(prompt, GREEDY)]), plain, "speculation k=4")
     requests = [_request(prompt)] + [_request(ids(n, v, 40 + n), GREEDY if n % 2 else SAMPLED)
                                      for n in (9, 14, 6, 11)]
-    roomy = _serve(_llm(model, page_size=4), requests, [0, 0, 1, 2, 2], prefill_chunk_size=8)
+    want = _serve(roomy, requests, [0, 0, 1, 2, 2], prefill_chunk_size=8)
     small = _llm(model, page_size=4, num_pages=20, max_num_seqs=4)
     sched = small.scheduler(prefill_chunk_size=8)
     tokens, logprobs = run(sched, requests, [0, 0, 1, 2, 2])[0]      # added first
     assert sched.num_preempted > 0
-    _assert_bitwise((tokens, logprobs), roomy, "preempted and recomputed")
+    _assert_bitwise((tokens, logprobs), want, "preempted and recomputed")
 
 
 @pytest.fixture
