@@ -66,7 +66,7 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9}
 INVALID = [
     (b'{"model": "toy", "prompt": ', 400),                                   # broken JSON
     ({"model": "toy", "prompt": "你好", "temperature": -1}, 400),
-    ({"model": "toy", "prompt": "你好", "max_tokens": 0}, 400),
+    ({"model": "toy", "prompt": "你好", "max_tokens": -1}, 400),          # 0 is served (echo)
     ({"model": "toy", "prompt": "你好" * 14, "max_tokens": 5}, 400),        # 28 + 5 > 32
     ({"model": "toy", "prompt": "你好" * 40, "max_tokens": 1}, 400),        # over the context
     ({"model": "nope", "prompt": "你好"}, 404),
