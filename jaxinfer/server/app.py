@@ -29,7 +29,7 @@ answers 500 with code "request_failed" (streamed: an error event, then
 Prompt log-probs (completions `echo` with `logprobs`, `prompt_logprobs` on
 both routes) are `LLM.prompt_logprobs`, run on the engine thread between
 two steps (`AsyncEngine.call`) before the request's choices are submitted;
-`max_tokens` 0 submits nothing (docs/server.md, "Prompt log-probs").
+`max_tokens` 0 submits nothing (`server.prompt_scores`; docs/server.md).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCompletionRequest,
                                       CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       can_start, check_messages, error_body)
-from jaxinfer.server.responses import (Choice, Formatter, TokenText, echo_logprobs,
-                                       prompt_logprobs)
+from jaxinfer.server import prompt_scores
+from jaxinfer.server.responses import Choice, Formatter, TokenText
 from jaxinfer.server.responses_api import ResponsesRoute
 from jaxinfer.server.routes import event_stream, sse
 from jaxinfer.server.tools import renders_hermes
@@ -237,7 +237,7 @@ class OpenAIServer:
         ids, plan = await self.prepare_chat(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        self._check_prompt_logprobs(body, echo=False)
+        prompt_scores.check_streamed(body, echo=False)
         return await self._generate(body, [ids], top, True, request, limit_param, "messages", plan)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], TurnPlan]:
@@ -289,44 +289,9 @@ class OpenAIServer:
         except (ValueError, TypeError) as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
         echo = bool(body.echo)
-        self._check_prompt_logprobs(body, echo)
+        prompt_scores.check_streamed(body, echo)
         return await self._generate(body, ids, body.logprobs, False, request, "max_tokens", "prompt",
                                     echo=prompts if echo else None)
-
-    @staticmethod
-    def _check_prompt_logprobs(body, echo: bool) -> None:
-        """400 naming the field for what echo, prompt_logprobs and max_tokens 0
-        do not serve: a streamed response."""
-        if body.stream:
-            for name, given in (("echo", echo), ("prompt_logprobs", body.prompt_logprobs is not None),
-                                ("max_tokens", body.new_token_limit() == 0)):
-                if given:
-                    raise APIError(400, f"{name} is not supported with stream: true" if name != "max_tokens"
-                                   else "max_tokens 0 is not supported with stream: true", param=name)
-
-    def _check_prompt_lengths(self, prompts: list[list[int]], param: str) -> None:
-        """Raise APIError 400 (context_length_exceeded, naming `param`) for a
-        prompt longer than max_seq_len."""
-        max_len = self.llm.max_seq_len
-        for ids in prompts:
-            if len(ids) > max_len:
-                raise APIError(400, f"the prompt has {len(ids)} tokens, more than max_seq_len "
-                               f"{max_len}", param=param, code="context_length_exceeded")
-
-    async def _score_prompts(self, body, prompts: list[list[int]], echo_top: Optional[int]):
-        """`LLM.prompt_logprobs` of the prompts when the request asks for them
-        (echo with logprobs: echo_top; prompt_logprobs), else None; run on the
-        engine thread between two steps (`AsyncEngine.call`), awaited."""
-        want = [n for n in (echo_top, body.prompt_logprobs) if n is not None]
-        if not want:
-            return None
-        self._check_prompt_lengths(prompts, "prompt" if not isinstance(body, ChatCompletionRequest)
-                                   else "messages")
-        top = max(want)
-        try:
-            return await self.engine.call(lambda: self.llm.prompt_logprobs(prompts, top))
-        except EngineError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
 
     def _check_common(self, body) -> None:
         if body.model is None:     # OpenAI requires it on both routes (vLLM would take its own)
@@ -456,13 +421,11 @@ class OpenAIServer:
         """The response (or the stream) of a chat or completions request.
         echo: the completions request's prompts as given (text or ids), to
         put before each choice's text, or None."""
-        scored = await self._score_prompts(body, prompts, top if echo is not None else None)
+        scored = await prompt_scores.score(self, body, prompts, top if echo is not None else None,
+                                           prompt_param)
         if body.new_token_limit() == 0:      # nothing to generate: the prompt's log-probs or echo
-            self._check_prompt_lengths(prompts, prompt_param)
-            now = time.perf_counter()
-            group, choices = None, [Choice(prompt=i // body.n, timings=Timings(arrival=now),
-                                           finish_reason="length")
-                                    for i in range(len(prompts) * body.n)]
+            prompt_scores.check_lengths(self.llm, prompts, prompt_param)
+            group, choices = None, prompt_scores.unsubmitted(body, len(prompts))
         else:
             group, choices = self.submit(body, prompts, top, limit_param, prompt_param)
         lengths = [len(p) for p in prompts]
@@ -473,31 +436,13 @@ class OpenAIServer:
                                              parsers))
         if group is not None and not await self.collect(group, choices, request):
             return Response(status_code=499)      # the client went away: nobody reads this
-        echoed = {}
-        if echo is not None:     # the generated tokens' text offsets count from the prompt's start
-            for i, ids in enumerate(prompts):
-                text = echo[i] if isinstance(echo[i], str) else self.llm.tokenizer.decode(ids)
-                logprobs, offset = (echo_logprobs(ids, scored[i], top, self.token_text)
-                                    if top is not None else (None, 0))
-                echoed[i] = text, logprobs
-                for choice in choices:
-                    if choice.prompt == i:
-                        choice.text_offset = offset
+        echoed = (prompt_scores.echo_parts(self.llm, self.token_text, prompts, echo, scored, top,
+                                           choices) if echo is not None else None)
         response = fmt.response(choices, lengths)
         if plan is not None:
             for item, choice in zip(response["choices"], choices):
                 fmt.set_turn(item, parse_turn(plan, "".join(choice.text)), plan.reasoning)
-        for item, choice in zip(response["choices"], choices):
-            if echo is not None:
-                text, logprobs = echoed[choice.prompt]
-                item["text"] = text + item["text"]
-                if logprobs is not None:
-                    item["logprobs"] = {k: logprobs[k] + item["logprobs"][k] for k in logprobs}
-            if body.prompt_logprobs is not None:
-                item["prompt_logprobs"] = prompt_logprobs(scored[choice.prompt],
-                                                          body.prompt_logprobs, self.token_text)
-        if chat and body.prompt_logprobs is not None:     # where vLLM puts it in a chat response
-            response["prompt_logprobs"] = response["choices"][0]["prompt_logprobs"]
+        prompt_scores.add_to_response(response, choices, echoed, scored, body, chat, self.token_text)
         return response
 
     async def turn_deltas(self, group, choices: list[Choice], plan: TurnPlan,
