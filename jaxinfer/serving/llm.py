@@ -19,7 +19,7 @@ import dataclasses
 import gc
 import threading
 import weakref
-from typing import Generator, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Generator, Iterator, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,8 @@ from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.sampling.grammar import GrammarCompiler
+from jaxinfer.serving import prompts as prompts_module
+from jaxinfer.serving.prompts import PromptLogprob
 from jaxinfer.serving.request import MAX_LOGPROBS, Request, RequestOutput, per_row
 from jaxinfer.serving.rows import TokenRules, pad_rows
 from jaxinfer.serving.runner import ModelRunner
@@ -70,26 +72,6 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: Optional[list] = None
-
-
-class PromptLogprob(NamedTuple):
-    """One prompt token's log-prob (`LLM.prompt_logprobs`).
-
-    Attributes:
-      token: its id; logprob: log p(token | the tokens before it), nats.
-      rank: 1 + the number of tokens more likely than it at its position.
-      top: the most likely tokens there, [(id, logprob), ...] in descending
-        order (rank i + 1 for entry i).
-    """
-
-    token: int
-    logprob: float
-    rank: int
-    top: list
-
-
-# Bytes of log-probs ([rows, positions, vocabulary] float32) one `prompt_logprobs` forward holds.
-PROMPT_LOGPROBS_BYTES = 1 << 29
 
 
 class LLM:
@@ -547,8 +529,8 @@ class LLM:
                         ) -> list[list[Optional[PromptLogprob]]]:
         """Every prompt token's log-prob, rank and the top_n most likely tokens
         at its position, from the forward `score` runs (the same program but
-        for the top n: `engine.phases.prompt_logprobs`); the server's `echo`
-        and `prompt_logprobs`.
+        for the top n: `engine.phases.prompt_logprobs`; `serving.prompts`);
+        the server's `echo` and `prompt_logprobs`.
 
         Args:
           prompts: as `score`'s (texts, chat messages, ids).
@@ -568,31 +550,7 @@ class LLM:
             if len(p) > self.max_seq_len:
                 raise ValueError(f"row {row}: prompt of {len(p)} tokens exceeds max_seq_len "
                                  f"{self.max_seq_len}")
-        width = MAX_LOGPROBS if top_n else 0       # one program for every top_n > 0
-        out: list = [None] * len(rows)
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-        bucket = lambda i: self.buckets.prompt_bucket(max(2, len(rows[i])))     # noqa: E731
-        start = 0
-        while start < len(order):        # groups of rows of similar length, bounded in bytes
-            end = start + 1
-            while end < len(order) and (batch_bucket(end + 1 - start) * bucket(order[end]) * 4
-                                        * self.config.vocab_size <= PROMPT_LOGPROBS_BYTES):
-                end += 1
-            group, length = order[start:end], bucket(order[end - 1])
-            start = end
-            tokens, lengths = pad_rows([rows[i] for i in group], batch_bucket(len(group)), length)
-            cache = init_cache(self.config, tokens.shape[0], tokens.shape[1], self.cache_dtype)
-            lp, rank, top_ids, top_lp = map(np.asarray, self.programs(
-                engine.prompt_logprobs, self.params, cache, tokens, lengths, config=self.config,
-                top_n=width, backend=self.backend))
-            for r, i in enumerate(group):
-                entries: list = [None]
-                for t, token in enumerate(rows[i][1:]):
-                    top = [(int(a), float(b)) for a, b in zip(top_ids[r, t, :top_n], top_lp[r, t, :top_n])
-                           if a >= 0]
-                    entries.append(PromptLogprob(int(token), float(lp[r, t]), int(rank[r, t]), top))
-                out[i] = entries
-        return out
+        return prompts_module.prompt_logprobs(self, rows, top_n)
 
     def _continuation_ids(self, continuation) -> list[int]:
         if isinstance(continuation, str):
