@@ -12,7 +12,8 @@ models), `responses` (OpenAI response shapes), `turns` (a reply read as
 reasoning, content and tool calls, streamed or whole), `tools` (Hermes-style
 calls), `messages` (Anthropic's Messages API), `responses_api` (OpenAI's
 Responses API, stateless), `async_engine` (the engine thread seen from
-asyncio), `prometheus` (metrics), `run` (the command, warm-up, uvicorn).
+asyncio), `prometheus` (metrics), `prompt_scores` (echo, max_tokens 0 and
+prompt log-probs), `run` (the command, warm-up, uvicorn).
 """
 
 from jaxinfer.server.run import ServerThread, build_server, warm_up
