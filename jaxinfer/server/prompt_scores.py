@@ -51,6 +51,10 @@ async def score(server, body, prompts: list[list[int]], echo_top: Optional[int],
         return None
     check_lengths(server.llm, prompts, param)
     top, llm = max(want), server.llm
+    controls = getattr(server.engine.engine, "controls", None)
+    if controls is not None and controls.sleep_level:     # as `submit` answers while asleep
+        raise APIError(503, f"the engine is asleep (sleep level {controls.sleep_level}): wake it "
+                       "up first", type="server_error", code="engine_stopped")
     try:
         return await server.engine.call(lambda: llm.prompt_logprobs(prompts, top))
     except EngineError as e:

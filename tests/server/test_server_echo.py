@@ -185,3 +185,16 @@ def test_openai_client_sees_the_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=TEXT, echo=True, logprobs=2, stream=True)
     assert info.value.param == "echo"
+
+
+def test_prompt_logprobs_while_asleep_are_a_503_and_work_after_waking(served, client, llm):
+    url = served[1]
+    before = client.completions.create(model=MODEL, prompt=TEXT, echo=True, logprobs=1, max_tokens=0)
+    assert httpx.post(url + "/sleep", json={"level": 1}, timeout=120).status_code == 200
+    try:
+        r = _post(url, COMPLETIONS, {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 0})
+        assert r.status_code == 503 and "asleep" in r.json()["error"]["message"], r.text
+    finally:
+        assert httpx.post(url + "/wake_up", timeout=120).status_code == 200
+    after = client.completions.create(model=MODEL, prompt=TEXT, echo=True, logprobs=1, max_tokens=0)
+    assert after.choices[0].logprobs == before.choices[0].logprobs
