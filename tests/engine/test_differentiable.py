@@ -29,7 +29,8 @@ def _rollouts(llm, seed=3, prompts=PROMPTS):
     for row, ids in enumerate(full):
         tokens[row, :len(ids)] = ids
     reported = [np.array([lp for _, lp, _ in o.logprobs], np.float32) for o in outs]
-    return tokens, np.array([len(f) for f in full]), [len(p) for p in prompts], reported
+    return (tokens, np.array([len(f) for f in full]), [len(o.prompt_token_ids) for o in outs],
+            reported)
 
 
 def _largest_difference(logp, prompt_lengths, reported) -> float:
@@ -139,3 +140,27 @@ def test_deterministic_rollouts_log_probs_are_bitwise_the_forwards(config):
         has_aux=True))
     (_, inside), _ = step(raw)
     assert _largest_difference(np.asarray(inside), prompt_lengths, reported) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
+def test_smollm2s_deterministic_rollouts_are_bitwise_the_forwards_and_it_differentiates(
+        real_model_path):
+    """SmolLM2-135M under deterministic=True: sampled rollouts' reported
+    log-probs are bitwise `token_logprobs`' over the LLM's prepared (packed)
+    params, alone and inside a jitted `value_and_grad`, whose gradient is finite (gradients in the panels'
+    layout, which `update_weights` takes back as prepared params)."""
+    real_model_path("smollm2-135m-instruct")
+    llm = LLM.load("smollm2-135m-instruct", max_seq_len=128, max_num_seqs=4, progress=False,
+                   deterministic=True)
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    tokens, lengths, prompt_lengths, reported = _rollouts(llm, seed=7, prompts=prompts)
+    logp = np.asarray(token_logprobs(llm.config, llm.params, tokens, lengths))
+    assert _largest_difference(logp, prompt_lengths, reported) == 0.0
+    step = jax.jit(jax.value_and_grad(lambda p: (
+        lambda lp: (-jnp.sum(lp), lp))(token_logprobs(llm.config, p, tokens, lengths)),
+        has_aux=True))
+    (_, inside), grad = step(llm.params)
+    assert _largest_difference(np.asarray(inside), prompt_lengths, reported) == 0.0
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grad))
+    llm.update_weights(jax.tree.map(lambda w, g: w - 1e-3 * g, llm.params, grad))
