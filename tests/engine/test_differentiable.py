@@ -148,8 +148,9 @@ def test_smollm2s_deterministic_rollouts_are_bitwise_the_forwards_and_it_differe
         real_model_path):
     """SmolLM2-135M under deterministic=True: sampled rollouts' reported
     log-probs are bitwise `token_logprobs`' over the LLM's prepared (packed)
-    params, alone and inside a jitted `value_and_grad`, whose gradient is finite (gradients in the panels'
-    layout, which `update_weights` takes back as prepared params)."""
+    params, alone and inside a jitted `value_and_grad`, whose gradient is
+    finite (in the panels' layout, which `update_weights` takes back as
+    prepared params)."""
     real_model_path("smollm2-135m-instruct")
     llm = LLM.load("smollm2-135m-instruct", max_seq_len=128, max_num_seqs=4, progress=False,
                    deterministic=True)
