@@ -130,7 +130,8 @@ def _pinned(program):
         return pinned(params, tokens, lengths, config, backend), (params, tokens, lengths)
 
     def backward(config, backend, residuals, grad):
-        params, tokens, lengths = jax.lax.optimization_barrier(residuals)   # no CSE with the forward
+        # behind the barrier XLA cannot merge this forward with the first one (CSE)
+        params, tokens, lengths = jax.lax.optimization_barrier(residuals)
         _, vjp = jax.vjp(lambda p: program(p, tokens, lengths, config=config, backend=backend),
                          params)
         return (*vjp(grad), None, None)
