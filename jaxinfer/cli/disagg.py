@@ -28,6 +28,7 @@ from jaxinfer.parallel.disagg.engine import start_process_engine
 from jaxinfer.parallel.disagg.process import DEFAULT_HEARTBEAT_S, WorkerSpec
 from jaxinfer.config import GenerationConfig
 from jaxinfer.cli.generate import read_prompts
+from jaxinfer.tokenizer.chat import read_template
 
 
 def add_disagg_parser(sub) -> None:
@@ -73,6 +74,10 @@ def start_engine(cfg, args, *, start: bool = True):
                   ("kv_cache_dtype", cfg.kv_cache_dtype), ("layout", cfg.cache.layout))
     if cfg.page_size is not None:              # both sides must agree on it
         llm_kwargs += (("page_size", cfg.page_size),)
+    llm_kwargs += (("grammar_cache_bytes", cfg.grammar_cache_bytes),)
+    if cfg.chat_template is not None:          # checked here, before any worker starts
+        read_template(cfg.chat_template)
+        llm_kwargs += (("chat_template", os.path.abspath(cfg.chat_template)),)
     spec = dict(source=cfg.model, dtype=cfg.dtype, llm_kwargs=llm_kwargs)
     prefill = [WorkerSpec(tp=args.prefill_tp, cpus=prefill_cpus, **spec)
                for _ in range(args.prefill_workers)]

@@ -9,8 +9,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
-from jaxinfer.config.cache import CacheConfig
-from jaxinfer.config.sampling import SamplingParams, check_token_limits
+from jaxinfer.config.cache import CacheConfig, parse_bytes
+from jaxinfer.config.sampling import DEFAULT_GRAMMAR_CACHE_BYTES, SamplingParams, check_token_limits
 from jaxinfer.config.scheduler import SchedulerConfig
 
 # Compiled programs a process keeps alive at most (`serving.programs.ProgramCache`):
@@ -56,6 +56,12 @@ class GenerationConfig:
       max_seq_len: KV-cache capacity per row, tokens (prompt + generated).
       max_new_tokens: generated tokens per prompt, at most.
       chat: render the prompt as a user turn with the model's chat template.
+      chat_template: a Jinja file that replaces the model's chat template
+        for every chat prompt (`generate`, `serve`, `LLM`; vLLM's
+        --chat-template), e.g. examples/chatml_tools.jinja to serve tool
+        calls with a model whose own template renders no tools; null: the
+        model's. A missing file or a template that does not render a user
+        turn is an error before any weight is read.
       system_prompt: a system turn before chat prompts; null keeps the
         template's default.
       stop: stop strings; a match ends the row and is cut from the text.
@@ -119,6 +125,12 @@ class GenerationConfig:
       warmup: `jaxinfer serve` only: before serving, compile ahead of time
         the step of every token bucket (ModelRunner.warmup), so that no
         request waits for a compile.
+      grammar_cache_bytes: the device memory structured output's automata
+        (JSON schemas, regexes, choices, tool sets) may take in one runner:
+        an int or a string such as 512MiB. Past it the least recently used
+        automata no running request uses are evicted and built again when
+        needed; a schema that cannot fit beside the running ones is masked
+        on the host (docs/structured.md). 0: every constraint on the host.
       max_programs: compiled programs kept alive at most (null: unbounded);
         past it the least recently used is dropped and compiled again when
         next needed (see jaxinfer/serving/programs.py). XLA:CPU maps each
@@ -147,6 +159,7 @@ class GenerationConfig:
     max_seq_len: int = 2048
     max_new_tokens: int = 128
     chat: bool = True
+    chat_template: Optional[str] = None
     system_prompt: Optional[str] = None
     stop: tuple[str, ...] = ()
     min_tokens: int = 0
@@ -171,6 +184,7 @@ class GenerationConfig:
     draft_weights: str = "float32"
     max_waiting_requests: Optional[int] = 256
     warmup: bool = True
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS
     sampling: SamplingParams = SamplingParams()
     cache: CacheConfig = dataclasses.field(init=False, repr=False, compare=False)
@@ -190,6 +204,13 @@ class GenerationConfig:
             raise ValueError(f"activations=int8 needs weights=q4 (int8 activations multiply "
                              f"4-bit weights), got weights={self.weights!r}")
         check_token_limits(self.max_new_tokens, self.min_tokens)
+        if isinstance(self.grammar_cache_bytes, str):
+            object.__setattr__(self, "grammar_cache_bytes",
+                               parse_bytes(self.grammar_cache_bytes, "grammar_cache_bytes"))
+        if (not isinstance(self.grammar_cache_bytes, int) or isinstance(self.grammar_cache_bytes, bool)
+                or self.grammar_cache_bytes < 0):
+            raise ValueError(f"grammar_cache_bytes must be an int >= 0 or a string such as 512MiB, "
+                             f"got {self.grammar_cache_bytes!r}")
         if self.max_programs is not None and self.max_programs < 1:
             raise ValueError(f"max_programs must be >= 1 or null, got {self.max_programs}")
         if self.sliding_window_ring and self.layout not in (None, "paged_ring"):
@@ -226,6 +247,9 @@ class GenerationConfig:
         if self.max_programs is not None and (not isinstance(self.max_programs, int)
                                               or isinstance(self.max_programs, bool)):
             raise ValueError(f"max_programs must be int or null, got {self.max_programs!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be a path to a Jinja file or null, got "
+                             f"{self.chat_template!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

@@ -18,6 +18,9 @@ TEMPERATURE_FLOOR = 1e-6
 # Seeds are 32-bit: with jax_enable_x64 off, `jax.random.key` keeps only the
 # low 32 bits of a larger seed, so larger seeds are rejected, not truncated.
 MAX_SEED = 2**32 - 1
+# Device tables of structured output's automata one runner keeps at most
+# (`sampling.grammar.GrammarPool`; the `grammar_cache_bytes` setting).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
 FLOAT32_MAX = 3.4028234663852886e38      # float values must stay finite in float32
 FLOAT32_TINY = 1.1754943508222875e-38    # smallest normal float32: a smaller penalty would be 0
 

@@ -44,16 +44,19 @@ import itertools
 import threading
 from typing import Iterable, Optional, Union
 
+import jax
+import jax.numpy as jnp
 import llguidance
 import numpy as np
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
-from jaxinfer.config.sampling import StructuredOutput
+from jaxinfer.config.sampling import DEFAULT_GRAMMAR_CACHE_BYTES, StructuredOutput
 from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.host_grammar import (ANY_OBJECT, HostGrammar, HostMatcher, TokenTable,
                                             closed_objects, host_grammar_text, library_errors)
-from jaxinfer.sampling.structured import MIN_LIVE_ROWS, GrammarTables, pad_tables
+from jaxinfer.sampling.structured import (MIN_EDGES, MIN_LIVE_ROWS, MIN_STATES, GrammarTables,
+                                          _pow2, pad_tables)
 
 # Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
@@ -242,6 +245,9 @@ class GrammarCompiler:
         first); 64 by default.
       max_table_bytes: the most device memory one automaton's tables may
         take; 0: every constraint is masked on the host (no automaton is built).
+      cache_bytes: the cap on each runner's device tables (`GrammarPool`,
+        the `grammar_cache_bytes` setting), and on the host copies of the
+        automata this compiler keeps (least recently used dropped first).
       background: `compile` of a regex, choice or schema whose tables are
         not built yet returns its `HostGrammar` (llguidance, about a
         millisecond) and builds the tables on a thread; once built (or
@@ -254,9 +260,11 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64,
-                 max_table_bytes: int = MAX_TABLE_BYTES, background: bool = False):
+                 max_table_bytes: int = MAX_TABLE_BYTES, background: bool = False,
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.max_table_bytes = int(max_table_bytes)
+        self.cache_bytes = int(cache_bytes)
         self.eos_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._vocabulary = None
         self._host_tokenizer = None
@@ -327,7 +335,8 @@ class GrammarCompiler:
     def _remember(self, spec: StructuredOutput, result: CompiledConstraint) -> None:
         """Keep a finished result (the caller holds `_building_lock`)."""
         self._done[spec] = result
-        while len(self._done) > self.cache_size:
+        held = lambda: sum(r.nbytes for r in self._done.values() if isinstance(r, Grammar))  # noqa: E731
+        while len(self._done) > self.cache_size or (len(self._done) > 1 and held() > self.cache_bytes):
             self._done.popitem(last=False)
 
     def prepare(self) -> None:
@@ -379,6 +388,11 @@ class GrammarCompiler:
                                     f"{self.max_table_bytes / 2**20:.0f} MiB")
         return grammar
 
+    def host_grammar(self, spec: StructuredOutput, reason: str) -> HostGrammar:
+        """`spec` masked on the host (llguidance), whatever its automaton;
+        `reason` says why. Raises ValueError as `compile`."""
+        return self._host(spec, reason)
+
     def _host(self, spec: StructuredOutput, reason: str) -> HostGrammar:
         text = host_grammar_text(spec)
         tokenizer = self.host_tokenizer()
@@ -390,39 +404,156 @@ class GrammarCompiler:
 
 
 class GrammarPool:
-    """The grammars a runner's rows use, concatenated into one set of device
+    """The automata a runner's rows use, concatenated into one set of device
     tables (state ids are global: a grammar's local state + its offset),
     and the masks of its host-masked rows (`GrammarTables.live`).
 
-    Grammars are kept once added (the same object, or one compiled from the
-    same source again after the compiler's LRU dropped it, reuses its offset);
-    `tables()` pads S and E to powers of two and the live rows to a power of
-    two (at least MIN_LIVE_ROWS), so the compiled step changes shape only
-    when the pool outgrows a size.
+    A bounded LRU: the padded device tables (`nbytes`: mask, starts and
+    edges, as `tables()` lays them out) never exceed `max_bytes`. Adding an
+    automaton that would pass it evicts the least recently used ones that no
+    running row references (`add(grammar, slot)` references it for the
+    slot's row until `release_slot`); when even that leaves no room, `add`
+    returns None and the caller masks that row on the host. An evicted
+    automaton is added again (from the compiler's copy, or compiled again)
+    when a request next needs it.
+
+    Evicting compacts the tables: the automata after an evicted one move
+    down, so offsets are valid until the next `add`. `tables()` records how
+    the states of the previous tables map to the new ones; `take_remap()`
+    returns that map once (old global state -> new, -1 for an evicted
+    automaton's states), for the runner to rewrite its rows' states.
+
+    The same object, or one compiled from the same source again after the
+    compiler's cache dropped it, reuses its entry. `tables()` pads S and E
+    to powers of two (at least MIN_STATES, MIN_EDGES; kept at the size they
+    reached while that still fits the cap, so evictions do not change the
+    compiled step's shapes) and the live rows to a power of two (at least
+    MIN_LIVE_ROWS).
 
     Args:
       vocab_size: the model's V (the masks' width: ceil(V / 32) words).
+      max_bytes: the cap on the padded device tables (live rows apart); an
+        automaton whose tables cannot fit it alone is never added.
     """
 
-    def __init__(self, vocab_size: int):
-        self.grammars: list[Grammar] = []
-        self._offsets: dict[int, int] = {}
+    def __init__(self, vocab_size: int, max_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES):
+        self.max_bytes = int(max_bytes)
+        self._width = -(-int(vocab_size) // 32)
+        self._lru: collections.OrderedDict = collections.OrderedDict()  # key -> Grammar, LRU first
+        self._layout: list = []            # resident keys in table order
+        self._offsets: dict = {}           # key -> offset of its state 0 now
+        self._users: dict[int, object] = {}  # slot -> key of the automaton its row runs
+        self._shown: dict = {}             # key -> offset in the tables last built
+        self._shown_states = 0             # padded S of the tables last built
+        self._shape = (0, 0)               # padded (S, E) of the tables last built
+        self._remap: Optional[np.ndarray] = None
+        self.evictions = 0
         self._tables: Optional[GrammarTables] = None
         self.live: dict[int, HostMatcher] = {}
-        self._words = np.zeros((MIN_LIVE_ROWS, -(-int(vocab_size) // 32)), np.int32)
+        self._words = np.zeros((MIN_LIVE_ROWS, self._width), np.int32)
+
+    @staticmethod
+    def key(grammar: Grammar):
+        return grammar.source or id(grammar)
+
+    @property
+    def grammars(self) -> list[Grammar]:
+        """The resident automata in table order."""
+        return [self._lru[k] for k in self._layout]
+
+    @property
+    def entries(self) -> int:
+        return len(self._lru)
 
     @property
     def num_states(self) -> int:
-        return sum(g.num_states for g in self.grammars)
+        return sum(g.num_states for g in self._lru.values())
 
-    def add(self, grammar: Grammar) -> int:
-        """The global id of `grammar`'s state 0 (adding it when new)."""
-        key = grammar.source or id(grammar)
-        if key not in self._offsets:
-            self._offsets[key] = self.num_states
-            self.grammars.append(grammar)
-            self._tables = None
+    @property
+    def num_edges(self) -> int:
+        return sum(len(g.tokens) for g in self._lru.values())
+
+    def table_bytes(self, states: int, edges: int) -> int:
+        """Device bytes of tables padded to `states` x `edges` (mask, starts, tokens, next)."""
+        return states * self._width * 4 + (states + 1) * 4 + edges * 8
+
+    def _padded(self, states: int, edges: int) -> tuple[int, int]:
+        return _pow2(states, MIN_STATES), _pow2(edges, MIN_EDGES)
+
+    def _fits(self, states: int, edges: int) -> bool:
+        return self.table_bytes(*self._padded(states, edges)) <= self.max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the padded device tables (those `tables()` holds or will build; 0: none)."""
+        if not self._lru:
+            return self.table_bytes(*self._shape) if self._tables is not None else 0
+        return self.table_bytes(*self._layout_shape())
+
+    def add(self, grammar: Grammar, slot: Optional[int] = None) -> Optional[int]:
+        """The global id of `grammar`'s state 0 (adding it when new, evicting
+        unreferenced automata as the cap needs), referenced by `slot`'s row
+        when a slot is given (its earlier reference dropped); None when it
+        cannot fit beside the referenced ones (nothing changes then)."""
+        key = self.key(grammar)
+        if slot is not None:
+            self.release_slot(slot)
+        if key not in self._lru:
+            if not self._make_room(grammar):
+                return None
+            self._lru[key] = grammar
+            self._layout.append(key)
+            self._relayout()
+        self._lru.move_to_end(key)
+        if slot is not None:
+            self._users[slot] = key
         return self._offsets[key]
+
+    def offset(self, grammar: Grammar) -> int:
+        """The global id of a resident `grammar`'s state 0 (KeyError: not resident)."""
+        return self._offsets[self.key(grammar)]
+
+    def release_slot(self, slot: int) -> None:
+        """`slot`'s row no longer runs its automaton (it may be evicted)."""
+        self._users.pop(slot, None)
+
+    def release_all(self) -> None:
+        """No row runs an automaton any more (the runner's rows were reset)."""
+        self._users.clear()
+
+    def _make_room(self, grammar: Grammar) -> bool:
+        states, edges = self.num_states + grammar.num_states, self.num_edges + len(grammar.tokens)
+        if self._fits(states, edges):
+            return True
+        pinned = set(self._users.values())
+        victims = [k for k in self._lru if k not in pinned]       # least recently used first
+        free_s = sum(self._lru[k].num_states for k in victims)
+        free_e = sum(len(self._lru[k].tokens) for k in victims)
+        if not self._fits(states - free_s, edges - free_e):
+            return False
+        for k in victims:
+            if self._fits(states, edges):
+                break
+            g = self._lru.pop(k)
+            self._layout.remove(k)
+            states, edges = states - g.num_states, edges - len(g.tokens)
+            self.evictions += 1
+        return True
+
+    def _relayout(self) -> None:
+        self._offsets, n = {}, 0
+        for k in self._layout:
+            self._offsets[k] = n
+            n += self._lru[k].num_states
+        self._tables = None
+
+    def _layout_shape(self) -> tuple[int, int]:
+        """Padded (S, E) for the resident automata: the tables' current
+        shape while it holds them within the cap, else the powers of two."""
+        states, edges = self.num_states, self.num_edges
+        need = self._padded(states, edges)
+        keep = (max(need[0], self._shape[0]), max(need[1], self._shape[1]))
+        return keep if self.table_bytes(*keep) <= self.max_bytes else need
 
     def acquire(self, matcher: HostMatcher) -> int:
         """A live row j for a host-masked row's `matcher` (row state
@@ -439,29 +570,56 @@ class GrammarPool:
         self.live.pop(j, None)
 
     def tables(self) -> Optional[GrammarTables]:
-        """The device tables of every grammar added, with each live row's
-        next-token mask computed now (None before the first grammar or
-        host-masked row)."""
-        if not self.grammars and not self.live:
+        """The device tables of every resident automaton, with each live
+        row's next-token mask computed now (None before the first grammar
+        or host-masked row)."""
+        if not self._lru and not self.live and self._tables is None:
             return None
         if self._tables is None or self._tables.live.shape != self._words.shape:
+            grammars = self.grammars
             offsets, edges = [], 0
-            for g in self.grammars:
+            for g in grammars:
                 offsets.append(edges)
                 edges += len(g.tokens)
-            starts = np.concatenate([g.starts[:-1] + o for g, o in zip(self.grammars, offsets)]
+            starts = np.concatenate([g.starts[:-1] + o for g, o in zip(grammars, offsets)]
                                     + [[edges]]).astype(np.int32)
-            if self.grammars:
-                mask = np.concatenate([g.mask for g in self.grammars])
-                tokens = np.concatenate([g.tokens for g in self.grammars])
-                nxt = np.concatenate([g.next + self._offsets[g.source or id(g)] for g in self.grammars])
+            if grammars:
+                mask = np.concatenate([g.mask for g in grammars])
+                tokens = np.concatenate([g.tokens for g in grammars])
+                nxt = np.concatenate([g.next + self._offsets[self.key(g)] for g in grammars])
             else:   # host-masked rows only
-                mask = np.zeros((0, self._words.shape[1]), np.uint32)
+                mask = np.zeros((0, self._width), np.uint32)
                 tokens, nxt = np.zeros(0, np.int32), np.zeros(0, np.int32)
-            self._tables = pad_tables(mask, starts, tokens, nxt, self._live_words())
+            shape = self._layout_shape()
+            self._tables = pad_tables(mask, starts, tokens, nxt, self._live_words(), *shape)
+            self._note_moves(shape)
         elif self.live:
             self._tables = self._tables.replace(live=to_device(self._live_words()))
         return self._tables
+
+    def _note_moves(self, shape: tuple[int, int]) -> None:
+        """Record how the previous tables' states map to these (`take_remap`)."""
+        moved = any(self._offsets.get(k) != o for k, o in self._shown.items())
+        if moved:
+            remap = np.full(max(self._shown_states, 1), -1, np.int32)
+            for k, old in self._shown.items():
+                if k in self._offsets:
+                    n = self._lru[k].num_states
+                    remap[old:old + n] = np.arange(self._offsets[k], self._offsets[k] + n)
+            if self._remap is not None:     # not taken since: compose
+                prev = self._remap
+                self._remap = np.where(prev >= 0, remap[np.clip(prev, 0, len(remap) - 1)], -1)
+            else:
+                self._remap = remap
+        self._shown = dict(self._offsets)
+        self._shown_states, self._shape = shape[0], shape
+
+    def take_remap(self) -> Optional[np.ndarray]:
+        """int32 [S_old]: the new global state of each state of the tables
+        before the last rebuild (-1: its automaton was evicted), or None when
+        no resident automaton moved; returned once."""
+        remap, self._remap = self._remap, None
+        return remap
 
     def _live_words(self) -> np.ndarray:
         self._words[:] = 0
@@ -470,6 +628,16 @@ class GrammarPool:
         return self._words.view(np.uint32)
 
 
-__all__ = ["MAX_TABLE_BYTES", "CompiledConstraint", "Grammar", "GrammarCompiler", "GrammarPool",
+@jax.jit
+def remap_states(state: jax.Array, remap: jax.Array) -> jax.Array:
+    """Rows' grammar states after the pool's tables were compacted
+    (`GrammarPool.take_remap`): device states through `remap` (past its
+    end: -1), unconstrained and host-masked rows unchanged."""
+    inside = (state >= 0) & (state < remap.shape[0])
+    moved = remap[jnp.clip(state, 0, remap.shape[0] - 1)]
+    return jnp.where(state >= 0, jnp.where(inside, moved, -1), state)
+
+
+__all__ = ["DEFAULT_GRAMMAR_CACHE_BYTES", "MAX_TABLE_BYTES", "CompiledConstraint", "Grammar", "GrammarCompiler", "GrammarPool",
            "HostGrammar", "HostMatcher", "build_vocabulary", "constraint_regex", "escape_literal",
-           "closed_objects", "grammar_from_index", "host_grammar_text", "token_bytes"]
+           "closed_objects", "grammar_from_index", "host_grammar_text", "remap_states", "token_bytes"]

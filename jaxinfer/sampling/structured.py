@@ -65,12 +65,14 @@ def host_state(j: int) -> int:
 
 
 def pad_tables(mask: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
-               next_: np.ndarray, live: np.ndarray) -> GrammarTables:
-    """Device `GrammarTables` from host arrays, S and E padded to powers of
-    two (at least MIN_STATES, MIN_EDGES) with states that allow nothing and
-    edges no token matches; `live` [L, W] as given."""
+               next_: np.ndarray, live: np.ndarray, states: int = 0, edges: int = 0
+               ) -> GrammarTables:
+    """Device `GrammarTables` from host arrays, S and E padded to `states`
+    and `edges` (0: powers of two, at least MIN_STATES, MIN_EDGES) with
+    states that allow nothing and edges no token matches; `live` [L, W] as given."""
     s, e = mask.shape[0], tokens.shape[0]
-    sp, ep = _pow2(s, MIN_STATES), _pow2(e, MIN_EDGES)
+    sp = max(states, s) if states else _pow2(s, MIN_STATES)
+    ep = max(edges, e) if edges else _pow2(e, MIN_EDGES)
     mask = np.concatenate([mask, np.zeros((sp - s, mask.shape[1]), np.uint32)])
     starts = np.concatenate([starts, np.full(sp - s, e)]).astype(np.int32)
     tokens = np.concatenate([tokens, np.full(ep - e, _INT32_MAX)]).astype(np.int32)

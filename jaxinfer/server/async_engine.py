@@ -39,6 +39,11 @@ class EngineStats:
       prefix_query_tokens, prefix_hit_tokens: prompt tokens looked up in the
         prefix cache so far, and served from it.
       num_preempted: requests preempted so far (the page pool ran dry).
+      grammar_bytes, grammar_entries, grammar_limit_bytes,
+        grammar_evictions: the runner's pool of structured-output automata
+        (`sampling.grammar.GrammarPool`): bytes of its padded device
+        tables, automata held, its cap (grammar_cache_bytes), automata
+        evicted so far.
     """
 
     running: int = 0
@@ -54,6 +59,10 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preempted: int = 0
+    grammar_bytes: int = 0
+    grammar_entries: int = 0
+    grammar_limit_bytes: int = 0
+    grammar_evictions: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -78,6 +87,10 @@ def snapshot(engine: EngineThread) -> EngineStats:
         num_pages=pool.num_pages, pages_used=pool.num_used, pages_free=pool.num_free,
         pages_cached=pool.num_cached, prefix_query_tokens=pool.query_tokens,
         prefix_hit_tokens=pool.hit_tokens)
+    grammars = getattr(sched.runner, "grammar_pool", None)
+    if grammars is not None:
+        pages.update(grammar_bytes=grammars.nbytes, grammar_entries=grammars.entries,
+                     grammar_limit_bytes=grammars.max_bytes, grammar_evictions=grammars.evictions)
     return EngineStats(running=sched.num_running, slots=len(sched.slots),
                        cache_capacity=sched.runner.max_seq_len, cached_tokens=cached,
                        steps=engine.steps, time=time.monotonic(),

@@ -86,6 +86,15 @@ class ServerMetrics:
                           "max_programs cap; each keeps its machine code mapped)", m, registry=r)
         self.compile_s = Gauge("jaxinfer_compile_seconds", "Seconds spent compiling so far", m,
                                registry=r)
+        self.grammar_bytes = Gauge("jaxinfer_grammar_cache_bytes", "Bytes of the device tables "
+                                   "of structured output's automata (padded; at most "
+                                   "jaxinfer_grammar_cache_limit_bytes)", m, registry=r)
+        self.grammar_entries = Gauge("jaxinfer_grammar_cache_entries", "Structured-output "
+                                     "automata held on the device", m, registry=r)
+        self.grammar_limit = Gauge("jaxinfer_grammar_cache_limit_bytes", "The cap on the "
+                                   "automata's device tables (grammar_cache_bytes)", m, registry=r)
+        self.grammar_evictions = Gauge("jaxinfer_grammar_cache_evictions", "Automata evicted from "
+                                       "the device so far (built again when needed)", m, registry=r)
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("jaxinfer_inter_token_latency_seconds", "Inter-token latency", m,
@@ -136,6 +145,10 @@ class ServerMetrics:
             self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / stats.prefix_query_tokens
                                                if stats.prefix_query_tokens else 0.0)
         self.preempted.labels(m).set(stats.num_preempted)
+        self.grammar_bytes.labels(m).set(stats.grammar_bytes)
+        self.grammar_entries.labels(m).set(stats.grammar_entries)
+        self.grammar_limit.labels(m).set(stats.grammar_limit_bytes)
+        self.grammar_evictions.labels(m).set(stats.grammar_evictions)
         self.steps.labels(m).set(stats.steps)
         self.compiles.labels(m).set(num_compiles)
         self.compile_s.labels(m).set(compile_s)

@@ -15,6 +15,7 @@ on the calling thread. Compiled shapes: `serving.runner`, `serving.buckets`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import threading
@@ -41,6 +42,8 @@ from jaxinfer.progress import Progress
 from jaxinfer.sampling.grammar import GrammarCompiler
 from jaxinfer.serving import prompts as prompts_module
 from jaxinfer.serving.prompts import PromptLogprob
+from jaxinfer.serving import prompts as prompts_module
+from jaxinfer.serving.prompts import PromptLogprob
 from jaxinfer.serving.request import MAX_LOGPROBS, Request, RequestOutput, per_row
 from jaxinfer.serving.rows import TokenRules, pad_rows
 from jaxinfer.serving.runner import ModelRunner
@@ -49,6 +52,7 @@ from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.settings import split_settings
 from jaxinfer.serving.stats import RunStats
 from jaxinfer.tokenizer import IncrementalDetokenizer
+from jaxinfer.tokenizer.chat import read_template
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -101,8 +105,13 @@ class LLM:
         (`serving.settings`: max_seq_len=..., max_num_seqs=...,
         sliding_window_ring=True, ...), and the LLM's own: deterministic (a
         row's tokens and log-probs bitwise independent of its batch,
-        neighbours, chunking and cache hits: `serving.deterministic`) and
-        min_prompt_bucket (the smallest prompt bucket of `score`).
+        neighbours, chunking and cache hits: `serving.deterministic`),
+        min_prompt_bucket (the smallest prompt bucket of `score`),
+        grammar_cache_bytes (the cap on each runner's device tables of
+        structured output's automata: `sampling.grammar.GrammarPool`) and
+        chat_template (a Jinja file's path: chat prompts render with it
+        instead of the tokenizer's template; a copy of the tokenizer is
+        changed, not the one given).
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
         config field out of range (naming it), no model family registered
@@ -135,8 +144,11 @@ class LLM:
         self.ring_pages = self.layout.ring_pages(config, cache, self.step_tokens)   # R per slot
         self.config = config = config.replace(deterministic=bool(own["deterministic"]))
         self.params = family.prepare(params, config)
+        if own["chat_template"] is not None:
+            tokenizer = with_chat_template(tokenizer, own["chat_template"])
         self.tokenizer = tokenizer
-        self.grammars = GrammarCompiler(tokenizer, config.vocab_size) if tokenizer else None
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size,
+                                        cache_bytes=own["grammar_cache_bytes"]) if tokenizer else None
         self.max_seq_len = cache.max_seq_len
         self.buckets = Buckets.create(self.max_seq_len, own["min_prompt_bucket"])
         self.eos_token_ids = tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else ()
@@ -198,9 +210,11 @@ class LLM:
         """
         progress = Progress.resolve(progress)
         dtype, weights = serving_dtypes(jnp.dtype(dtype).name, weights)
+        template = kwargs.pop("chat_template", None)
+        before = _template_hook(template) if template is not None else None
         config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
                                                cache=load_cache, progress=progress, weights=weights,
-                                               activations=activations)
+                                               activations=activations, before_weights=before)
         kwargs.setdefault("max_seq_len", min(config.max_position_embeddings, 2048))
         llm = cls(config, params, tokenizer, **kwargs)
         llm.programs.progress = progress
@@ -225,6 +239,8 @@ class LLM:
         progress = Progress.resolve(progress)
         resolve_layout(cfg.cache)           # a layout's refusal comes before any loading
         dtype, weights = serving_dtypes(cfg.dtype, cfg.weights)
+        if cfg.chat_template is not None:   # a bad file fails before any download or weight read
+            before_weights = _template_hook(cfg.chat_template, before_weights)
         config, params, tokenizer = load_model(
             cfg.model, jnp.dtype(dtype), prepared=True, progress=progress, weights=weights,
             activations=cfg.activations, before_weights=before_weights)
@@ -233,7 +249,8 @@ class LLM:
                                         cfg.ngram_max, cfg.draft_model, config, tokenizer, dtype,
                                         draft_weights)
         llm = cls(config, params, tokenizer, cache_config=cfg.cache, scheduler_config=cfg.scheduler,
-                  speculative=spec, deterministic=cfg.deterministic)
+                  speculative=spec, deterministic=cfg.deterministic,
+                  grammar_cache_bytes=cfg.grammar_cache_bytes)
         llm.programs.progress, llm.programs.max_programs = progress, cfg.max_programs
         llm.weights_format, llm.activations = weights, cfg.activations
         return llm
@@ -682,6 +699,34 @@ class LLM:
             if self._paused_by_sleep:
                 self._paused_by_sleep = False
                 self.controls.resume()
+
+
+def with_chat_template(tokenizer, path):
+    """A copy of `tokenizer` rendering chat prompts with the Jinja file at
+    `path` (`Tokenizer.replace_chat_template`). Raises FileNotFoundError /
+    ValueError: a missing or bad file, a template that does not render, no
+    tokenizer."""
+    source = read_template(path)
+    if tokenizer is None:
+        raise ValueError(f"chat_template {str(path)!r}: this model has no tokenizer")
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.replace_chat_template(source, f"chat_template {str(path)!r}")
+    return tokenizer
+
+
+def _template_hook(path, then=None):
+    """A `load_model` before_weights hook that puts the chat template file at
+    `path` on the tokenizer (the file read and checked now, before loading),
+    then calls `then`."""
+    source = read_template(path)
+
+    def hook(tokenizer):
+        if tokenizer is None:
+            raise ValueError(f"chat_template {str(path)!r}: this model has no tokenizer")
+        tokenizer.replace_chat_template(source, f"chat_template {str(path)!r}")
+        if then is not None:
+            then(tokenizer)
+    return hook
 
 
 def _params_dtype(params: dict):

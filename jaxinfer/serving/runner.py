@@ -32,7 +32,7 @@ from jaxinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
 from jaxinfer.sampling.arrays import to_device
-from jaxinfer.sampling.grammar import GrammarPool, HostGrammar
+from jaxinfer.sampling.grammar import GrammarPool, HostGrammar, remap_states
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
 from jaxinfer.serving import chunking
@@ -154,7 +154,9 @@ class ModelRunner:
         self.programs = programs or ProgramCache()
         self.backend = backend or choose_backend(jnp.dtype(cache_config.dtype))
         self.stop = tokens.device()
-        self.grammars, self.grammar_pool = tokens.grammars, GrammarPool(config.vocab_size)
+        self.grammars = tokens.grammars
+        self.grammar_pool = GrammarPool(config.vocab_size, *(
+            [self.grammars.cache_bytes] if self.grammars is not None else []))
         self.host_rows: dict[int, int] = {}   # slot -> live row of a host-masked request
         self.speculative = speculative
         self.spec = self._spec(speculative)
@@ -211,6 +213,7 @@ class ModelRunner:
         slots held is gone (after a failed step: `serving.faults.fail_step`)."""
         self.cache = None
         self._cache_future = _ALLOCATOR.submit(self._init_caches)
+        self.grammar_pool.release_all()     # the new rows run no automaton
         self.rows = engine_step.new_rows(row_inputs(
             [Request((0,), max_new_tokens=1)] * self.max_num_seqs, self.config.vocab_size,
             self.max_seq_len))
@@ -290,24 +293,43 @@ class ModelRunner:
     def _grammar_states(self, admissions: Sequence[Admission]) -> list[int]:
         """Each admitted row's grammar state (-1: none), after the tokens it
         generated before a preemption; the device tables follow. A
-        host-masked request takes a live row (its slot's earlier one freed)."""
-        states = []
-        for x in admissions:
+        host-masked request takes a live row (its slot's earlier one freed).
+        An automaton the pool cannot hold beside those running rows use
+        (`GrammarPool`, the grammar_cache_bytes cap) is masked on the host;
+        when the pool evicted automata and compacted its tables, the running
+        rows' states are moved with them (`remap_states`)."""
+        states, device = [UNCONSTRAINED] * len(admissions), []
+        for i, x in enumerate(admissions):
             old = self.host_rows.pop(x.slot, None)
             if old is not None:
                 self.grammar_pool.release(old)
-            if x.request.sampling.structured is None:
-                states.append(UNCONSTRAINED)
+            self.grammar_pool.release_slot(x.slot)
+            spec = x.request.sampling.structured
+            if spec is None:
                 continue
             self.check_structured(x.request)
-            grammar = self.grammars.compile(x.request.sampling.structured)
+            grammar = self.grammars.compile(spec)
+            if not isinstance(grammar, HostGrammar) and self.grammar_pool.add(grammar, x.slot) is None:
+                grammar = self.grammars.host_grammar(spec, (
+                    f"its automaton's tables do not fit the grammar cache "
+                    f"({self.grammar_pool.max_bytes / 2**20:.0f} MiB) beside those running rows use"))
             if isinstance(grammar, HostGrammar):
                 self.host_rows[x.slot] = self.grammar_pool.acquire(grammar.matcher(x.generated))
-                states.append(host_state(self.host_rows[x.slot]))
+                states[i] = host_state(self.host_rows[x.slot])
             else:
-                states.append(self.grammar_pool.add(grammar) + grammar.walk(x.generated))
+                device.append((i, grammar, x.generated))
+        for i, grammar, generated in device:    # offsets as they are after every add
+            states[i] = self.grammar_pool.offset(grammar) + grammar.walk(generated)
         self.stop = self.stop.replace(grammar=self.grammar_pool.tables())
+        remap = self.grammar_pool.take_remap()
+        if remap is not None and self.rows.grammar is not None:
+            self.rows = self.rows.replace(grammar=remap_states(self.rows.grammar, to_device(remap)))
         return states
+
+    def release_slot(self, slot: int) -> None:
+        """`slot`'s request left (finished, aborted or preempted): its
+        automaton may be evicted from the grammar pool."""
+        self.grammar_pool.release_slot(slot)
 
     def advance_host_row(self, slot: int, tokens: Sequence[int]) -> None:
         """Feed a host-masked request's whole output so far to its parser

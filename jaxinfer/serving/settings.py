@@ -9,7 +9,8 @@ Keys, by where they go:
   SchedulerConfig  max_num_seqs, max_num_batched_tokens, prefill_chunk_size,
                    long_prefill_chunk_size, decode_chunk, policy,
                    max_waiting_requests
-  the LLM's own    deterministic, min_prompt_bucket
+  the LLM's own    deterministic, min_prompt_bucket, grammar_cache_bytes,
+                   chat_template
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 from jaxinfer.config import CacheConfig, SchedulerConfig
+from jaxinfer.config.sampling import DEFAULT_GRAMMAR_CACHE_BYTES
 
 CACHE_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig) if f.name != "dtype")
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
-LLM_KEYS = {"deterministic": False, "min_prompt_bucket": 16}
+LLM_KEYS = {"deterministic": False, "min_prompt_bucket": 16,
+            "grammar_cache_bytes": DEFAULT_GRAMMAR_CACHE_BYTES, "chat_template": None}
 
 
 def split_settings(cache: Optional[CacheConfig], scheduler: Optional[SchedulerConfig],

@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import os
 import re
 from typing import Any, Mapping, Sequence
 
@@ -99,6 +100,35 @@ def reads_variable(template: str, name: str) -> bool:
         return name in template_variables(template)
     except jinja2.TemplateSyntaxError:
         return re.search(rf"\b{re.escape(name)}\b", template) is not None
+
+
+def read_template(path: str | os.PathLike) -> str:
+    """The Jinja source of a chat template file (the `chat_template`
+    setting), checked to parse.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file cannot be read, is not UTF-8, is empty or does
+        not parse as Jinja (naming the file and the line).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"chat_template: no such file {str(path)!r}") from None
+    except OSError as e:
+        raise ValueError(f"chat_template {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"chat_template {str(path)!r}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
+    if not source.strip():
+        raise ValueError(f"chat_template {str(path)!r}: the file is empty")
+    try:
+        _environment().parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template {str(path)!r}: not a valid Jinja template (line "
+                         f"{e.lineno}: {e.message})") from None
+    return source
 
 
 class _GenerationBlock(jinja2.ext.Extension):

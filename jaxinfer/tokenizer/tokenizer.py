@@ -289,6 +289,28 @@ class Tokenizer:
     def chat_template(self, template: str | None) -> None:
         self._chat_templates = template
 
+    def replace_chat_template(self, template: str, origin: str = "chat_template") -> None:
+        """Render chat prompts with `template` (Jinja source) instead of the
+        checkpoint's (the `chat_template` setting); the end-of-turn tokens
+        it writes (`END_OF_TURN_TOKENS`) join the EOS ids. It must render a
+        user turn with the generation prompt.
+
+        Raises:
+          ValueError: the template fails on a one-message conversation
+            (naming `origin` and jinja's message); the tokenizer keeps its
+            own template then.
+        """
+        import jinja2
+
+        try:
+            chat_render.render(template, [{"role": "user", "content": "Hello"}],
+                               add_generation_prompt=True, special_tokens=self._special_tokens)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise ValueError(f"{origin}: the template fails to render a user turn: "
+                             f"{type(e).__name__}: {e}") from None
+        self._chat_templates = template
+        self._eos_ids = self._collect_eos(self._eos_ids)
+
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
