@@ -42,16 +42,14 @@ import time
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 
 from jaxinfer.cache.paged import page_nbytes, storage
 from jaxinfer.serving.request import Request, Timings
 from jaxinfer.sampling import MAX_SEED, SamplingParams
 from jaxinfer.serving.scheduler import QueueFullError
 from jaxinfer.server.async_engine import AsyncEngine
-from jaxinfer.server.guard import Guard, anthropic_error, json_error
+from jaxinfer.server.guard import Guard, add_error_handlers, json_error
 from jaxinfer.server.messages import MessagesRoute
 from jaxinfer.server.prometheus import CONTENT_TYPE, ServerMetrics
 from jaxinfer.server.protocol import (RESERVED_TEMPLATE_KWARGS, APIError, ChatCompletionRequest,
@@ -138,10 +136,7 @@ class OpenAIServer:
 
         app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
         app.add_middleware(Guard, server=self, routes=ROUTES)
-        app.add_exception_handler(APIError, self._on_api_error)
-        app.add_exception_handler(RequestValidationError, self._on_validation_error)
-        app.add_exception_handler(HTTPException, self._on_http_error)
-        app.add_exception_handler(Exception, self._on_exception)
+        add_error_handlers(app)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
         MessagesRoute(self).register(app)
@@ -152,35 +147,6 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
-
-    @staticmethod
-    async def _on_api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @staticmethod
-    async def _on_validation_error(request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return json_error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
-        if not loc:
-            return json_error(400, "the request body must be a JSON object (Content-Type: "
-                              f"application/json): {err['msg']}")
-        where = ".".join(loc) if loc else "body"
-        return json_error(400, f"{where}: {err['msg']}", param=loc[0] if loc else None)
-
-    @staticmethod
-    async def _on_http_error(request, exc: HTTPException):
-        if request.url.path.startswith("/v1/messages"):       # Anthropic's error shape there
-            return anthropic_error(exc.status_code, str(exc.detail))
-        return json_error(exc.status_code, str(exc.detail),
-                          code="not_found" if exc.status_code == 404 else None)
-
-    @staticmethod
-    async def _on_exception(request, exc: Exception):
-        if request.url.path.startswith("/v1/messages"):
-            return anthropic_error(500, f"internal error: {exc!r}")
-        return json_error(500, f"internal error: {exc!r}", type="server_error")
 
     # --- plain routes --------------------------------------------------------------------
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import hmac
 from typing import Optional
 
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from jaxinfer.server.protocol import anthropic_error_body, error_body
+from jaxinfer.server.protocol import APIError, anthropic_error_body, error_body
 
 
 def anthropic_error(status: int, message: str, code: Optional[str] = None) -> JSONResponse:
@@ -96,3 +98,40 @@ class Guard:
         async def replay():
             return messages.pop(0) if messages else await receive()
         return replay
+
+
+def add_error_handlers(app) -> None:
+    """Answer every error of `app` in the API's own shape: an `APIError` as
+    its body and status; a body that fails validation (malformed JSON, not
+    an object, a bad field) as a 400 naming the field; an HTTP error (404,
+    405) and any other exception (a 500) in OpenAI's error shape, or
+    Anthropic's under /v1/messages."""
+
+    async def on_api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def on_validation_error(request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return json_error(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
+        if not loc:
+            return json_error(400, "the request body must be a JSON object (Content-Type: "
+                              f"application/json): {err['msg']}")
+        return json_error(400, f"{'.'.join(loc)}: {err['msg']}", param=loc[0])
+
+    async def on_http_error(request, exc: HTTPException):
+        if request.url.path.startswith("/v1/messages"):       # Anthropic's error shape there
+            return anthropic_error(exc.status_code, str(exc.detail))
+        return json_error(exc.status_code, str(exc.detail),
+                          code="not_found" if exc.status_code == 404 else None)
+
+    async def on_exception(request, exc: Exception):
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error(500, f"internal error: {exc!r}")
+        return json_error(500, f"internal error: {exc!r}", type="server_error")
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_exception)
