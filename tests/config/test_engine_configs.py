@@ -90,7 +90,8 @@ def test_keyword_settings_map_onto_the_configs_in_one_place():
         deterministic=True))
     assert cache == CacheConfig(max_seq_len=64, page_size=4, layout="paged_ring")
     assert sched == SchedulerConfig(max_num_seqs=2, decode_chunk=3, policy="static")
-    assert own == {"deterministic": True, "min_prompt_bucket": 16}
+    assert own == {"deterministic": True, "min_prompt_bucket": 16,
+                   "grammar_cache_bytes": 512 << 20, "chat_template": None}
     with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'max_seqs'"):
         split_settings(None, None, {"max_seqs": 2})
     with pytest.raises(TypeError, match="unexpected keyword argument 'min_kv_bucket'"):
