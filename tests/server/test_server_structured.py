@@ -215,3 +215,26 @@ def test_guided_grammar_and_llama_server_grammar(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=5,
                                   extra_body={"grammar": "root ::= nope"})
     assert e.value.body["param"] == "grammar"
+
+
+def test_the_example_chat_template_renders_the_servers_tool_prompts(client, llm, monkeypatch):
+    """The chat_template setting with examples/chatml_tools.jinja (#55 item
+    1): a model whose own template renders no tools (as SmolLM2's) takes
+    tool_choice "auto" and renders the tools through the file. Its prompt,
+    656 characters here, outgrows this model's 128 positions, so the
+    server's length check counts it: the file's rendering, tools included."""
+    import copy
+
+    from jaxinfer.tokenizer.chat import read_template
+
+    example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "chatml_tools.jinja"
+    tok = copy.copy(llm.tokenizer)
+    tok.replace_chat_template(read_template(example), str(example))
+    monkeypatch.setattr(llm, "tokenizer", tok)
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.render_chat(messages, tools=[TOOL])
+    assert "<tools>\n" + json.dumps(TOOL) + "\n</tools>" in text
+    n = len(tok.encode(text, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError, match=f"the prompt has {n} tokens"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, tools=[TOOL],
+                                       tool_choice="auto")
