@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from jaxinfer.cache.codecs import get_codec
+from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY
 from jaxinfer.cache.paged import PagedLayout
 from jaxinfer.cache.paged_ring import RING_LAYOUT
 from jaxinfer.config import CacheConfig, ModelConfig
@@ -54,3 +55,26 @@ def resolve_layout(cache: CacheConfig, config: Optional[ModelConfig] = None
 
 
 __all__ = ["LAYOUTS", "get_layout", "resolve_layout"]
+
+
+def pool_pages(layout: PagedLayout, config: ModelConfig, cache: CacheConfig, max_num_seqs: int,
+               step_tokens: int) -> int:
+    """Pages in the KV page pool of a runner of `max_num_seqs` slots whose
+    steps hold up to `step_tokens` tokens: cache.num_pages, else what
+    cache.kv_cache_memory holds, else enough for max_num_seqs full sequences
+    within DEFAULT_KV_CACHE_MEMORY (less the bytes the layout keeps outside
+    the pool, if any: `PagedLayout.pool_costs`).
+
+    Raises:
+      ValueError: kv_cache_memory does not hold one page.
+    """
+    if cache.num_pages is not None:
+        return cache.num_pages
+    page, outside = layout.pool_costs(config, cache, max_num_seqs, step_tokens)
+    if cache.kv_cache_memory is not None:
+        if cache.kv_cache_memory - outside < page:
+            raise ValueError(f"a KV budget of {cache.kv_cache_memory} bytes holds no page "
+                             f"({page} bytes, besides {outside} bytes of sliding-window rings)")
+        return (cache.kv_cache_memory - outside) // page
+    full = max_num_seqs * -(-(cache.max_seq_len + cache.page_size) // cache.page_size)
+    return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - outside, 0) // page))

@@ -15,67 +15,39 @@ on the calling thread. Compiled shapes: `serving.runner`, `serving.buckets`.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import gc
 import threading
 import weakref
 from typing import Generator, Iterator, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxinfer.engine import phases as engine
-from jaxinfer import models, sampling
+from jaxinfer import models
 from jaxinfer.serving.buckets import Buckets, batch_bucket
-from jaxinfer.serving.control import Controls, clear_prefix_cache, return_freed_memory
+from jaxinfer.serving.control import Controls
 from jaxinfer.serving import update as weights_update
 from jaxinfer.serving.deterministic import check_deterministic
-from jaxinfer.cache.kv import DEFAULT_KV_CACHE_MEMORY, init_cache
-from jaxinfer.cache.layouts import resolve_layout
+from jaxinfer.cache.layouts import pool_pages, resolve_layout
 from jaxinfer.engine.ragged import choose_backend, serving_dtypes
 from jaxinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxinfer.serving.loading import load_model, speculative_config
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.progress import Progress
 from jaxinfer.sampling.grammar import GrammarCompiler
-from jaxinfer.serving import prompts as prompts_module
+from jaxinfer.serving import live, offline, prompts as prompts_module
+from jaxinfer.serving.offline import Completion
 from jaxinfer.serving.prompts import PromptLogprob
-from jaxinfer.serving import prompts as prompts_module
-from jaxinfer.serving.prompts import PromptLogprob
-from jaxinfer.serving.request import MAX_LOGPROBS, Request, RequestOutput, per_row
-from jaxinfer.serving.rows import TokenRules, pad_rows
+from jaxinfer.serving.request import MAX_LOGPROBS, Request, RequestOutput
+from jaxinfer.serving.rows import TokenRules
 from jaxinfer.serving.runner import ModelRunner
 from jaxinfer.speculative import SpecConfig, as_spec_config
 from jaxinfer.serving.scheduler import Scheduler
 from jaxinfer.serving.settings import split_settings
 from jaxinfer.serving.stats import RunStats
 from jaxinfer.tokenizer import IncrementalDetokenizer
-from jaxinfer.tokenizer.chat import read_template
+from jaxinfer.tokenizer.chat import template_hook, with_chat_template
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
-
-
-@dataclasses.dataclass
-class Completion:
-    """One request's result.
-
-    Attributes:
-      prompt_token_ids: the prompt as fed to the model.
-      token_ids: generated ids, including a final stop token when one ended it.
-      text: detokenized generated text, stop token and stop string excluded.
-      finish_reason: "stop" (stop token or stop string), "length", or "abort"
-        (`LLM.pause("abort")` ended it).
-      logprobs: per generated token (token_id, logprob, [(alt_id, alt_logprob), ...])
-        when requested, else None. Log-probs are of the model's raw distribution.
-    """
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: Optional[list] = None
 
 
 class LLM:
@@ -101,17 +73,11 @@ class LLM:
         string "ngram" (`SpecConfig("ngram")`), or None.
       stop_token_ids: extra ids that end a request (the tokenizer's EOS set is
         always included).
-      settings: keyword settings applied over the two configs
-        (`serving.settings`: max_seq_len=..., max_num_seqs=...,
-        sliding_window_ring=True, ...), and the LLM's own: deterministic (a
-        row's tokens and log-probs bitwise independent of its batch,
-        neighbours, chunking and cache hits: `serving.deterministic`),
-        min_prompt_bucket (the smallest prompt bucket of `score`),
-        grammar_cache_bytes (the cap on each runner's device tables of
-        structured output's automata: `sampling.grammar.GrammarPool`) and
-        chat_template (a Jinja file's path: chat prompts render with it
-        instead of the tokenizer's template; a copy of the tokenizer is
-        changed, not the one given).
+      settings: keyword settings over the two configs (max_seq_len=...,
+        max_num_seqs=..., layout=...), and the LLM's own (deterministic,
+        min_prompt_bucket, grammar_cache_bytes, chat_template: a Jinja file
+        replacing the template of a copy of the tokenizer); each is
+        described in `serving.settings`.
     Raises:
       ValueError: max_seq_len outside [2, the model's context length], a
         config field out of range (naming it), no model family registered
@@ -211,7 +177,7 @@ class LLM:
         progress = Progress.resolve(progress)
         dtype, weights = serving_dtypes(jnp.dtype(dtype).name, weights)
         template = kwargs.pop("chat_template", None)
-        before = _template_hook(template) if template is not None else None
+        before = template_hook(template) if template is not None else None
         config, params, tokenizer = load_model(source, dtype=jnp.dtype(dtype), prepared=True,
                                                cache=load_cache, progress=progress, weights=weights,
                                                activations=activations, before_weights=before)
@@ -240,7 +206,7 @@ class LLM:
         resolve_layout(cfg.cache)           # a layout's refusal comes before any loading
         dtype, weights = serving_dtypes(cfg.dtype, cfg.weights)
         if cfg.chat_template is not None:   # a bad file fails before any download or weight read
-            before_weights = _template_hook(cfg.chat_template, before_weights)
+            before_weights = template_hook(cfg.chat_template, before_weights)
         config, params, tokenizer = load_model(
             cfg.model, jnp.dtype(dtype), prepared=True, progress=progress, weights=weights,
             activations=cfg.activations, before_weights=before_weights)
@@ -311,28 +277,17 @@ class LLM:
             kv_cache_memory=None)
 
     def pool_pages(self, max_num_seqs: int, scheduler_config: Optional[SchedulerConfig] = None) -> int:
-        """Pages in the KV page pool of a runner of `max_num_seqs` slots:
-        num_pages, else what kv_cache_memory holds, else enough for
-        max_num_seqs full sequences within DEFAULT_KV_CACHE_MEMORY (less the
-        bytes the layout keeps outside the pool, if any: `PagedLayout.pool_costs`).
+        """Pages in the KV page pool of a runner of `max_num_seqs` slots
+        (`cache.layouts.pool_pages`: num_pages, else what kv_cache_memory
+        holds, else max_num_seqs full sequences within a default budget).
 
         Raises:
           ValueError: kv_cache_memory does not hold one page.
         """
-        cache = self.cache_config
-        if cache.num_pages is not None:
-            return cache.num_pages
         sched = scheduler_config or self.scheduler_config
         step_tokens = sched.max_num_batched_tokens + (
             self.speculative.num_speculative_tokens if self.speculative else 0)
-        page, outside = self.layout.pool_costs(self.config, cache, max_num_seqs, step_tokens)
-        if cache.kv_cache_memory is not None:
-            if cache.kv_cache_memory - outside < page:
-                raise ValueError(f"a KV budget of {cache.kv_cache_memory} bytes holds no page "
-                                 f"({page} bytes, besides {outside} bytes of sliding-window rings)")
-            return (cache.kv_cache_memory - outside) // page
-        full = max_num_seqs * -(-(cache.max_seq_len + cache.page_size) // cache.page_size)
-        return max(1, min(full, max(DEFAULT_KV_CACHE_MEMORY - outside, 0) // page))
+        return pool_pages(self.layout, self.config, self.cache_config, max_num_seqs, step_tokens)
 
     def scheduler(self, max_num_seqs: Optional[int] = None, **kwargs) -> Scheduler:
         """A `Scheduler` over a new runner of `max_num_seqs` slots (default
@@ -413,31 +368,8 @@ class LLM:
         Raises:
           ValueError / TypeError: as `generate`, naming the row.
         """
-        if isinstance(prompts, str):
-            raise TypeError("prompts must be a list; wrap a single prompt in [...]")
-        n = len(prompts)
-        if n == 0:
-            raise ValueError("no prompts given")
-        ids = [self.encode_prompt(p, chat) for p in prompts]
-        params = per_row(sampling_params, n, "sampling_params") or [sampling.SamplingParams()] * n
-        budgets = per_row(max_new_tokens, n, "max_new_tokens")
-        mins = per_row(min_tokens, n, "min_tokens")
-        ignores = per_row(ignore_eos, n, "ignore_eos")
-        out = []
-        for row, (p, m) in enumerate(zip(ids, budgets)):
-            if isinstance(m, (int, np.integer)) and m >= 1 and len(p) + m > self.max_seq_len:
-                raise ValueError(
-                    f"row {row}: prompt length {len(p)} + max_new_tokens {m} = {len(p) + m} exceeds "
-                    f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens "
-                    "or raise max_seq_len")
-            try:
-                if params[row].structured is not None and self.grammars is not None:
-                    self.grammars.compile(params[row].structured)    # a bad constraint fails here
-                out.append(Request(p, params[row], int(m), int(mins[row]), bool(ignores[row]),
-                                   tuple(stop), logprobs))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"row {row}: {e}") from None
-        return out
+        return offline.requests(self, prompts, sampling_params, max_new_tokens, chat, stop, logprobs,
+                                min_tokens, ignore_eos)
 
     def _offline_scheduler(self, max_num_seqs: int) -> Scheduler:
         """The scheduler `generate` and `stream` run on: kept while calls need
@@ -459,51 +391,8 @@ class LLM:
         self.controls.check_awake(self.params is None)
         with self.controls.run():
             self.controls.check_awake(self.params is None)     # it may have slept meanwhile
-            return (yield from self._run_unpaused(requests, stream))
-
-    def _run_unpaused(self, requests: Sequence[Request], stream: bool = False
-                      ) -> Generator[tuple[int, RequestOutput], None, list[Completion]]:
-        compile_before = self.programs.compile_s
-        scheduler = self._offline_scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
-        pool = scheduler.kv_pages
-        queried, hit, preempted = pool.query_tokens, pool.hit_tokens, scheduler.num_preempted
-        steps = scheduler.runner.decode_steps
-        index = {scheduler.add_request(r, stream=stream): i for i, r in enumerate(requests)}
-        parts = [dict(tokens=[], text=[], logprobs=[], reason=None, timings=None, spec=None)
-                 for _ in requests]
-        while scheduler.has_unfinished():
-            if self.controls.abort:         # pause("abort"): every request ends with "abort"
-                for rid in index:
-                    scheduler.abort(rid)
-            for event in scheduler.step():
-                i = index[event.request_id]
-                acc = parts[i]
-                acc["tokens"] += event.token_ids
-                acc["text"].append(event.text)
-                acc["logprobs"] += event.logprobs or []
-                acc["reason"], acc["timings"], acc["spec"] = event.finish_reason, event.timings, event.spec
-                if not stream:
-                    yield i, event
-                    continue
-                # A stream's reader may stop reading for a while: it holds no pause up
-                # meanwhile (`generate` reads on, so its requests finish under pause "wait").
-                with self.controls.suspended() as aborted:
-                    yield i, event
-                if aborted():
-                    for rid in index:
-                        scheduler.abort(rid)
-        steps = scheduler.runner.decode_steps - steps
-        self.last_stats = RunStats.from_requests(
-            [len(r.prompt_ids) for r in requests], [p["tokens"] for p in parts],
-            [p["timings"] for p in parts], compile_s=self.programs.compile_s - compile_before,
-            decode_steps=steps, spec=[p["spec"] for p in parts])
-        self.last_stats = dataclasses.replace(
-            self.last_stats, prefix_query_tokens=pool.query_tokens - queried,
-            prefix_hit_tokens=pool.hit_tokens - hit, num_pages=pool.num_pages,
-            num_preempted=scheduler.num_preempted - preempted)
-        return [Completion(list(r.prompt_ids), p["tokens"], "".join(p["text"]), p["reason"],
-                           p["logprobs"] if r.logprobs is not None else None)
-                for r, p in zip(requests, parts)]
+            scheduler = self._offline_scheduler(batch_bucket(min(len(requests), self.max_num_seqs)))
+            return (yield from offline.run(self, scheduler, requests, stream))
 
     # --- scoring -------------------------------------------------------------------------
 
@@ -524,23 +413,7 @@ class LLM:
           ValueError: mismatched lengths, an empty continuation, ids out of the
             vocabulary, or prompt + continuation longer than max_seq_len.
         """
-        if len(prompts) != len(continuations) or not prompts:
-            raise ValueError(f"{len(prompts)} prompts for {len(continuations)} continuations")
-        rows = [(self.encode_prompt(p, chat), self._continuation_ids(c))
-                for p, c in zip(prompts, continuations)]
-        for row, (p, c) in enumerate(rows):
-            if len(p) + len(c) > self.max_seq_len:
-                raise ValueError(f"row {row}: prompt {len(p)} + continuation {len(c)} tokens exceed "
-                                 f"max_seq_len {self.max_seq_len}")
-        self.controls.check_awake(self.params is None)
-        full = [p + c for p, c in rows]
-        tokens, lengths = pad_rows(full, batch_bucket(len(full)),
-                               self.buckets.prompt_bucket(max(map(len, full))))
-        cache = init_cache(self.config, tokens.shape[0], tokens.shape[1], self.cache_dtype)
-        logp = np.asarray(self.programs(engine.token_logprobs, self.params, cache, tokens, lengths,
-                                        config=self.config, backend=self.backend))
-        return [float(logp[row, len(p) - 1:len(p) + len(c) - 1].sum())
-                for row, (p, c) in enumerate(rows)]
+        return prompts_module.score(self, prompts, continuations, chat)
 
     def prompt_logprobs(self, prompts: Sequence[Prompt], top_n: int = 0, *, chat: bool = False
                         ) -> list[list[Optional[PromptLogprob]]]:
@@ -569,57 +442,15 @@ class LLM:
                                  f"{self.max_seq_len}")
         return prompts_module.prompt_logprobs(self, rows, top_n)
 
-    def _continuation_ids(self, continuation) -> list[int]:
-        if isinstance(continuation, str):
-            if self.tokenizer is None:
-                raise ValueError("this LLM has no tokenizer: pass token ids")
-            ids = self.tokenizer.encode(continuation, add_special_tokens=False)
-        else:
-            ids = [int(i) for i in continuation]
-        if not ids:
-            raise ValueError("empty continuation: nothing to score")
-        return self.encode_prompt(ids)
-
     # --- live weights, pausing and sleeping (serving.control, serving.update) --------------
 
     def update_weights(self, params) -> None:
-        """Serve new weights from memory: no reload, no new compile.
-
-        Args:
-          params: the layout the model was loaded from (`serving.update`):
-            Hugging Face-named tensors (a safetensors or GGUF model), the
-            `checkpoint.convert` params tree (stacked layers), a brought
-            family's own params, or prepared params; numpy or jax arrays.
-            They are cast to the model's dtype and prepared as loading
-            prepares them (fused, packed, quantized to `weights_format`).
-            The arrays given are not kept (copies are), so the caller may
-            change or donate them afterwards.
-        Requests in flight finish on the old weights first (an internal
-        `pause("wait")`, unless the LLM is paused already); the prefix cache
-        is invalidated; the old weights are dropped (freed once nothing else
-        refers to them). Allowed while asleep (after `sleep(level=2)` it is
-        the way back to serving).
-
-        Raises:
-          ValueError: a tree, shape or dtype that does not match the serving
-            params, naming the first bad leaf; nothing has changed.
-        """
-        with self._admin:
-            if self.params is not None:      # (placed after construction: `parallel.load_llm`)
-                self._params_shape = weights_update.abstract(self.params)
-            # A tensor-parallel LLM lays params out per shard as loading does (its
-            # `prepare_update`, set by `parallel.sharding.tensor_parallel_llm`).
-            config = getattr(self, "base_config", self.config)
-            new = weights_update.prepare_update(
-                params, config, self._params_shape, dtype=self.cache_dtype,
-                weights=self.weights_format, activations=self.activations,
-                prepare=self.prepare_update)
-            with self.controls.paused_for("update_weights"):
-                self.params = new
-                for runner in list(self._runners):
-                    runner.params = new
-                self._clear_prefix_caches()
-            jax.block_until_ready(new)
+        """Serve new weights from memory: no reload, no new compile, the prefix
+        cache invalidated, requests in flight finished on the old weights
+        first (`serving.live.update_weights` has the layouts taken and what
+        is prepared and dropped). Raises ValueError naming the first leaf
+        whose tree, shape or dtype does not match; nothing has changed then."""
+        live.update_weights(self, params)
 
     def pause(self, mode: str = "wait", timeout_s: Optional[float] = None) -> None:
         """Stop starting new requests, on every engine of this LLM (`generate`
@@ -647,86 +478,18 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt page of every engine of this LLM (after
         in-flight requests finish). Returns the cached pages freed."""
-        with self._admin, self.controls.paused_for("reset_prefix_cache"):
-            return self._clear_prefix_caches()
-
-    def _clear_prefix_caches(self) -> int:
-        return sum(clear_prefix_cache(s.kv_pages) for s in list(self._schedulers))
+        return live.reset_prefix_cache(self)
 
     def sleep(self, level: int = 1) -> None:
-        """Free device memory while the LLM is not used (e.g. while a trainer
-        runs): level 1 deletes the KV pools (their device arrays) and keeps
-        the weights; level 2 also drops the weights (`update_weights` brings
-        new ones back). Requests in flight finish first; the LLM stays
-        paused until `wake_up`, and generating meanwhile raises RuntimeError.
-        Compiled programs are kept. A second call with a higher level drops
-        the weights too.
-
-        Raises:
-          ValueError: level not 1 or 2.
-        """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        with self._admin:
-            if not self.controls.paused:
-                self.controls.pause("wait")
-                self._paused_by_sleep = True
-            if not self.controls.sleep_level:
-                self.controls.interrupt()        # a stream read later aborts: its pages are gone
-                self._clear_prefix_caches()
-                self._scheduler = None           # the offline one is rebuilt on waking
-                gc.collect()                     # its runner leaves the registry now
-                for runner in list(self._runners):
-                    runner.free_cache()
-            if level == 2:
-                self.params = None
-                for runner in list(self._runners):
-                    runner.params = None
-                gc.collect()
-            return_freed_memory()
-            self.controls.sleep_level = max(level, self.controls.sleep_level)
+        """Free device memory while the LLM is not used: level 1 the KV pools,
+        level 2 the weights too (`serving.live.sleep`: what is kept and
+        freed). Raises ValueError: level not 1 or 2."""
+        live.sleep(self, level)
 
     def wake_up(self) -> None:
         """Allocate the KV pools `sleep` freed again (the same shapes: nothing
-        compiles) and resume serving; after `sleep(level=2)` generating also
-        needs `update_weights`. A no-op when awake."""
-        with self._admin:
-            if not self.controls.sleep_level:
-                return
-            for runner in list(self._runners):
-                runner.reset()
-            self.controls.sleep_level = 0
-            if self._paused_by_sleep:
-                self._paused_by_sleep = False
-                self.controls.resume()
-
-
-def with_chat_template(tokenizer, path):
-    """A copy of `tokenizer` rendering chat prompts with the Jinja file at
-    `path` (`Tokenizer.replace_chat_template`). Raises FileNotFoundError /
-    ValueError: a missing or bad file, a template that does not render, no
-    tokenizer."""
-    source = read_template(path)
-    if tokenizer is None:
-        raise ValueError(f"chat_template {str(path)!r}: this model has no tokenizer")
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.replace_chat_template(source, f"chat_template {str(path)!r}")
-    return tokenizer
-
-
-def _template_hook(path, then=None):
-    """A `load_model` before_weights hook that puts the chat template file at
-    `path` on the tokenizer (the file read and checked now, before loading),
-    then calls `then`."""
-    source = read_template(path)
-
-    def hook(tokenizer):
-        if tokenizer is None:
-            raise ValueError(f"chat_template {str(path)!r}: this model has no tokenizer")
-        tokenizer.replace_chat_template(source, f"chat_template {str(path)!r}")
-        if then is not None:
-            then(tokenizer)
-    return hook
+        compiles) and resume serving (`serving.live.wake_up`)."""
+        live.wake_up(self)
 
 
 def _params_dtype(params: dict):

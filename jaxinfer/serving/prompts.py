@@ -1,4 +1,5 @@
-"""Prompt log-probs (`LLM.prompt_logprobs`): every prompt token's log-prob,
+"""Scores of prompts: `LLM.score` (log-likelihood of continuations) and
+prompt log-probs (`LLM.prompt_logprobs`): every prompt token's log-prob,
 rank and the top n most likely tokens at its position, from one prefill
 returning every position's log-softmax (`engine.phases.prompt_logprobs`,
 the program `LLM.score` runs but for the ranks and the top n). The
@@ -67,3 +68,38 @@ def prompt_logprobs(llm, rows: list[list[int]], top_n: int) -> list[list[Optiona
                 entries.append(PromptLogprob(int(token), float(lp[r, t]), int(rank[r, t]), top))
             out[i] = entries
     return out
+
+
+def score(llm, prompts, continuations, chat: bool) -> list[float]:
+    """`LLM.score` (its docstring has the contract): one forward returns every
+    position's log-probs (`engine.phases.token_logprobs`), each continuation
+    summed by teacher forcing."""
+    if len(prompts) != len(continuations) or not prompts:
+        raise ValueError(f"{len(prompts)} prompts for {len(continuations)} continuations")
+    rows = [(llm.encode_prompt(p, chat), _continuation_ids(llm, c))
+            for p, c in zip(prompts, continuations)]
+    for row, (p, c) in enumerate(rows):
+        if len(p) + len(c) > llm.max_seq_len:
+            raise ValueError(f"row {row}: prompt {len(p)} + continuation {len(c)} tokens exceed "
+                             f"max_seq_len {llm.max_seq_len}")
+    llm.controls.check_awake(llm.params is None)
+    full = [p + c for p, c in rows]
+    tokens, lengths = pad_rows(full, batch_bucket(len(full)),
+                               llm.buckets.prompt_bucket(max(map(len, full))))
+    cache = init_cache(llm.config, tokens.shape[0], tokens.shape[1], llm.cache_dtype)
+    logp = np.asarray(llm.programs(engine.token_logprobs, llm.params, cache, tokens, lengths,
+                                   config=llm.config, backend=llm.backend))
+    return [float(logp[row, len(p) - 1:len(p) + len(c) - 1].sum())
+            for row, (p, c) in enumerate(rows)]
+
+
+def _continuation_ids(llm, continuation) -> list[int]:
+    if isinstance(continuation, str):
+        if llm.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: pass token ids")
+        ids = llm.tokenizer.encode(continuation, add_special_tokens=False)
+    else:
+        ids = [int(i) for i in continuation]
+    if not ids:
+        raise ValueError("empty continuation: nothing to score")
+    return llm.encode_prompt(ids)

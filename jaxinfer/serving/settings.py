@@ -11,6 +11,15 @@ Keys, by where they go:
                    max_waiting_requests
   the LLM's own    deterministic, min_prompt_bucket, grammar_cache_bytes,
                    chat_template
+
+The LLM's own: deterministic (a row's tokens and log-probs bitwise
+independent of its batch, neighbours, chunking and cache hits:
+`serving.deterministic`); min_prompt_bucket (the smallest prompt bucket of
+`score`); grammar_cache_bytes (the cap on each runner's device tables of
+structured output's automata: `sampling.grammar.GrammarPool`);
+chat_template (a Jinja file's path: chat prompts render with it instead of
+the tokenizer's template; a copy of the tokenizer is changed, not the one
+given).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ and transformers and checks that the strings are equal.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -237,3 +238,31 @@ def _alias_reasoning(chat: list[dict]) -> list[dict]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
     return out
+
+
+def with_chat_template(tokenizer, path):
+    """A copy of `tokenizer` rendering chat prompts with the Jinja file at
+    `path` (`Tokenizer.replace_chat_template`). Raises FileNotFoundError /
+    ValueError: a missing or bad file, a template that does not render, no
+    tokenizer."""
+    source = read_template(path)
+    if tokenizer is None:
+        raise ValueError(f"chat_template {str(path)!r}: this model has no tokenizer")
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.replace_chat_template(source, f"chat_template {str(path)!r}")
+    return tokenizer
+
+
+def template_hook(path, then=None):
+    """A `load_model` before_weights hook that puts the chat template file at
+    `path` on the tokenizer (the file read and checked now, before loading),
+    then calls `then`."""
+    source = read_template(path)
+
+    def hook(tokenizer):
+        if tokenizer is None:
+            raise ValueError(f"chat_template {str(path)!r}: this model has no tokenizer")
+        tokenizer.replace_chat_template(source, f"chat_template {str(path)!r}")
+        if then is not None:
+            then(tokenizer)
+    return hook
