@@ -197,9 +197,7 @@ class Scheduler:
         else:   # every token but the last sampled one has its K/V in the pages
             known = (seq.ids + tuple(seq.state.token_ids[self._generated_before(seq):]))[:-1]
         self.pages.release(seq.slot, known)
-        release = getattr(self.runner, "release_slot", None)    # its automaton may be evicted
-        if release is not None:
-            release(seq.slot)
+        getattr(self.runner, "release_slot", lambda slot: None)(seq.slot)   # its automaton may go
         self.slots[seq.slot] = None
         seq.slot = None
 

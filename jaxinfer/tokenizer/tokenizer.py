@@ -33,9 +33,8 @@ import shutil
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from jaxinfer.tokenizer import cache as tokenizer_cache
-from jaxinfer.tokenizer import chat as chat_render
-from jaxinfer.tokenizer import gguf as gguf_tokenizer
+from jaxinfer.tokenizer import (cache as tokenizer_cache, chat as chat_render, gguf as gguf_tokenizer,
+                                template_setting)
 from jaxinfer.checkpoint.gguf import open_reader
 
 log = logging.getLogger(__name__)
@@ -289,27 +288,7 @@ class Tokenizer:
     def chat_template(self, template: str | None) -> None:
         self._chat_templates = template
 
-    def replace_chat_template(self, template: str, origin: str = "chat_template") -> None:
-        """Render chat prompts with `template` (Jinja source) instead of the
-        checkpoint's (the `chat_template` setting); the end-of-turn tokens
-        it writes (`END_OF_TURN_TOKENS`) join the EOS ids. It must render a
-        user turn with the generation prompt.
-
-        Raises:
-          ValueError: the template fails on a one-message conversation
-            (naming `origin` and jinja's message); the tokenizer keeps its
-            own template then.
-        """
-        import jinja2
-
-        try:
-            chat_render.render(template, [{"role": "user", "content": "Hello"}],
-                               add_generation_prompt=True, special_tokens=self._special_tokens)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise ValueError(f"{origin}: the template fails to render a user turn: "
-                             f"{type(e).__name__}: {e}") from None
-        self._chat_templates = template
-        self._eos_ids = self._collect_eos(self._eos_ids)
+    replace_chat_template = template_setting.replace_chat_template   # the chat_template setting
 
     @property
     def has_chat_template(self) -> bool:
@@ -409,7 +388,6 @@ class Tokenizer:
         if not self.renders_tools:
             raise ValueError("this model's chat template does not render tools")
         return self.apply_chat_template(messages, tools=[dict(t) for t in tools])
-
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs) -> str:
