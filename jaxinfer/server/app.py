@@ -216,7 +216,9 @@ class OpenAIServer:
         if tools and not tok.renders_tools:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs a chat template '
                            "that renders tools, and this model's does not: name a function in "
-                           'tool_choice, or give "required" with one tool', param="tool_choice")
+                           'tool_choice, give "required" with one tool, or serve the model with '
+                           "a chat_template that renders tools (examples/chatml_tools.jinja)",
+                           param="tool_choice")
         await self._compile_structured(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

@@ -238,7 +238,8 @@ class MessagesRoute(Routes):
         if chat.auto_tools() and not self.server.llm.tokenizer.renders_tools:
             raise APIError(400, 'tool_choice {"type": "auto"} (the default with tools) needs a chat '
                            "template that renders tools, and this model's does not: name a tool "
-                           'with {"type": "tool", "name": ...}')
+                           'with {"type": "tool", "name": ...}, or serve the model with a '
+                           "chat_template that renders tools (examples/chatml_tools.jinja)")
         ids, plan = await self.server.prepare_chat(chat)
         return body, chat, ids, plan
 

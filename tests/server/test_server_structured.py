@@ -108,8 +108,9 @@ def test_forced_tool_call_is_returned_as_tool_calls(client, tool_choice):
 
 
 AUTO_400 = ('tool_choice "auto" (the default with tools) needs a chat template that renders '
-            "tools, and this model's does not: name a function in tool_choice, or give "
-            '"required" with one tool')
+            "tools, and this model's does not: name a function in tool_choice, give "
+            '"required" with one tool, or serve the model with a chat_template that renders '
+            "tools (examples/chatml_tools.jinja)")
 
 
 def test_tool_choice_auto_without_a_tools_template_and_unknown_names_are_400(client):
