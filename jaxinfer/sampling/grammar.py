@@ -50,7 +50,7 @@ import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
 from jaxinfer.config.sampling import DEFAULT_GRAMMAR_CACHE_BYTES, StructuredOutput
-from jaxinfer.sampling.grammar_pool import GrammarPool, remap_states   # the device side, re-exported
+from jaxinfer.sampling.grammar_pool import GrammarPool, remap_states   # the device side
 from jaxinfer.sampling.host_grammar import (ANY_OBJECT, HostGrammar, HostMatcher, TokenTable,
                                             closed_objects, host_grammar_text, library_errors)
 
@@ -331,9 +331,13 @@ class GrammarCompiler:
     def _remember(self, spec: StructuredOutput, result: CompiledConstraint) -> None:
         """Keep a finished result (the caller holds `_building_lock`)."""
         self._done[spec] = result
-        held = lambda: sum(r.nbytes for r in self._done.values() if isinstance(r, Grammar))  # noqa: E731
-        while len(self._done) > self.cache_size or (len(self._done) > 1 and held() > self.cache_bytes):
+        while len(self._done) > self.cache_size or (len(self._done) > 1
+                                                    and self._held() > self.cache_bytes):
             self._done.popitem(last=False)
+
+    def _held(self) -> int:
+        """Bytes of the automata's tables kept (`_done`)."""
+        return sum(r.nbytes for r in self._done.values() if isinstance(r, Grammar))
 
     def prepare(self) -> None:
         """Build what every constraint needs once per tokenizer (the
@@ -400,6 +404,6 @@ class GrammarCompiler:
 
 
 __all__ = ["DEFAULT_GRAMMAR_CACHE_BYTES", "MAX_TABLE_BYTES", "CompiledConstraint", "Grammar",
-           "GrammarCompiler", "GrammarPool",
-           "HostGrammar", "HostMatcher", "build_vocabulary", "constraint_regex", "escape_literal",
-           "closed_objects", "grammar_from_index", "host_grammar_text", "remap_states", "token_bytes"]
+           "GrammarCompiler", "GrammarPool", "HostGrammar", "HostMatcher", "build_vocabulary",
+           "constraint_regex", "escape_literal", "closed_objects", "grammar_from_index",
+           "host_grammar_text", "remap_states", "token_bytes"]

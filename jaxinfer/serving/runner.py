@@ -309,10 +309,10 @@ class ModelRunner:
                 continue
             self.check_structured(x.request)
             grammar = self.grammars.compile(spec)
-            if not isinstance(grammar, HostGrammar) and self.grammar_pool.add(grammar, x.slot) is None:
-                grammar = self.grammars.host_grammar(spec, (
-                    f"its automaton's tables do not fit the grammar cache "
-                    f"({self.grammar_pool.max_bytes / 2**20:.0f} MiB) beside those running rows use"))
+            pool = self.grammar_pool
+            if not isinstance(grammar, HostGrammar) and pool.add(grammar, x.slot) is None:
+                grammar = self.grammars.host_grammar(spec, "its automaton's tables do not fit the "
+                                                     "grammar cache beside those of running rows")
             if isinstance(grammar, HostGrammar):
                 self.host_rows[x.slot] = self.grammar_pool.acquire(grammar.matcher(x.generated))
                 states[i] = host_state(self.host_rows[x.slot])

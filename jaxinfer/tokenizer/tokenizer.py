@@ -33,8 +33,8 @@ import shutil
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from jaxinfer.tokenizer import (cache as tokenizer_cache, chat as chat_render, gguf as gguf_tokenizer,
-                                template_setting)
+from jaxinfer.tokenizer import (cache as tokenizer_cache, chat as chat_render,
+                                gguf as gguf_tokenizer, template_setting)
 from jaxinfer.checkpoint.gguf import open_reader
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,8 @@ def test_a_referenced_automaton_is_kept_and_its_states_move_with_the_tables():
     moves down, and the remap sends b's old states to its new ones; the
     device tables at the new states are b's."""
     compiler = _compiler()
-    a, b, c, d = (compiler.compile(StructuredOutput(regex=f"[a-z]{{{n}}}")) for n in (30, 31, 32, 33))
+    a, b, c, d = (compiler.compile(StructuredOutput(regex=f"[a-z]{{{n}}}"))
+                  for n in (30, 31, 32, 33))
     pool = G.GrammarPool(V, G.GrammarPool(V).table_bytes(D.MIN_STATES, D.MIN_EDGES))
     assert pool.add(a) == 0 and pool.add(b, slot=0) == a.num_states
     pool.add(c)
@@ -89,8 +90,8 @@ def runs():
     specs += [StructuredOutput(choice=("red", "green", "blue")), specs[0], specs[1]]
     prompts = ["the cat", "a dog said", "{", "12", "ab", "x", "the cat", "red", "blue"]
     params = [SamplingParams(structured=s) for s in specs]
-    small = tiny_llm(max_num_seqs=2, decode_chunk=1, grammar_cache_bytes=G.GrammarPool(V).table_bytes(
-        D.MIN_STATES, D.MIN_EDGES))
+    cap = G.GrammarPool(V).table_bytes(D.MIN_STATES, D.MIN_EDGES)
+    small = tiny_llm(max_num_seqs=2, decode_chunk=1, grammar_cache_bytes=cap)
     big = tiny_llm(max_num_seqs=2, decode_chunk=1)
     sched = small.scheduler(2)
     moves = []
@@ -111,7 +112,8 @@ def _run(sched, prompts, params):
     from jaxinfer.serving.request import Request
 
     llm_tok = sched.runner.grammars.tokenizer
-    ids = [sched.add_request(Request(tuple(llm_tok.encode(p)), s, 48)) for p, s in zip(prompts, params)]
+    ids = [sched.add_request(Request(tuple(llm_tok.encode(p)), s, 48))
+           for p, s in zip(prompts, params)]
     done, peak = {}, 0
     while sched.has_unfinished():
         for ev in sched.step():
