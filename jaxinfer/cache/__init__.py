@@ -1,7 +1,8 @@
 """The KV cache: K and V of every layer, never attention weights.
 
-Layouts, each one module that owns where a position lives, what a query may
-see, writing, growing and copying:
+Layouts, each one module that owns where a position lives (its pages'
+tables and counts, which page ids may leave the process, the pool's size);
+writing and reading the standard pool format are `paged`'s functions:
   `kv`     the library's phases' dense cache (`engine.phases`): `paged`
            with one slot per row owning its pages, block tables computed
            from static shapes
@@ -9,7 +10,7 @@ see, writing, growing and copying:
            (`engine.step`); sliding layers keep every position, the window
            bounds what is read
   `paged_ring`  `paged` with each sliding layer in a fixed ring of R pages
-           per slot (opt-in, `sliding_window_ring`): R covers the window
+           per slot (opt-in, `layout: paged_ring`): R covers the window
            plus one step's tokens, so sliding layers' memory stops growing
            with the context; their tables are computed in the step, and
            prefix caching and page transfers (pages by id) are refused
