@@ -135,6 +135,18 @@ class GenerationConfig:
         past it the least recently used is dropped and compiled again when
         next needed (see jaxinfer/serving/programs.py). XLA:CPU maps each
         program's code, and a process past vm.max_map_count crashes.
+      tp: tensor-parallel size: `jaxinfer serve` shards the model over tp
+        devices (float32 or bfloat16 weights): this process's
+        devices when num_processes is 1 (on CPU forced with
+        XLA_FLAGS=--xla_force_host_platform_device_count=N), else every device
+        of the job, tp / num_processes per process (docs/scaling.md).
+      coordinator: with num_processes > 1, host:port of the job's coordination
+        service, which process 0 hosts (`jax.distributed`); null otherwise.
+      num_processes: processes one model spans (`jaxinfer serve`, one command
+        per process, the same but for process_id; `python -m
+        jaxinfer.cli.launch -n N -- jaxinfer serve ...` starts them here).
+      process_id: this process's rank in [0, num_processes): 0 serves HTTP
+        and schedules, the others run its steps on their shards.
       sampling: the sampling parameters (`SamplingParams`; greedy unless the
         YAML sets temperature > 0).
       cache: the cache keys above as one `CacheConfig` (max_seq_len,
@@ -186,6 +198,10 @@ class GenerationConfig:
     warmup: bool = True
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     max_programs: Optional[int] = DEFAULT_MAX_PROGRAMS
+    tp: int = 1
+    coordinator: Optional[str] = None
+    num_processes: int = 1
+    process_id: int = 0
     sampling: SamplingParams = SamplingParams()
     cache: CacheConfig = dataclasses.field(init=False, repr=False, compare=False)
     scheduler: SchedulerConfig = dataclasses.field(init=False, repr=False, compare=False)
@@ -211,6 +227,7 @@ class GenerationConfig:
                 or self.grammar_cache_bytes < 0):
             raise ValueError(f"grammar_cache_bytes must be an int >= 0 or a string such as 512MiB, "
                              f"got {self.grammar_cache_bytes!r}")
+        self._check_job()
         if self.max_programs is not None and self.max_programs < 1:
             raise ValueError(f"max_programs must be >= 1 or null, got {self.max_programs}")
         if self.sliding_window_ring and self.layout not in (None, "paged_ring"):
@@ -228,6 +245,27 @@ class GenerationConfig:
         if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
+    def _check_job(self) -> None:
+        """tp, num_processes, process_id and coordinator hold together
+        (`parallel.multiprocess.JobSettings.check` checks the address itself)."""
+        if self.tp < 1 or self.num_processes < 1:
+            raise ValueError(f"tp and num_processes must be >= 1, got {self.tp} and "
+                             f"{self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), got "
+                             f"{self.process_id}")
+        if self.num_processes > 1 and self.coordinator is None:
+            raise ValueError("num_processes > 1 needs coordinator: host:port of the job's "
+                             "coordination service (process 0 hosts it)")
+        if self.tp % self.num_processes:
+            raise ValueError(f"tp must be a multiple of num_processes={self.num_processes} (each "
+                             f"process holds tp / num_processes devices), got {self.tp}")
+        if self.tp > 1 and self.weights not in ("float32", "bfloat16"):
+            raise ValueError(f"tp > 1 needs weights float32 or bfloat16 (quantized weights do not "
+                             f"shard), got {self.weights!r}")
+        if self.num_processes > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding is not supported with num_processes > 1")
+
     def _check_types(self) -> None:
         """Reject values of the wrong type (YAML turns `yes` into a bool, `5` into an int)."""
         kinds = {"model": str, "dtype": str, "weights": str, "activations": str,
@@ -235,7 +273,8 @@ class GenerationConfig:
                  "max_new_tokens": int, "min_tokens": int,
                  "ignore_eos": bool, "num_speculative_tokens": int,
                  "ngram_min": int, "ngram_max": int, "warmup": bool,
-                 "sliding_window_ring": bool, "deterministic": bool}
+                 "sliding_window_ring": bool, "deterministic": bool, "tp": int,
+                 "num_processes": int, "process_id": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -247,6 +286,8 @@ class GenerationConfig:
         if self.max_programs is not None and (not isinstance(self.max_programs, int)
                                               or isinstance(self.max_programs, bool)):
             raise ValueError(f"max_programs must be int or null, got {self.max_programs!r}")
+        if self.coordinator is not None and not isinstance(self.coordinator, str):
+            raise ValueError(f"coordinator must be host:port or null, got {self.coordinator!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be a path to a Jinja file or null, got "
                              f"{self.chat_template!r}")

@@ -237,20 +237,23 @@ def expected_collectives(config: ModelConfig, plan: ShardingPlan) -> dict[str, i
     return {k: v for k, v in out.items() if v}
 
 
-def tensor_parallel_llm(config: ModelConfig, params: dict, tokenizer, mesh: Mesh, **llm_kwargs):
+def tensor_parallel_llm(config: ModelConfig, params: dict, tokenizer, mesh: Mesh, *,
+                        llm_class=LLM, programs_class=MeshPrograms, **llm_kwargs):
     """An `LLM` whose params are sharded over `mesh` (`shard_params`) and
     whose programs run there (`MeshPrograms`); `generate`, `stream`,
     `score`, `scheduler` and `runner` work as on one device.
 
     Args:
       params: raw or unpacked prepared params (see `shard_params`).
+      llm_class, programs_class: the `LLM` and `MeshPrograms` (sub)classes
+        to build (process 0 of a job across processes: `multiprocess.leader`).
       llm_kwargs: as for `LLM` (max_seq_len, decode_chunk, ...).
     """
 
     plan = mesh_plan(config, mesh)
     sharded = shard_params(params, config, mesh, plan)
-    llm = LLM(plan.model_config(config), sharded, tokenizer, **llm_kwargs)
-    llm.programs = MeshPrograms(mesh, plan)
+    llm = llm_class(plan.model_config(config), sharded, tokenizer, **llm_kwargs)
+    llm.programs = programs_class(mesh, plan)
     if mesh.size > 1:
         llm.backend = XLA       # the C++ attention kernels do not partition
     llm.sharding_plan, llm.base_config = plan, config

@@ -1,0 +1,70 @@
+"""One model across processes: tensor parallelism over a mesh that spans the
+processes of a `jax.distributed` job (CPU collectives through gloo; the same
+programs use NCCL on GPUs and ICI on TPUs).
+
+JAX's multi-controller model: every process runs the same compiled programs
+on its shard. Process 0 runs the scheduler (and `jaxinfer serve`'s HTTP
+server) and sends each program call's host inputs to the others through
+the coordination service's key-value store; they replay the call.
+
+    job.py        JobSettings (checked before any work), initialize, the mesh, the Channel, Job
+    leader.py     process 0: LeaderLLM / LeaderRunner, whose program calls are sent first
+    follower.py   the other processes: follow(llm, job) replays them
+    launch.py     N local processes of one command, for testing
+
+    job, mesh = multiprocess.join(JobSettings("10.0.0.1:1234", 2, rank), tp=2)
+    llm = multiprocess.job_llm(job, mesh, config, params, tokenizer, max_seq_len=1024)
+    if job.leader: ... llm.generate(...) / serve ...; job.stop()
+    else: multiprocess.follow(llm, job)
+
+A process that dies stops the job: its peers' next collective fails
+(gloo sees the connection closed), process 0 fails the requests in flight
+and its engine stops with a `JobError` naming the cause; a follower whose
+process 0 is gone exits with one. A process that hangs without dying is
+declared dead after heartbeat_s (`jax.distributed`'s heartbeat).
+"""
+
+from __future__ import annotations
+
+from jaxinfer.parallel.multiprocess.follower import follow
+from jaxinfer.parallel.multiprocess.job import Job, JobError, JobSettings, initialize, job_mesh
+from jaxinfer.parallel.multiprocess.leader import LeaderLLM, LeaderPrograms, LeaderRunner
+from jaxinfer.parallel.sharding import tensor_parallel_llm
+from jaxinfer.serving.llm import LLM
+
+
+def join(settings: JobSettings, tp: int):
+    """Check `settings` for a mesh of `tp` devices, join the job
+    (`initialize`) and return (Job, the job's mesh). Call before anything
+    touches JAX's backend in this process.
+
+    Raises:
+      ValueError: bad settings (`JobSettings.check`), before any work; a tp
+        that is not the job's device count (`job_mesh`).
+      JobError: the job could not be joined in time.
+    """
+    settings.check(tp)
+    initialize(settings)
+    return Job(settings), job_mesh(tp)
+
+
+def job_llm(job: Job, mesh, config, params, tokenizer, **llm_kwargs) -> LLM:
+    """`sharding.tensor_parallel_llm` on the job's mesh: on process 0 a
+    `LeaderLLM` (its runners run on every process), elsewhere a plain
+    tensor-parallel `LLM` for `follow`. Every process must build it from
+    the same model and settings.
+
+    Args:
+      params: raw or unpacked prepared params (as `shard_params`).
+      llm_kwargs: as for `LLM` (cache_config, scheduler_config, max_seq_len, ...).
+    """
+    if not job.leader:
+        return tensor_parallel_llm(config, params, tokenizer, mesh, **llm_kwargs)
+    llm = tensor_parallel_llm(config, params, tokenizer, mesh, llm_class=LeaderLLM,
+                              programs_class=LeaderPrograms, **llm_kwargs)
+    llm.job = job
+    return llm
+
+
+__all__ = ["Job", "JobError", "JobSettings", "LeaderLLM", "LeaderPrograms", "LeaderRunner",
+           "follow", "initialize", "job_llm", "job_mesh", "join"]
