@@ -12,6 +12,7 @@ is gone (exit 1, the reason on stderr).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -66,7 +67,8 @@ def sharded_llm(cfg, progress=None) -> tuple:
 def follow(llm, job: Job, log) -> int:
     """A process other than 0: run process 0's steps until it stops the job
     (returns 0) or is gone (returns 1, the reason logged)."""
-    log(f"process {job.settings.process_id} of {job.settings.num_processes}: following process 0")
+    log(f"process {job.settings.process_id} of {job.settings.num_processes} (pid {os.getpid()}): "
+        "following process 0")
     try:
         calls = multiprocess.follow(llm, job)
     except JobError as e:
@@ -100,8 +102,6 @@ def leave(job: Job, code: int) -> None:
     """End this process of the job with exit status `code`: process 0 stops
     the job first (`Job.stop`); a follower exits at once, without
     disconnecting (process 0 may already have closed the service)."""
-    import os
-
     if job.leader:
         job.stop()
         return

@@ -13,6 +13,15 @@ uvicorn serves the app on a socket bound before the model loads (a busy
 port is a usage error at once). SIGINT or SIGTERM stops accepting
 connections, lets running requests finish for up to `--shutdown-timeout`
 seconds, aborts the rest, stops the engine thread and exits with status 0.
+
+With tp > 1 the model is sharded over tp devices; with num_processes > 1
+over the devices of a job of processes, one command each (`cli.job`):
+
+    jaxinfer serve --config C tp=2 coordinator=HOST:PORT num_processes=2 process_id=0   # serves
+    jaxinfer serve --config C tp=2 coordinator=HOST:PORT num_processes=2 process_id=1   # follows
+
+Process 0 serves HTTP; when the job fails (a process is gone) it stops
+serving and exits with status 1.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import os
 import sys
 import time
 
+from jaxinfer.cli import job as job_cli
 from jaxinfer.cli.disagg import add_worker_args, start_engine
 from jaxinfer.config import GenerationConfig
 from jaxinfer.progress import Progress
@@ -66,9 +76,14 @@ def cmd_serve(args) -> int:
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
         args.parser.error("--max-request-bytes must be >= 1 and --shutdown-timeout >= 0")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    sock = server.bind_socket(args.host, args.port)
     log = (lambda msg: None) if args.quiet else (
         lambda msg: print(f"[jaxinfer serve] {msg}", file=sys.stderr, flush=True))
+    sharded = cfg.tp > 1 or cfg.num_processes > 1
+    if sharded and args.prefill_workers:
+        args.parser.error("tp > 1 or num_processes > 1 cannot be combined with --prefill-workers")
+    job_cli.job_settings(cfg)                # bad coordinator settings: a usage error, first
+    sock = server.bind_socket(args.host, args.port) if cfg.process_id == 0 else None
+    job = None
     progress = Progress(enabled=False if args.quiet else None)
     enable_compilation_cache()
     t0 = time.perf_counter()
@@ -83,7 +98,12 @@ def cmd_serve(args) -> int:
         log(f"{args.prefill_workers} prefill worker process(es) and this decode process up in "
             f"{time.perf_counter() - t0:.1f} s")
     else:
-        llm = LLM.from_config(cfg, progress=progress)
+        if sharded:
+            llm, job = job_cli.sharded_llm(cfg, progress=progress)
+            if job is not None and not job.leader:
+                return job_cli.leave(job, job_cli.follow(llm, job, log))
+        else:
+            llm = LLM.from_config(cfg, progress=progress)
         log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f} s")
         app = server.build_server(llm, model_name=model_name, max_num_seqs=cfg.max_num_seqs,
                               max_waiting_requests=cfg.max_waiting_requests, defaults=cfg.sampling,
@@ -93,7 +113,11 @@ def cmd_serve(args) -> int:
     host, port = sock.getsockname()[:2]
     log(f"serving {app.settings.model_name!r} at http://{host}:{port}/v1 ({cfg.max_num_seqs} slots, "
         f"max_seq_len {cfg.max_seq_len}, api key {'required' if api_key else 'off'})")
-    server.uvicorn_server(app.app, "warning" if args.quiet else "info", args.shutdown_timeout).run(
-        sockets=[sock])
+    uvicorn = server.uvicorn_server(app.app, "warning" if args.quiet else "info",
+                                    args.shutdown_timeout)
+    failed = job_cli.watch(job, app.engine.engine, uvicorn, log) if job is not None else []
+    uvicorn.run(sockets=[sock])
+    if job is not None:
+        job_cli.leave(job, 0)
     log("stopped")
-    return 0
+    return 1 if failed else 0

@@ -135,3 +135,94 @@ def test_config_job_keys_are_checked(overrides, message):
     with pytest.raises(ValueError) as e:
         GenerationConfig(**overrides)
     assert message in str(e.value)
+
+
+def _serve_process(cfg, process_id: int, coordinator: str, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--config", str(cfg),
+                             "--port", "0", f"coordinator={coordinator}", "num_processes=2",
+                             f"process_id={process_id}"],
+                            env={**_env(1), "JAXINFER_LOAD_CACHE": "0"}, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_for(path, pattern: str, procs, timeout_s: float = TIMEOUT_S) -> str:
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(pattern, path.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        assert all(p.poll() is None for p in procs), path.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {pattern!r} in {path} after {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_serve_over_two_processes_then_a_killed_one_ends_it(toy_folder, tmp_path):
+    """`jaxinfer serve` as two commands (tp=2, one device each): process 0
+    answers the OpenAI client as one process does ("你好" -> "世界",
+    streamed too); after process 1 is SIGKILLed the next request gets an
+    error naming the stopped job and process 0 exits with status 1."""
+    import openai
+
+    cfg = tmp_path / "toy-tp2.yaml"
+    cfg.write_text(f"model: {toy_folder}\nmax_seq_len: 32\ndecode_chunk: 4\nmax_num_seqs: 2\n"
+                   "chat: false\nwarmup: false\ntp: 2\n", encoding="utf-8")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    paths = [tmp_path / f"serve-{i}.log" for i in range(2)]
+    logs = [open(p, "wb") for p in paths]
+    procs = [_serve_process(cfg, i, coordinator, logs[i]) for i in range(2)]
+    try:
+        url = _wait_for(paths[0], r"at (http://127\.0\.0\.1:\d+)/v1", procs)
+        follower = int(_wait_for(paths[1], r"\(pid (\d+)\): following process 0", procs))
+        assert follower == procs[1].pid
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = str(toy_folder)
+        reply = client.completions.create(model=model, prompt="你好", max_tokens=3)
+        assert reply.choices[0].text == "世界"
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=model, prompt="你好", max_tokens=3, stream=True) if c.choices]
+        assert "".join(pieces) == "世界"
+        procs[1].kill()
+        assert procs[1].wait(30) == -9
+        with pytest.raises(openai.APIError) as e:
+            client.completions.create(model=model, prompt="你好", max_tokens=3)
+        assert "the tensor-parallel job of 2 processes stopped" in str(e.value)
+        assert procs[0].wait(120) == 1
+        assert "the tensor-parallel job of 2 processes stopped" in paths[0].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+
+
+def test_launch_starts_n_processes_with_the_job_keys(tmp_path):
+    """The local launcher appends coordinator, num_processes and process_id
+    to each process's command; a failing process's status is the launcher's."""
+    from jaxinfer.cli import launch
+
+    script = ("import sys, pathlib; keys = dict(a.split('=') for a in sys.argv[1:]); "
+              f"pathlib.Path(r'{tmp_path}', keys['process_id'])"
+              ".write_text(' '.join(sys.argv[1:])); "
+              "sys.exit(3 if keys['process_id'] == '1' and 'fail' in keys else 0)")
+    assert launch.run([sys.executable, "-c", script], 2, coordinator="127.0.0.1:5555") == 0
+    assert [(tmp_path / str(i)).read_text() for i in range(2)] == [
+        f"coordinator=127.0.0.1:5555 num_processes=2 process_id={i}" for i in range(2)]
+    assert launch.run([sys.executable, "-c", script, "fail=1"], 2) == 3
+    with pytest.raises(ValueError, match="need num_processes >= 1 and a command"):
+        launch.run([], 2)
+
+
+def test_serve_refuses_bad_coordinator_settings_before_loading(capsys):
+    """A usage error (status 2, one line) before any model is read or port bound."""
+    from jaxinfer.cli import main
+
+    assert main(["serve", "model=no-such-model", "tp=2", "num_processes=2", "process_id=1",
+                 "coordinator=127.0.0.1"]) == 2
+    assert ("jaxinfer serve: error: coordinator must be host:port with a port in [1, 65535], got "
+            "'127.0.0.1'") in capsys.readouterr().err
