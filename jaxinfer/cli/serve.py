@@ -2,6 +2,11 @@
 
     jaxinfer serve --config configs/smollm2-135m-instruct.yaml [--host 127.0.0.1] [--port 8000]
                    [--api-key KEY] [--served-model-name NAME] [key=value ...]
+    jaxinfer serve --config ... --replicas N [--router prefix|pow2] [--replica-cpus C]
+
+With --replicas, N copies of the server run as Ray Serve replicas behind a
+router that sends a request to the replica holding its prompt's first
+pages (`jaxinfer.scale`; the `ray` extra; docs/scaling.md).
 
 The config's keys mean what they mean for `jaxinfer generate` (model,
 dtype, max_seq_len, decode_chunk, max_num_seqs, prefill_chunk_size,
@@ -60,6 +65,14 @@ def add_serve_parser(subparsers):
                         "are aborted (default 30)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress, warnings only")
     add_worker_args(p, default_workers=0)
+    p.add_argument("--replicas", type=int, default=0,
+                   help="serve N replicas on Ray Serve with prefix-aware routing (needs the ray "
+                        "extra; docs/scaling.md); 0: this process alone (default)")
+    p.add_argument("--router", default="prefix", choices=("prefix", "pow2"),
+                   help="with --replicas: prefix (the replica holding the prompt's first pages, "
+                        "load as the tiebreak; default) or pow2 (Ray's power of two choices)")
+    p.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="with --replicas: Ray CPUs each replica takes (default 1)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     p.set_defaults(func=cmd_serve, parser=p)
     return p
@@ -78,6 +91,8 @@ def cmd_serve(args) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     log = (lambda msg: None) if args.quiet else (
         lambda msg: print(f"[jaxinfer serve] {msg}", file=sys.stderr, flush=True))
+    if args.replicas:
+        return serve_replicas(args, api_key, log)
     sharded = cfg.tp > 1 or cfg.num_processes > 1
     if sharded and args.prefill_workers:
         args.parser.error("tp > 1 or num_processes > 1 cannot be combined with --prefill-workers")
@@ -121,3 +136,25 @@ def cmd_serve(args) -> int:
         job_cli.leave(job, 0)
     log("stopped")
     return 1 if failed else 0
+
+
+def serve_replicas(args, api_key, log) -> int:
+    """`jaxinfer serve --replicas N`: the replicas on Ray Serve until SIGINT/SIGTERM."""
+    if args.replicas < 0 or args.replica_cpus < 0:
+        args.parser.error(f"--replicas and --replica-cpus must be >= 0, got {args.replicas} and "
+                          f"{args.replica_cpus}")
+    if args.prefill_workers:
+        args.parser.error("--replicas and --prefill-workers cannot be combined")
+    try:
+        from jaxinfer.scale.deployment import ReplicaSettings
+        from jaxinfer.scale.run import serve_replicas as run
+    except ImportError as e:
+        args.parser.error(f"--replicas needs Ray Serve: pip install -e \".[ray]\" ({e})")
+    settings = ReplicaSettings(config=os.path.abspath(args.config) if args.config else None,
+                               overrides=tuple(args.overrides),
+                               served_model_name=args.served_model_name, api_key=api_key,
+                               max_request_bytes=args.max_request_bytes)
+    run(settings, replicas=args.replicas, host=args.host, port=args.port, router=args.router,
+        replica_cpus=args.replica_cpus, log=log)
+    log("stopped")
+    return 0

@@ -1,0 +1,231 @@
+"""The Ray Serve application: N `Replica`s, each a whole jaxinfer server
+(engine thread and OpenAI app, as `jaxinfer serve` builds them), behind one
+`Ingress` that takes the HTTP requests, hashes each prompt's first pages
+and forwards the request through a deployment handle; the replicas'
+`PrefixAffinityRouter` (`scale.router`) picks the replica.
+
+    app = build(ReplicaSettings(config="configs/x.yaml", overrides=("max_num_seqs=8",)), replicas=2)
+    serve.run(app, name="jaxinfer", route_prefix="/")
+
+A replica runs each forwarded request through its server's own app
+(`scale.asgi.call_app`), so routes, validation, errors and streaming are
+`jaxinfer serve`'s; a streamed response passes through piece by piece.
+Responses carry the header `x-jaxinfer-replica` (the replica's id); a
+request with that header runs on that replica only (an admin route such as
+/pause for one replica), and answers 503 (code "replica_not_found") where
+no live replica has that id.
+
+Failures: a replica whose engine thread stopped fails Ray's health check
+(`Replica.check_health`) and Ray replaces it; Ray also restarts a replica
+whose process died. A request in flight to a replica that dies answers
+HTTP 503 (code "replica_failed"), or, when its stream had started, ends
+with an error event and `data: [DONE]`; other requests go on, and new ones
+go to the live replicas.
+"""
+
+
+import asyncio
+import dataclasses
+import json
+from typing import Optional
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from jaxinfer.checkpoint.sources import resolve_model
+from jaxinfer.config import GenerationConfig
+from jaxinfer.progress import Progress
+from jaxinfer.scale.asgi import AppLifespan, Head, call_app
+from jaxinfer.scale.prefix import PromptPages
+from jaxinfer.scale.router import PAGE_HASHES, PINNED, PrefixAffinityRouter
+from jaxinfer.server.protocol import error_body
+from jaxinfer.server.routes import sse
+from jaxinfer.server.run import build_server
+from jaxinfer.serving.llm import LLM
+from jaxinfer.serving.loading import PYTHON_SOURCE, enable_compilation_cache, load_tokenizer
+from jaxinfer.tokenizer.chat import with_chat_template
+
+REPLICA_HEADER = "x-jaxinfer-replica"
+ROUTERS = ("prefix", "pow2")    # PrefixAffinityRouter; Ray's default (power of two choices)
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
+                          "upgrade", "te", "trailer", "proxy-connection"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSettings:
+    """What each replica serves: the `jaxinfer serve` config and flags.
+
+    Attributes:
+      config: the YAML config's path (None: defaults), at the same path on
+        every node of the cluster; overrides: its key=value overrides.
+      served_model_name: the model name clients pass (None: the config's model).
+      api_key: when set, /v1/ routes need `Authorization: Bearer <key>`.
+      max_request_bytes: largest request body, bytes.
+    """
+
+    config: Optional[str] = None
+    overrides: tuple[str, ...] = ()
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_request_bytes: int = 1 << 20
+
+    def generation_config(self):
+        """The `GenerationConfig`. Raises what `GenerationConfig.load` raises."""
+        return GenerationConfig.load(self.config, self.overrides)
+
+
+class Replica:
+    """One jaxinfer server in a Ray Serve replica: the model loaded and
+    warmed up as `jaxinfer serve` does (`server.build_server`), its app's
+    startup run on the replica's event loop."""
+
+    async def __init__(self, settings: ReplicaSettings):
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.server = await asyncio.to_thread(self._build, settings)
+        self.lifespan = AppLifespan(self.server.app)
+        await self.lifespan.start()
+
+    @staticmethod
+    def _build(settings: ReplicaSettings):
+        cfg = settings.generation_config()
+        enable_compilation_cache()
+        llm = LLM.from_config(cfg, progress=Progress(enabled=False))
+        return build_server(llm, model_name=settings.served_model_name or cfg.model,
+                            max_num_seqs=cfg.max_num_seqs,
+                            max_waiting_requests=cfg.max_waiting_requests, defaults=cfg.sampling,
+                            api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
+                            warmup=cfg.warmup, long_prefill_chunk_size=cfg.long_prefill_chunk_size)
+
+    async def handle_request(self, method: str, path: str, query: str,
+                             headers: list[tuple[str, str]], body: bytes,
+                             pinned: Optional[str] = None, **routing):
+        """Run one HTTP request through the server's app; yields a `Head`
+        (with `REPLICA_HEADER` added), then the body's pieces. A request
+        `pinned` to another replica (the router found no live replica of
+        that id) answers 503 instead. `routing` (the page hashes) was the
+        router's."""
+        if pinned is not None and pinned != self.replica_id:
+            yield Head(503, [("content-type", "application/json")])
+            yield json.dumps(error_body(f"no live replica {pinned!r}", "server_error",
+                                        code="replica_not_found")).encode()
+            return
+        async for part in call_app(self.server.app, method, path, query, headers, body):
+            if isinstance(part, Head):
+                part = Head(part.status, part.headers + [(REPLICA_HEADER, self.replica_id)])
+            yield part
+
+    def check_health(self) -> None:
+        """Ray's health check. Raises RuntimeError when the engine thread stopped."""
+        if not self.server.engine.running:
+            raise RuntimeError(f"replica {self.replica_id}: the engine thread is not running")
+
+    async def __del__(self):
+        if hasattr(self, "lifespan"):
+            await self.lifespan.stop()
+
+
+# (defined before the ingress class: `serve.ingress` pickles the class, with the globals it
+# finds, when it decorates it)
+async def _pass_through(parts):
+    """The replica's stream, piece by piece; a replica lost mid-stream ends
+    it with an error event and `data: [DONE]`."""
+    try:
+        async for piece in parts:
+            yield piece
+    except Exception as e:  # noqa: BLE001
+        yield sse(error_body(f"the replica serving this request failed: {e}", "server_error",
+                             code="replica_failed")).encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        parts.cancel()
+
+
+def _replica_failed(e: Exception) -> JSONResponse:
+    return JSONResponse(error_body(f"the replica serving this request failed: {type(e).__name__}: "
+                                   f"{e}", "server_error", code="replica_failed"), status_code=503)
+
+
+def router_tokenizer(cfg):
+    """The model's tokenizer with the served chat template (None for a
+    "python:" model, whose tokenizer comes only with its weights)."""
+    if cfg.model.startswith(PYTHON_SOURCE):
+        return None
+    tokenizer = load_tokenizer(resolve_model(cfg.model))
+    return with_chat_template(tokenizer, cfg.chat_template) if cfg.chat_template else tokenizer
+
+
+ingress_app = FastAPI(title="jaxinfer replicas", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.ingress(ingress_app)
+class Ingress:
+    """Takes every HTTP request and forwards it to a replica (see the module
+    docstring); the prompt's page hashes go with it for the router."""
+
+    def __init__(self, replicas, settings: ReplicaSettings, max_pages: int = 32):
+        cfg = settings.generation_config()
+        self.pages = PromptPages(router_tokenizer(cfg), cfg.page_size, max_pages)
+        self.replicas = replicas.options(stream=True)
+
+    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def forward(self, request: HTTPRequest):
+        body = await request.body()
+        path = request.url.path
+        hashes = self.pages.of_request(path, body) if request.method == "POST" else []
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        routing = {PAGE_HASHES: hashes, PINNED: request.headers.get(REPLICA_HEADER)}
+        parts = self.replicas.handle_request.remote(request.method, path, request.url.query,
+                                                    headers, body, **routing)
+        try:
+            head = await parts.__anext__()
+        except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
+            return _replica_failed(e)
+        headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
+        if not head.header("content-type").startswith("text/event-stream"):
+            try:
+                content = b"".join([piece async for piece in parts])
+            except Exception as e:  # noqa: BLE001
+                return _replica_failed(e)
+            return Response(content, status_code=head.status, headers=headers)
+        return StreamingResponse(_pass_through(parts), status_code=head.status, headers=headers)
+
+
+def build(settings: ReplicaSettings, replicas: int = 2, router: str = "prefix",
+          replica_cpus: float = 1.0, replica_gpus: float = 0.0, max_ongoing_requests: Optional[int] = None,
+          health_check_period_s: float = 10.0, max_pages: int = 32):
+    """The Ray Serve application (`serve.run` it) of `replicas` replicas of
+    `settings` behind one ingress.
+
+    Args:
+      router: "prefix" (`PrefixAffinityRouter`) or "pow2" (Ray's default,
+        power of two choices: for comparison).
+      replica_cpus / replica_gpus: Ray resources each replica takes.
+      max_ongoing_requests: requests one replica takes at once (None: the
+        config's max_num_seqs plus max_waiting_requests); more wait in the router.
+      health_check_period_s: how often Ray checks each replica, seconds.
+      max_pages: prompt pages hashed for routing, at most.
+    Raises:
+      ValueError: replicas < 1, an unknown router, a bad config, tp or
+        num_processes > 1 (before Ray starts anything).
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    cfg = settings.generation_config()
+    if cfg.tp > 1 or cfg.num_processes > 1:
+        raise ValueError(f"each replica is one process at tp 1: tp={cfg.tp} and num_processes="
+                         f"{cfg.num_processes} are not supported with replicas")
+    if max_ongoing_requests is None:
+        max_ongoing_requests = cfg.max_num_seqs + (cfg.max_waiting_requests or cfg.max_num_seqs)
+    router_config = (RequestRouterConfig(request_router_class=PrefixAffinityRouter)
+                     if router == "prefix" else RequestRouterConfig())
+    replica = serve.deployment(Replica, name="JaxinferReplica").options(
+        num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
+        health_check_period_s=health_check_period_s, request_router_config=router_config)
+    ingress = serve.deployment(Ingress, name="JaxinferIngress").options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(1000, replicas * max_ongoing_requests))
+    return ingress.bind(replica.bind(settings), settings, max_pages)
