@@ -226,3 +226,29 @@ def test_serve_refuses_bad_coordinator_settings_before_loading(capsys):
                  "coordinator=127.0.0.1"]) == 2
     assert ("jaxinfer serve: error: coordinator must be host:port with a port in [1, 65535], got "
             "'127.0.0.1'") in capsys.readouterr().err
+
+
+def test_host_inputs_are_sent_as_their_changed_rows():
+    """The codec sends a leaf whole the first time and when over half its
+    rows changed, else the changed rows; decoding gives back every call's
+    inputs exactly, other leaves (None, scalars) as they are."""
+    import pickle
+
+    from jaxinfer.parallel.multiprocess.codec import Changed, HostCodec
+
+    leader, follower = HostCodec(), HostCodec()
+    tables = np.arange(32, dtype=np.int32).reshape(8, 4)
+    calls = [tables, tables.copy(), np.where(np.arange(8)[:, None] == 3, -1, tables),
+             np.zeros((8, 4), np.int32), np.zeros((4, 4), np.int32)]
+    sent_kinds = []
+    for x in calls:
+        tree = {"tables": x, "tokens": np.array([1, 2, 3]), "none": None, "n": 5}
+        sent = pickle.loads(pickle.dumps(leader.encode("step", 3, tree)))
+        sent_kinds.append(type(sent["tables"]).__name__)
+        got = follower.decode("step", 3, sent)
+        np.testing.assert_array_equal(got["tables"], x)
+        assert got["none"] is None and got["n"] == 5
+        np.testing.assert_array_equal(got["tokens"], [1, 2, 3])
+    assert sent_kinds == ["ndarray", "Changed", "Changed", "ndarray", "ndarray"]
+    with pytest.raises(ValueError, match="without its previous value"):
+        HostCodec().decode("step", 0, Changed(np.array([0]), np.zeros((1, 4), np.int32)))

@@ -9,7 +9,8 @@ Messages (each with the ids of runners process 0 dropped since the last):
     ("warmup", id, num_logprobs)        compile its plan in the background
     ("call", id, (module, name), args, static)
                                         run program module.name: args are ("state",
-                                        runner attribute) or ("host", numpy tree);
+                                        runner attribute) or ("host", numpy tree as
+                                        `codec.HostCodec` encoded it);
                                         static ("attr", None) is the runner's own
     ("stop",)                           leave
 """
@@ -21,6 +22,7 @@ import threading
 from typing import Optional
 
 from jaxinfer.cache.paged import PagedKVCache
+from jaxinfer.parallel.multiprocess.codec import HostCodec
 from jaxinfer.parallel.multiprocess.job import Job, JobError
 from jaxinfer.parallel.multiprocess.leader import STATE, STATIC, globalize, keep_global
 from jaxinfer.sampling.rows import RowState
@@ -37,7 +39,7 @@ def follow(llm, job: Job, stop: Optional[threading.Event] = None) -> int:
       ValueError: a message this follower cannot run (a program outside
         jaxinfer, an unknown runner or state name).
     """
-    runners, calls = {}, 0
+    runners, codecs, calls = {}, {}, 0
     while True:
         message = job.channel.receive(stop)
         if message is None:
@@ -45,12 +47,14 @@ def follow(llm, job: Job, stop: Optional[threading.Event] = None) -> int:
         dropped, body = message
         for runner_id in dropped:
             runners.pop(runner_id, None)
+            codecs.pop(runner_id, None)
         kind = body[0]
         if kind == "stop":
             return calls
         if kind == "runner":
             _, runner_id, sched = body
             runners[runner_id] = llm.runner(sched.max_num_seqs, sched)
+            codecs[runner_id] = HostCodec()
             continue
         runner = runners.get(body[1])
         if runner is None:
@@ -62,7 +66,7 @@ def follow(llm, job: Job, stop: Optional[threading.Event] = None) -> int:
             runner.warmup(body[2], background=True)
         elif kind == "call":
             try:
-                _replay(runner, *body[2:])
+                _replay(runner, codecs[body[1]], *body[2:])
             except (ValueError, JobError):
                 raise
             except Exception as e:  # noqa: BLE001 - XLA's errors: a collective failed
@@ -74,20 +78,20 @@ def follow(llm, job: Job, stop: Optional[threading.Event] = None) -> int:
             raise ValueError(f"unknown message {kind!r} from process 0")
 
 
-def _replay(runner, fn_ref, args, static) -> None:
+def _replay(runner, codec: HostCodec, fn_ref, args, static) -> None:
     """Run one program call on `runner`'s state; keep its new KV cache and rows."""
     module, name = fn_ref
     if not module.startswith("jaxinfer."):
         raise ValueError(f"process 0 asked for program {module}.{name}, outside jaxinfer")
     fn = getattr(importlib.import_module(module), name)
     values = []
-    for kind, value in args:
+    for i, (kind, value) in enumerate(args):
         if kind == "state":
             if value not in STATE:
                 raise ValueError(f"unknown runner state {value!r}")
             values.append(getattr(runner, value))
         else:
-            values.append(value)
+            values.append(codec.decode(name, i, value))
     kwargs = {}
     for key, (kind, value) in static.items():
         if kind == "attr" and key not in STATIC:

@@ -7,7 +7,8 @@ runner's own device state (params, KV cache, row state, stop rule, draft
 params: every process holds its shard of the same arrays) or host input
 computed for this call (the step's token batch and block tables, the
 admitted rows' budgets, PRNG keys and prompt ids, decode slots). Process 0
-sends the host inputs as numpy with the names of the state arguments; a
+sends the host inputs as numpy (the rows that changed since the runner's
+last call of the program, `codec`) with the names of the state arguments; a
 follower (`follower.follow`) runs the same program on its own state and
 keeps the new KV cache and row state, as the runner does. Everything the
 runner decides on the host (buckets, seeds drawn for unseeded requests,
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import SchedulerConfig
+from jaxinfer.parallel.multiprocess.codec import HostCodec
 from jaxinfer.parallel.multiprocess.job import Job
 from jaxinfer.parallel.sharding import MeshPrograms, state_sharding
 from jaxinfer.serving.llm import LLM
@@ -91,19 +93,22 @@ class _Forward:
 
     def __init__(self, runner: "LeaderRunner", programs: LeaderPrograms):
         self._runner, self._programs = weakref.proxy(runner), programs
+        self._codec = HostCodec()
 
     def __getattr__(self, name):
         return getattr(self._programs, name)
 
     def __call__(self, fn, *args, **static):
         runner, job = self._runner, self._runner.job
-        sent_args = []
-        for a in args:
+        sent_args, encoded = [], []
+        for i, a in enumerate(args):
             name = next((n for n in STATE if a is not None and a is getattr(runner, n)), None)
-            sent_args.append(("state", name) if name else ("host", jax.device_get(a)))
+            sent_args.append(("state", name) if name else ("host", None))
+            encoded.append(("state", name) if name else
+                           ("host", self._codec.encode(fn.__name__, i, jax.device_get(a))))
         sent_static = {k: ("attr", None) if k in STATIC and v is getattr(runner, k)
                        else ("value", v) for k, v in static.items()}
-        job.send(("call", runner.runner_id, (fn.__module__, fn.__name__), sent_args, sent_static))
+        job.send(("call", runner.runner_id, (fn.__module__, fn.__name__), encoded, sent_static))
         try:
             args = globalize(args, self._programs.mesh, self._programs.plan)
             keep_global(runner, sent_args, args)
