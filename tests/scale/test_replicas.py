@@ -131,6 +131,20 @@ def _replica_actor(ray, replica_id: str):
 
 
 
+def _waiting(url: str, replica: str) -> float:
+    """jaxinfer_num_requests_waiting of one replica (its /metrics, pinned)."""
+    text = httpx.get(url + "/metrics", headers={REPLICA: replica}, timeout=60).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("jaxinfer_num_requests_waiting{"))
+
+
+def _wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
 def _replica_ids(ray) -> set[str]:
     """The ids of the live replica actors."""
     prefix = "SERVE_REPLICA::jaxinfer#JaxinferReplica#"
@@ -144,6 +158,10 @@ def _running_replicas(serve) -> int:
 
 
 def test_killed_replica_fails_its_requests_and_comes_back(cluster, client):
+    """With one replica's engine paused (the pinned /pause), requests wait
+    there: a client leaving aborts its request; killing the replica ends a
+    waiting stream with the replica_failed event, new requests go to the
+    other replica, and Ray starts a replacement that takes requests."""
     ray, serve, url = cluster
     victim = httpx.get(url + "/v1/models", timeout=60).headers[REPLICA]
     before = _replica_ids(ray)
@@ -151,6 +169,12 @@ def test_killed_replica_fails_its_requests_and_comes_back(cluster, client):
     pause = httpx.post(url + "/pause", json={"mode": "wait"}, headers={REPLICA: victim}, timeout=60)
     assert pause.status_code == 200 and pause.headers[REPLICA] == victim, pause.text
     body = {"model": MODEL, "prompt": "我爱", "max_tokens": 4, "stream": True}
+    # A client that leaves mid-stream aborts its request on the replica, as with one server.
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={REPLICA: victim},
+                      timeout=60) as stream:
+        assert stream.status_code == 200
+        _wait_for(lambda: _waiting(url, victim) == 1)
+    _wait_for(lambda: _waiting(url, victim) == 0)
     t0 = time.monotonic()
     with httpx.stream("POST", url + "/v1/completions", json=body, headers={REPLICA: victim},
                       timeout=60) as stream:                 # waits in the paused engine
