@@ -7,7 +7,8 @@ process_id,
     jaxinfer serve --config C tp=2 coordinator=10.0.0.1:1234 num_processes=2 process_id=1
 
 Process 0 serves HTTP; the others run its steps until it stops (exit 0) or
-is gone (exit 1, the reason on stderr).
+is gone (JAX's coordination client ends them with status 134 and its
+message, or a failed collective with status 1 and a `JobError`).
 """
 
 from __future__ import annotations

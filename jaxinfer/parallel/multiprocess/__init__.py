@@ -19,9 +19,11 @@ the coordination service's key-value store; they replay the call.
 
 A process that dies stops the job: its peers' next collective fails
 (gloo sees the connection closed), process 0 fails the requests in flight
-and its engine stops with a `JobError` naming the cause; a follower whose
-process 0 is gone exits with one. Tasks join as recoverable, so the
-coordination service does not abort the survivors first. A process that
+and its engine stops with a `JobError` naming the cause. A follower whose
+process 0 (the coordination service's host) is gone is ended by JAX's
+coordination client within a second, or raises a `JobError` when its
+collective fails first. Tasks join as recoverable, so the coordination
+service does not abort process 0 when a follower dies. A process that
 stalls without dying (stopped, swapped out) holds its peers in their
 collective until gloo's own timeout: the heartbeat marks it dead, but
 nothing acts on that yet.
