@@ -10,10 +10,11 @@ and forwards the request through a deployment handle; the replicas'
 A replica runs each forwarded request through its server's own app
 (`scale.asgi.call_app`), so routes, validation, errors and streaming are
 `jaxinfer serve`'s; a streamed response passes through piece by piece.
-Responses carry the header `x-jaxinfer-replica` (the replica's id); a
-request with that header runs on that replica only (an admin route such as
-/pause for one replica), and answers 503 (code "replica_not_found") where
-no live replica has that id.
+Responses carry the header `x-jaxinfer-replica` (the replica's id); with
+the prefix router, a request with that header runs on that replica only
+(an admin route such as /pause for one replica), and answers 503 (code
+"replica_not_found") where no live replica has that id (with router
+"pow2", wherever it lands on another replica).
 
 Failures: a replica whose engine thread stopped fails Ray's health check
 (`Replica.check_health`) and Ray replaces it; Ray also restarts a replica
@@ -23,7 +24,8 @@ with an error event and `data: [DONE]`; other requests go on, and new ones
 go to the live replicas.
 """
 
-
+# No `from __future__ import annotations` here: `serve.ingress` copies the ingress class, and
+# FastAPI must see the route's annotations as classes (a string made `request` a query field).
 import asyncio
 import dataclasses
 import json
