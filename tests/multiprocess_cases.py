@@ -48,6 +48,24 @@ def reference(out_path: str) -> None:
         json.dump(_results(llm), f)
 
 
+def _refused(llm, params) -> list:
+    """What process 0 refuses across processes: the error of a structured
+    request, `score` and `update_weights` (None where one ran)."""
+    from jaxinfer.config.sampling import StructuredOutput
+
+    out = []
+    for attempt in (lambda: llm.generate([PROMPTS[0]], SamplingParams(
+                        structured=StructuredOutput(regex="a+")), max_new_tokens=2),
+                    lambda: llm.score([PROMPTS[0]], [[1, 2]]),
+                    lambda: llm.update_weights(params)):
+        try:
+            attempt()
+            out.append(None)
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
 def _die_after(calls: int) -> None:
     """Process 1 SIGKILLs itself once it has replayed `calls` program calls."""
     from jaxinfer.parallel.multiprocess import follower
@@ -86,7 +104,8 @@ def rank(coordinator: str, process_id: int, out_path: str, kill_after_calls: int
         sys.stdout.flush()
         os._exit(0)
     if not kill_after_calls:
-        out = _results(llm)
+        refused = _refused(llm, params)        # first: the job goes on after each
+        out = {**_results(llm), "refused": refused}
         missing = job.stop()
         with open(out_path, "w") as f:
             json.dump({**out, "missing": missing}, f)

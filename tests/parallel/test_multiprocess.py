@@ -70,9 +70,16 @@ def _job(tmp_path, name: str, kill_after_calls: int = 0, reference: bool = False
 @pytest.mark.slow
 def test_two_processes_match_one_process_tp2(tmp_path):
     """Greedy tokens equal, their log-probs within 1e-5, seeded sampled
-    tokens equal; every process exits 0 and says goodbye."""
+    tokens equal; every process exits 0 and says goodbye. Before them,
+    process 0 refused a structured request, `score` and `update_weights`
+    with a message saying why, and the job went on."""
     job, codes, ref = _job(tmp_path, "job", reference=True)
     assert codes == [0, 0, 0] and job["missing"] == []
+    across = "is not supported with a model across processes (num_processes > 1)"
+    assert job["refused"] == [f"ValueError: structured output {across}",
+                              f"RuntimeError: token_logprobs {across}: only the serving "
+                              "scheduler's programs run on every process",
+                              f"NotImplementedError: update_weights {across}"]
     assert job["greedy"] == ref["greedy"]
     assert job["seeded"] == ref["seeded"]
     for a, b in zip(job["logprobs"], ref["logprobs"]):
