@@ -125,6 +125,9 @@ def check_cache(cfg) -> None:
 def cmd_disagg(args) -> int:
 
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))
+    if cfg.tp > 1 or cfg.num_processes > 1:
+        args.parser.error("tp and num_processes are jaxinfer serve's; disagg takes --prefill-tp "
+                          "and --decode-tp")
     parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)     # usage errors first
     check_heartbeat(args.heartbeat_s)
     check_cache(cfg)

@@ -108,6 +108,9 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         args.parser.error("give exactly one of --prompt or --prompts-file")   # exits 2
     cfg = GenerationConfig.load(args.config, tuple(args.overrides))  # validated before the load
+    if cfg.tp > 1 or cfg.num_processes > 1:
+        args.parser.error("tp and num_processes are jaxinfer serve's (docs/scaling.md); "
+                          "generate runs in one process on one device")
     if args.prompt is not None:
         lines, labels = [(0, args.prompt)], ["--prompt"]
     else:

@@ -259,3 +259,14 @@ def test_host_inputs_are_sent_as_their_changed_rows():
     assert sent_kinds == ["ndarray", "Changed", "Changed", "ndarray", "ndarray"]
     with pytest.raises(ValueError, match="without its previous value"):
         HostCodec().decode("step", 0, Changed(np.array([0]), np.zeros((1, 4), np.int32)))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "Hi", "tp=2"], "tp and num_processes are jaxinfer serve's"),
+    (["disagg", "tp=2"], "disagg takes --prefill-tp and --decode-tp"),
+])
+def test_commands_other_than_serve_refuse_the_job_keys(argv, message, capsys):
+    from jaxinfer.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
