@@ -91,7 +91,7 @@ def rank(coordinator: str, process_id: int, out_path: str, kill_after_calls: int
     from jaxinfer.serving.request import Request
     from jaxinfer.serving.thread import EngineThread
 
-    settings = multiprocess.JobSettings(coordinator, 2, process_id, heartbeat_s=10,
+    settings = multiprocess.JobSettings(coordinator, 2, process_id, heartbeat_s=30,
                                         init_timeout_s=60)
     job, mesh = multiprocess.join(settings, tp=2)
     config, params, tok = tiny_llama()

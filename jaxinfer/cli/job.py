@@ -22,21 +22,23 @@ from typing import Optional
 import jax.numpy as jnp
 
 from jaxinfer.parallel import multiprocess, sharding
+from jaxinfer.parallel.disagg.process import DEFAULT_HEARTBEAT_S
 from jaxinfer.parallel.multiprocess import Job, JobError, JobSettings
 from jaxinfer.serving.loading import load_model
 
 
-def job_settings(cfg) -> Optional[JobSettings]:
-    """The `JobSettings` of a `GenerationConfig` (None: one process), checked
-    (ValueError for bad coordinator settings, before any work)."""
+def job_settings(cfg, heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> Optional[JobSettings]:
+    """The `JobSettings` of a `GenerationConfig` and serve's --heartbeat-s
+    (None: one process), checked (ValueError for bad coordinator settings,
+    before any work)."""
     if cfg.num_processes == 1:
         return None
-    settings = JobSettings(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    settings = JobSettings(cfg.coordinator, cfg.num_processes, cfg.process_id, heartbeat_s)
     settings.check(cfg.tp)
     return settings
 
 
-def sharded_llm(cfg, progress=None) -> tuple:
+def sharded_llm(cfg, progress=None, heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> tuple:
     """(LLM, Job or None) for a config with tp > 1 or num_processes > 1: the
     job joined first (`multiprocess.join`), then the model read as raw
     params and sharded (`sharding.tensor_parallel_llm` /
@@ -47,7 +49,7 @@ def sharded_llm(cfg, progress=None) -> tuple:
       ValueError: bad job settings (before any work), too few devices.
       JobError: the job could not be joined.
     """
-    settings = job_settings(cfg)
+    settings = job_settings(cfg, heartbeat_s)
     job = None
     if settings is not None:
         job, mesh = multiprocess.join(settings, cfg.tp)
@@ -101,11 +103,13 @@ def watch(job: Job, engine, server, log, every_s: float = 0.2) -> list:
 
 def leave(job: Job, code: int) -> None:
     """End this process of the job with exit status `code`: process 0 stops
-    the job first (`Job.stop`); a follower exits at once, without
-    disconnecting (process 0 may already have closed the service)."""
+    the job first (`Job.stop`) and returns when `code` is 0; otherwise (a
+    failed job: its engine thread may still wait in a collective) and for a
+    follower the process exits at once, without disconnecting."""
     if job.leader:
         job.stop()
-        return
+        if code == 0:
+            return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

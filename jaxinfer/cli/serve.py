@@ -96,7 +96,7 @@ def cmd_serve(args) -> int:
     sharded = cfg.tp > 1 or cfg.num_processes > 1
     if sharded and args.prefill_workers:
         args.parser.error("tp > 1 or num_processes > 1 cannot be combined with --prefill-workers")
-    job_cli.job_settings(cfg)                # bad coordinator settings: a usage error, first
+    job_cli.job_settings(cfg, args.heartbeat_s)   # bad coordinator settings: a usage error, first
     sock = server.bind_socket(args.host, args.port) if cfg.process_id == 0 else None
     job = None
     progress = Progress(enabled=False if args.quiet else None)
@@ -114,7 +114,7 @@ def cmd_serve(args) -> int:
             f"{time.perf_counter() - t0:.1f} s")
     else:
         if sharded:
-            llm, job = job_cli.sharded_llm(cfg, progress=progress)
+            llm, job = job_cli.sharded_llm(cfg, progress=progress, heartbeat_s=args.heartbeat_s)
             if job is not None and not job.leader:
                 return job_cli.leave(job, job_cli.follow(llm, job, log))
         else:
@@ -132,9 +132,9 @@ def cmd_serve(args) -> int:
                                     args.shutdown_timeout)
     failed = job_cli.watch(job, app.engine.engine, uvicorn, log) if job is not None else []
     uvicorn.run(sockets=[sock])
-    if job is not None:
-        job_cli.leave(job, 0)
     log("stopped")
+    if job is not None:
+        job_cli.leave(job, 1 if failed else 0)
     return 1 if failed else 0
 
 

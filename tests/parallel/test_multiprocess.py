@@ -270,3 +270,49 @@ def test_commands_other_than_serve_refuse_the_job_keys(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+class _Store:
+    """The coordination service's key-value calls Liveness makes, in a dict."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.values
+        self.values[key] = value.encode()
+
+    def key_value_try_get_bytes(self, key):
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.values[key]
+
+
+def test_liveness_reports_a_follower_not_heard_from_for_stall_s():
+    """Process 0 sees each follower's beat count change; one whose count
+    stops (or never starts) for more than stall_s is reported with how long."""
+    from jaxinfer.parallel.multiprocess import Liveness
+
+    store, now = _Store(), [0.0]
+    clock = lambda: now[0]                                   # noqa: E731
+    leader = Liveness(3, 0, stall_s=5, client=store, clock=clock)
+    one, two = (Liveness(3, rank, stall_s=5, client=store, clock=clock) for rank in (1, 2))
+    for t in (1, 2, 3, 4):
+        now[0] = t
+        one.beat()
+        two.beat()
+        assert leader.stalled() == []
+    for t in (5, 7, 9):                # process 2 stops beating at t=4
+        now[0] = t
+        one.beat()
+        assert leader.stalled() == []
+    now[0] = 10
+    one.beat()
+    assert leader.stalled() == [(2, 6.0)]
+    quiet = Liveness(2, 0, stall_s=5, client=store, clock=clock)   # rank 1 beats no more
+    now[0] = 16
+    assert quiet.stalled() == []       # its count, first seen now
+    now[0] = 22
+    assert quiet.stalled() == [(1, 6.0)]
+    with pytest.raises(ValueError, match="stall_s and every_s must be > 0"):
+        Liveness(2, 0, stall_s=0, client=store)

@@ -8,6 +8,7 @@ server) and sends each program call's host inputs to the others through
 the coordination service's key-value store; they replay the call.
 
     job.py        JobSettings (checked before any work), initialize, the mesh, the Channel, Job
+    liveness.py   followers' beats, process 0's check between steps
     leader.py     process 0: LeaderLLM / LeaderRunner, whose program calls are sent first
     follower.py   the other processes: follow(llm, job) replays them
     launch.py     N local processes of one command, for testing
@@ -25,8 +26,9 @@ coordination client within a second, or raises a `JobError` when its
 collective fails first. Tasks join as recoverable, so the coordination
 service does not abort process 0 when a follower dies. A process that
 stalls without dying (stopped, swapped out) holds its peers in their
-collective until gloo's own timeout: the heartbeat marks it dead, but
-nothing acts on that yet.
+collective until gloo's own timeout; between steps, and for a follower
+that died while nothing ran, process 0 fails the job once a follower's
+beat (`liveness`) has stopped for heartbeat_s seconds.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 from jaxinfer.parallel.multiprocess.follower import follow
 from jaxinfer.parallel.multiprocess.job import Job, JobError, JobSettings, initialize, job_mesh
 from jaxinfer.parallel.multiprocess.leader import LeaderLLM, LeaderPrograms, LeaderRunner
+from jaxinfer.parallel.multiprocess.liveness import Liveness
 from jaxinfer.parallel.sharding import tensor_parallel_llm
 from jaxinfer.serving.llm import LLM
 
@@ -50,7 +53,24 @@ def join(settings: JobSettings, tp: int):
     """
     settings.check(tp)
     initialize(settings)
-    return Job(settings), job_mesh(tp)
+    mesh, job = job_mesh(tp), Job(settings)
+    watch(job)
+    return job, mesh
+
+
+def watch(job: Job, every_s: float = 1.0) -> None:
+    """Start this process's `Liveness` thread (until `Job.stop`): a follower
+    beats; process 0 fails the job (`Job.fail`) once a follower has not been
+    heard from for heartbeat_s seconds."""
+    n = job.settings.num_processes
+
+    def stalled(found):
+        ranks = ", ".join(f"process {rank} for {seconds:.0f} s" for rank, seconds in found)
+        job.fail(JobError(f"the tensor-parallel job of {n} processes stopped: not heard from "
+                          f"{ranks} (gone, stopped or hung)"))
+
+    Liveness(n, job.settings.process_id, job.settings.heartbeat_s, every_s).start(
+        stalled, stop=job.stopped)
 
 
 def job_llm(job: Job, mesh, config, params, tokenizer, **llm_kwargs) -> LLM:
@@ -72,4 +92,4 @@ def job_llm(job: Job, mesh, config, params, tokenizer, **llm_kwargs) -> LLM:
 
 
 __all__ = ["Job", "JobError", "JobSettings", "LeaderLLM", "LeaderPrograms", "LeaderRunner",
-           "follow", "initialize", "job_llm", "job_mesh", "join"]
+           "Liveness", "follow", "initialize", "job_llm", "job_mesh", "join", "watch"]

@@ -228,6 +228,7 @@ class Job:
         self.settings = settings
         self.channel = Channel(settings.num_processes, settings.process_id)
         self.error: Optional[JobError] = None
+        self.stopped = threading.Event()        # set by `stop`: the liveness thread ends
         self._runner_ids = 0
         self._dropped: list[int] = []
 
@@ -246,7 +247,10 @@ class Job:
 
     def fail(self, error: BaseException) -> JobError:
         """Record the job's first failure; returns it (to raise) as a
-        `JobError` that says the job stopped and why."""
+        `JobError` that says the job stopped and why (a `JobError` given is
+        kept as it is)."""
+        if self.error is None and isinstance(error, JobError):
+            self.error = error
         if self.error is None:
             n = self.settings.num_processes
             self.error = JobError(f"the tensor-parallel job of {n} processes stopped: a step "
@@ -275,6 +279,7 @@ class Job:
         that did not say goodbye."""
         import jax
 
+        self.stopped.set()
         missing = list(range(1, self.settings.num_processes))
         if self.error is None:
             try:
