@@ -56,6 +56,12 @@ from jaxinfer.sampling.host_grammar import (ANY_OBJECT, HostGrammar, HostMatcher
 
 # Metacharacters of the Rust `regex` crate's syntax (regex_syntax::is_meta_character).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+# The end of a constraint's text, written by an id past the model's (`GrammarCompiler.end_mark_id`):
+# outlines-core (0.2) leaves out of its Index a token that leaves an accepting state when the text
+# before its last byte is accepted ("1" then "." under [0-9]+(\.[0-9]+)?, "x<" then "tool_call>"
+# under [^<]*(<tool_call>)?), so every regex is compiled followed by this mark, with no accepting
+# state before it (`marked_regex`, `grammar_from_index`).
+END_MARK = "\ue000"
 # Device tables one grammar may take (SmolLM2's vocabulary: 6 KiB of mask per state).
 MAX_TABLE_BYTES = 256 << 20
 
@@ -116,13 +122,38 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     return out
 
 
-def build_vocabulary(pieces: dict[int, bytes], eos_id: int) -> "outlines_core.Vocabulary":
-    """An outlines-core Vocabulary of id -> bytes (`eos_id` and empty pieces left out)."""
+def build_vocabulary(pieces: dict[int, bytes], eos_id: int,
+                     end_mark_id: Optional[int] = None) -> "outlines_core.Vocabulary":
+    """An outlines-core Vocabulary of id -> bytes (`eos_id` and empty pieces
+    left out), with `END_MARK` written by the id `end_mark_id` when given
+    (an id past the model's, see `END_MARK`)."""
     by_bytes: dict[bytes, list[int]] = {}
     for i, b in pieces.items():
         if i != eos_id and b:
             by_bytes.setdefault(b, []).append(int(i))
+    if end_mark_id is not None:
+        by_bytes.setdefault(END_MARK.encode(), []).append(int(end_mark_id))
     return outlines_core.Vocabulary(int(eos_id), by_bytes)
+
+
+def marked_regex(regex: str) -> str:
+    """`regex` followed by `END_MARK`: what `GrammarCompiler` gives outlines-core."""
+    return f"(?:{regex}){END_MARK}"
+
+
+def _alive(src: np.ndarray, nxt: np.ndarray, finals: np.ndarray) -> np.ndarray:
+    """The states from which a final state is reachable over edges src -> nxt (finals too)."""
+    pairs = np.unique((src << 32) | nxt)
+    into: dict[int, list[int]] = {}
+    for a, b in zip((pairs >> 32).tolist(), (pairs & 0xFFFFFFFF).tolist()):
+        into.setdefault(b, []).append(a)
+    seen, todo = set(finals.tolist()), list(finals.tolist())
+    while todo:
+        for a in into.get(todo.pop(), ()):
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return np.array(sorted(seen), np.int64)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -175,11 +206,17 @@ class Grammar:
         return state
 
 
-def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), source: str = "") -> Grammar:
+def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), source: str = "",
+                       end_mark_id: Optional[int] = None) -> Grammar:
     """Lay out an outlines-core `Index` as a `Grammar` over `vocab_size` ids;
     every id in `eos_ids` is allowed (and keeps the state) in final states,
     like the Index's own EOS id. Edges with ids outside [0, vocab_size) are
-    dropped. States are renumbered densely in the order of the Index's ids."""
+    dropped. States are renumbered densely in the order of the Index's ids.
+
+    With `end_mark_id` (an id >= vocab_size that writes `END_MARK`, the Index
+    built from `marked_regex`), the final states are those whose END_MARK
+    edge reaches one of the Index's final states, and states from which no
+    such state can be reached (the mark's own path) are dropped."""
     transitions = index.get_transitions()
     finals = np.array(sorted(index.get_final_states()), np.int64)
     eos = np.array(sorted({int(e) for e in eos_ids}), np.int64)
@@ -192,6 +229,13 @@ def grammar_from_index(index, vocab_size: int, eos_ids: Iterable[int] = (), sour
     nxts = np.fromiter(edges(dict.values), np.int64, total)
     src = np.repeat(states, counts)
     initial = int(index.get_initial_state())
+    if end_mark_id is not None:
+        finals = np.unique(src[(toks == end_mark_id) & np.isin(nxts, finals)])
+        ordinary = (toks >= 0) & (toks < vocab_size)
+        alive = _alive(src[ordinary], nxts[ordinary], finals)
+        keep = ordinary & np.isin(src, alive) & np.isin(nxts, alive)
+        src, toks, nxts = src[keep], toks[keep], nxts[keep]
+        states = alive
     names = np.unique(np.concatenate([states, finals, np.unique(nxts), [initial]]))
     # final states: every EOS id allowed and keeping the state, replacing an edge it had
     keep = ~(np.isin(src, finals) & np.isin(toks, eos)) & (toks >= 0) & (toks < vocab_size)
@@ -271,6 +315,11 @@ class GrammarCompiler:
         self._building: dict[StructuredOutput, tuple[HostGrammar, threading.Thread]] = {}
         self._building_lock = threading.Lock()
         self.background = background
+
+    @property
+    def end_mark_id(self) -> int:
+        """The id that writes `END_MARK` in the vocabulary (past every model id)."""
+        return max(self.vocab_size, self.tokenizer.vocab_size)
 
     @property
     def background(self) -> bool:
@@ -357,7 +406,8 @@ class GrammarCompiler:
     def vocabulary(self):
         with self._lock:
             if self._vocabulary is None:
-                self._vocabulary = build_vocabulary(token_bytes(self.tokenizer), self.eos_ids[0])
+                self._vocabulary = build_vocabulary(token_bytes(self.tokenizer), self.eos_ids[0],
+                                                    self.end_mark_id)
             return self._vocabulary
 
     def host_tokenizer(self):
@@ -380,8 +430,8 @@ class GrammarCompiler:
             return self._host(spec, "max_table_bytes is 0: every constraint is masked on the host")
         regex = constraint_regex(spec)
         with library_errors("structured output"):
-            index = outlines_core.Index(regex, self.vocabulary())
-        grammar = grammar_from_index(index, self.vocab_size, self.eos_ids, regex)
+            index = outlines_core.Index(marked_regex(regex), self.vocabulary())
+        grammar = grammar_from_index(index, self.vocab_size, self.eos_ids, regex, self.end_mark_id)
         if grammar.nbytes > self.max_table_bytes:
             return self._host(spec, f"its automaton needs {grammar.nbytes / 2**20:.1f} MiB of device "
                                     f"tables ({grammar.num_states} states), over the limit of "
@@ -403,7 +453,8 @@ class GrammarCompiler:
         return HostGrammar(text, tokenizer, source, reason)
 
 
-__all__ = ["DEFAULT_GRAMMAR_CACHE_BYTES", "MAX_TABLE_BYTES", "CompiledConstraint", "Grammar",
-           "GrammarCompiler", "GrammarPool", "HostGrammar", "HostMatcher", "build_vocabulary",
+__all__ = ["DEFAULT_GRAMMAR_CACHE_BYTES", "END_MARK", "MAX_TABLE_BYTES", "CompiledConstraint",
+           "Grammar", "GrammarCompiler", "GrammarPool", "HostGrammar", "HostMatcher",
+           "build_vocabulary",
            "constraint_regex", "escape_literal", "closed_objects", "grammar_from_index",
-           "host_grammar_text", "remap_states", "token_bytes"]
+           "host_grammar_text", "marked_regex", "remap_states", "token_bytes"]
