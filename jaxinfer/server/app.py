@@ -59,7 +59,7 @@ from jaxinfer.server import prompt_scores
 from jaxinfer.server.responses import Choice, Formatter, TokenText
 from jaxinfer.server.responses_api import ResponsesRoute
 from jaxinfer.server.routes import event_stream, sse
-from jaxinfer.server.tools import renders_hermes
+from jaxinfer.server.call_formats import call_format
 from jaxinfer.server.turns import THINK_START, TurnParser, TurnPlan, parse_turn, thinks
 from jaxinfer.serving.thread import EngineError
 
@@ -91,9 +91,9 @@ class ServerSettings:
 
 def _constraint_param(body) -> str:
     """The request field that carries its output constraint."""
-    return next(n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
-                            "guided_grammar", "grammar", "tool_choice")
-                if getattr(body, n, None) is not None)
+    return next((n for n in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                             "guided_grammar", "grammar", "tool_choice")
+                 if getattr(body, n, None) is not None), "tools")
 
 
 class OpenAIServer:
@@ -213,6 +213,7 @@ class OpenAIServer:
         check_messages(body.messages)
         tools = body.auto_tools()
         tok = self.llm.tokenizer
+        body.use_call_format(call_format(tok.chat_template) if tok.renders_tools else None)
         if tools and not tok.renders_tools:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs a chat template '
                            "that renders tools, and this model's does not: name a function in "
@@ -230,7 +231,8 @@ class OpenAIServer:
         if not tok.has_chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions",
                            param="messages")
-        if tools:
+        tools = tools or (list(body.tools) if body.calls_in_format() else None)
+        if tools:           # auto, or "required" with several tools in the template's format
             kwargs["tools"] = [dict(t) for t in tools]
         messages = [m.as_template_input() for m in body.messages]
         try:
@@ -238,11 +240,13 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - a template that rejects the messages
             raise APIError(400, f"messages: {e}", param="messages") from None
         forced = body.forced_tool()
-        reasoning = thinks(tok.chat_template) and body.structured_output() is None
+        spec = body.structured_output()
+        strict_auto = spec is not None and spec == body.tool_constraint(True)
+        reasoning = thinks(tok.chat_template) and (spec is None or strict_auto)
         opened = reasoning and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(
             THINK_START)
-        return ids, TurnPlan(reasoning, opened, forced["name"] if forced else None,
-                             bool(tools) and renders_hermes(tok.chat_template))
+        calls = body.call_format if body.calls_in_format() else None
+        return ids, TurnPlan(reasoning, opened, forced["name"] if forced else None, calls=calls)
 
     async def completions(self, body: CompletionRequest, request: HTTPRequest):
         self._check_common(body)
@@ -313,8 +317,10 @@ class OpenAIServer:
         """One engine Request per choice: n per prompt, choice j with seed + j."""
         limit, max_len = body.new_token_limit(), self.llm.max_seq_len
         overrides = {f: getattr(body, f) for f in _SAMPLING_FIELDS if getattr(body, f) is not None}
-        if body.structured_output() is not None:
-            overrides["structured"] = body.structured_output()
+        spec = body.structured_output()
+        strict_auto = hasattr(body, "tool_constraint") and spec == body.tool_constraint(True)
+        if spec is not None and not (strict_auto and self.settings.defaults.structured is not None):
+            overrides["structured"] = spec      # a configured default wins over strict auto calls
         base_seed = body.seed if body.seed is not None else self.settings.defaults.seed
         out = []
         for ids in prompts:

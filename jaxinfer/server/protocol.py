@@ -20,8 +20,13 @@ Structured output (docs/structured.md): `response_format` ({"type":
 `StructuredOutput` (`structured_output`); so does a chat request's
 forced tool call (`tools` + `tool_choice` naming a function, or "required"
 with one tool: its `parameters` schema). At most one may be given. Tools
-with tool_choice "auto" (or none given) are not a constraint: they go to
-the chat template (`auto_tools`; jaxinfer.server.tools).
+with tool_choice "auto" (or none given) go to the chat template
+(`auto_tools`); when the template's call format is known
+(`call_formats.call_format`, set by the server with `use_call_format`)
+and no other constraint is given, the reply is constrained to free text
+and well-formed calls to the offered tools (strict automatic calls), and
+"required" with several tools to calls alone (`tool_constraint`).
+`parallel_tool_calls` false allows one call at most.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from jaxinfer.config import StructuredOutput
 from jaxinfer.serving.request import MAX_LOGPROBS
 from jaxinfer.sampling import MAX_SEED
 from jaxinfer.sampling.host_grammar import HostGrammar
+from jaxinfer.server.call_formats import CallFormat
 from jaxinfer.server.turns import template_message
 
 # Choices per request at most (each one is a request in the engine).
@@ -204,13 +210,9 @@ class _Sampling(_OpenAISampling):
             type, a json_schema without a schema, or several constraints.
         """
         given = {}
-        tool = self.forced_tool() if hasattr(self, "forced_tool") else None
+        tool = self.tool_constraint(False) if hasattr(self, "tool_constraint") else None
         if tool is not None:
-            schema = tool.get("parameters") or {"type": "object"}
-            if not isinstance(schema, dict):
-                raise APIError(400, "a tool's parameters must be a JSON schema object",
-                               param="tools")
-            given["tool_choice"] = StructuredOutput(json_schema=schema)
+            given["tool_choice"] = tool
         fmt = self.response_format
         kind = (fmt or {}).get("type", "text")
         if kind == "json_object":
@@ -237,6 +239,8 @@ class _Sampling(_OpenAISampling):
         if len(given) > 1:
             raise APIError(400, f"give one output constraint, got {sorted(given)}",
                            param=sorted(given)[1])
+        if not given and hasattr(self, "tool_constraint"):     # strict auto calls yield to others
+            return self.tool_constraint(True)
         return next(iter(given.values()), None)
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -282,6 +286,9 @@ class ChatCompletionRequest(_Sampling):
     # by `_functions`.
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
+    _call_format: Optional[CallFormat] = PrivateAttr(None)
+    _tool_specs: dict = PrivateAttr(default_factory=dict)
 
     def new_token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -327,16 +334,67 @@ class ChatCompletionRequest(_Sampling):
         if not functions or choice is None or choice == "auto":
             return None
         if choice == "required":
-            if len(functions) != 1:
-                raise APIError(400, 'tool_choice "required" needs exactly one tool here; name one '
-                               "instead", param="tool_choice")
-            return next(iter(functions.values()))
+            if len(functions) == 1:
+                return next(iter(functions.values()))
+            if self._call_format is None:
+                raise APIError(400, 'tool_choice "required" with several tools needs a chat '
+                               "template whose tool-call format is known (Hermes <tool_call>, "
+                               "Llama 3 JSON, Mistral [TOOL_CALLS]; examples/chatml_tools.jinja): "
+                               "name one tool instead", param="tool_choice")
+            return None
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or name not in functions:
             raise APIError(400, f"tool_choice names no function in tools: {choice!r}",
                            param="tool_choice")
         return functions[name]
+
+    def use_call_format(self, fmt: Optional[CallFormat]) -> None:
+        """Read and constrain tool calls in `fmt` (the chat template's; None: unknown)."""
+        self._call_format, self._tool_specs = fmt, {}
+
+    @property
+    def call_format(self) -> Optional[CallFormat]:
+        """The tool-call format set by `use_call_format`, or None."""
+        return self._call_format
+
+    def calls_in_format(self) -> bool:
+        """Whether the reply's calls are written in the call format (auto with
+        a known format, or "required" with several tools), not as a forced
+        call's bare arguments."""
+        return (self._call_format is not None and bool(self._functions())
+                and self.forced_tool() is None)
+
+    def tool_constraint(self, auto: bool) -> Optional[StructuredOutput]:
+        """With auto False: a forced call's arguments (`forced_tool`'s
+        schema) or "required" with several tools (calls alone); with auto
+        True: tool_choice "auto" in a known format (free text, then calls).
+        None otherwise. The regex is built once per request.
+
+        Raises:
+          APIError: 400 as `forced_tool`, or for a tool whose parameters are
+            not a JSON schema object (or one the library rejects).
+        """
+        tool = self.forced_tool()
+        if tool is not None:
+            if auto:
+                return None
+            schema = tool.get("parameters") or {"type": "object"}
+            if not isinstance(schema, dict):
+                raise APIError(400, "a tool's parameters must be a JSON schema object",
+                               param="tools")
+            return StructuredOutput(json_schema=schema)
+        if not self.calls_in_format() or auto != (self.tool_choice != "required"):
+            return None
+        if auto not in self._tool_specs:
+            fmt, parallel = self._call_format, self.parallel_tool_calls is not False
+            try:
+                build = fmt.auto_regex if auto else fmt.required_regex
+                regex = build(self._functions(), parallel)
+            except ValueError as e:
+                raise APIError(400, f"tools: {e}", param="tools") from None
+            self._tool_specs[auto] = StructuredOutput(regex=regex)
+        return self._tool_specs[auto]
 
 
 def can_start(compiled, vocab_size: int) -> bool:

@@ -14,10 +14,13 @@ non-streamed one (a whole response is the same parser fed once).
   constrained text starts at the first token).
 * A forced call (`tool_choice` naming a function, or "required" with one
   tool): the whole text is that call's arguments.
-* Hermes-style calls (`tools` with "auto" and a template that asks for
-  `<tool_call>`): content streams until `<tool_call>`; the rest is held
-  and parsed when the turn ends (`tools.parse_hermes`): well-formed calls
-  become calls, anything else is content, as in the whole response.
+* Calls in the template's format (`call_formats`; `tools` with "auto", or
+  "required" with several tools): content streams until the format's
+  trigger (`<tool_call>`, `[TOOL_CALLS]`; Llama 3's calls start the reply,
+  so its content is held until the first character that is not white
+  space shows it is not `{`); the rest is held and parsed when the turn
+  ends (`CallFormat.parse`): well-formed calls become calls, anything else
+  is content, as in the whole response.
 
 Deltas: ("reasoning", text), ("content", text), ("call", index, name),
 ("arguments", index, text).
@@ -29,7 +32,7 @@ import dataclasses
 import json
 from typing import Any, Optional
 
-from jaxinfer.server.tools import HERMES_START, parse_hermes
+from jaxinfer.server.call_formats import HERMES, CallFormat
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -47,13 +50,21 @@ class TurnPlan:
       reasoning: split `<think>` blocks off as reasoning.
       in_reasoning: the prompt opened the block (the text starts inside it).
       forced: the function whose arguments are the whole text, or None.
-      hermes: parse Hermes-style `<tool_call>` blocks out of the content.
+      hermes: parse Hermes-style `<tool_call>` blocks out of the content
+        (`calls` HERMES).
+      calls: the call format to parse out of the content, or None.
     """
 
     reasoning: bool = False
     in_reasoning: bool = False
     forced: Optional[str] = None
     hermes: bool = False
+    calls: Optional[CallFormat] = None
+
+    @property
+    def call_format(self) -> Optional[CallFormat]:
+        """The format whose calls are parsed out of the content, or None."""
+        return self.calls if self.calls is not None else (HERMES if self.hermes else None)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -77,6 +88,8 @@ class TurnParser:
         self._content_held = ""    # content stage: a possible partial <tool_call>
         self._calls_text: Optional[str] = None    # hermes: the text from <tool_call> on
         self._called = False       # forced: the call's header was sent
+        self._format = plan.call_format
+        self._plain = False        # calls that start the reply: the reply is content instead
 
     def feed(self, text: str) -> list[tuple]:
         out: list[tuple] = []
@@ -130,20 +143,32 @@ class TurnParser:
             if text:
                 out.append(("arguments", 0, text))
             return
-        if not plan.hermes:
-            if text:
-                out.append(("content", text))
-            return
         if self._calls_text is not None:
             self._calls_text += text
             return
+        fmt = self._format
+        if fmt is None or self._plain:
+            if text:
+                out.append(("content", text))
+            return
         text = self._content_held + text
-        start = text.find(HERMES_START)
+        if not fmt.trigger:            # calls start the reply: decided by its first character
+            if not text.strip():
+                self._content_held = text
+                return
+            self._content_held = ""
+            if text.lstrip().startswith("{"):
+                self._calls_text = text
+                return
+            self._plain = True
+            out.append(("content", text))
+            return
+        start = text.find(fmt.trigger)
         if start >= 0:
             self._content_held, self._calls_text = "", text[start:]
             text = text[:start]
         else:
-            keep = _partial_suffix(text, HERMES_START)
+            keep = _partial_suffix(text, fmt.trigger)
             self._content_held, text = text[len(text) - keep:], text[:len(text) - keep]
         if text:
             out.append(("content", text))
@@ -162,7 +187,7 @@ class TurnParser:
         rest, self._content_held = self._content_held, ""
         calls, self._calls_text = self._calls_text, None
         if calls is not None:
-            parsed = parse_hermes(calls)
+            parsed = self._format.parse(calls)
             if parsed is None:
                 rest += calls
             else:
