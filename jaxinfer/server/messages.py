@@ -8,9 +8,10 @@ is a system turn; a user turn's `tool_result` blocks are `tool` turns
 are its `tool_calls` and its `thinking` blocks its `reasoning_content`.
 `tools` are functions (`input_schema` their parameters); `tool_choice`
 {"type": "auto"} (the default) gives them to the chat template, "any" is
-OpenAI's "required" (one tool), "tool" names the function to call (the
-arguments are constrained to its schema on the device), "none" leaves
-them out. `thinking` {"type": "enabled" | "disabled"} sets the template's
+OpenAI's "required" (several tools: calls in the template's format, at
+least one), "tool" names the function to call (the arguments are
+constrained to its schema on the device), "none" leaves them out;
+`disable_parallel_tool_use` true is `parallel_tool_calls` false. `thinking` {"type": "enabled" | "disabled"} sets the template's
 `enable_thinking`.
 
 The reply's content blocks: `thinking` (the template's reasoning, an
@@ -28,8 +29,8 @@ invalid_request_error, 401 authentication_error, 404 not_found_error,
 413 request_too_large, 500 api_error, 503 overloaded_error); nothing runs
 for a 400. Refused with 400: image, document and other non-text blocks,
 server tools (a `type` other than "custom"), `mcp_servers`, `container`,
-"any" with several tools. Ignored: metadata, service_tier,
-disable_parallel_tool_use, cache_control, thinking's budget_tokens.
+"any" with several tools where the template's call format is unknown.
+Ignored: metadata, service_tier, cache_control, thinking's budget_tokens.
 """
 
 from __future__ import annotations
@@ -146,10 +147,11 @@ def _assistant_turn(blocks: list, where: str) -> dict:
     return turn
 
 
-def _tools(body: MessagesRequest) -> tuple[Optional[list], Any]:
-    """(OpenAI tools, OpenAI tool_choice) of the request's tools and tool_choice."""
+def _tools(body: MessagesRequest) -> tuple[Optional[list], Any, Optional[bool]]:
+    """(OpenAI tools, OpenAI tool_choice, parallel_tool_calls) of the request's
+    tools and tool_choice."""
     if not body.tools:
-        return None, None
+        return None, None, None
     tools = []
     for i, tool in enumerate(body.tools):
         if tool.get("type", "custom") != "custom":
@@ -163,16 +165,14 @@ def _tools(body: MessagesRequest) -> tuple[Optional[list], Any]:
         tools.append({"type": "function", "function": function})
     choice = body.tool_choice or {"type": "auto"}
     kind = choice.get("type")
-    if kind == "any" and len(tools) != 1:
-        raise APIError(400, 'tool_choice {"type": "any"} needs exactly one tool here; name one '
-                       'with {"type": "tool", "name": ...}')
+    parallel = False if choice.get("disable_parallel_tool_use") is True else None
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise APIError(400, 'tool_choice {"type": "tool"} needs a string name')
-        return tools, {"type": "function", "function": {"name": choice["name"]}}
+        return tools, {"type": "function", "function": {"name": choice["name"]}}, parallel
     if kind not in ("auto", "any", "none"):
         raise APIError(400, f"tool_choice.type must be one of auto, any, tool, none, got {kind!r}")
-    return tools, {"auto": "auto", "any": "required", "none": "none"}[kind]
+    return tools, {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
@@ -192,7 +192,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         where = f"messages[{i}].content"
         turns += (_user_turns(blocks, where) if message.role == "user"
                   else [_assistant_turn(blocks, where)])
-    tools, tool_choice = _tools(body)
+    tools, tool_choice, parallel = _tools(body)
     kwargs = {}
     if body.thinking is not None:
         kind = body.thinking.get("type")
@@ -202,7 +202,8 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     fields = {"model": body.model, "messages": turns, "max_tokens": body.max_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "stop": body.stop_sequences, "stream": body.stream, "tools": tools,
-              "tool_choice": tool_choice, "chat_template_kwargs": kwargs or None}
+              "tool_choice": tool_choice, "parallel_tool_calls": parallel,
+              "chat_template_kwargs": kwargs or None}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:

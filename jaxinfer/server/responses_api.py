@@ -10,7 +10,7 @@ assistant turn before them) and `function_call_output` items (tool turns);
 `reasoning` items are dropped. `text.format` json_schema / json_object is
 the chat route's `response_format` (constrained on the device); function
 `tools` with `tool_choice` auto / none / required / {"type": "function",
-"name"} are the chat route's tools.
+"name"} and `parallel_tool_calls` are the chat route's tools.
 
 Nothing is stored: `store` false or omitted; `store: true`,
 `previous_response_id`, `conversation`, `background`, `prompt` and
@@ -18,7 +18,7 @@ Nothing is stored: `store` false or omitted; `store: true`,
 are non-function tools and image, file and audio inputs; `GET` and
 `DELETE /v1/responses/{id}` are a 404. Ignored:
 include, metadata, user, truncation, service_tier, reasoning,
-parallel_tool_calls, max_tool_calls, prompt_cache_key, safety_identifier,
+max_tool_calls, prompt_cache_key, safety_identifier,
 stream_options, text.verbosity.
 
 The output items: `reasoning` (the template's thinking, as reasoning_text
@@ -175,6 +175,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     fields = {"model": body.model, "messages": _turns(body), "max_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "seed": body.seed, "stream": body.stream, "tools": tools, "tool_choice": tool_choice,
+              "parallel_tool_calls": body.parallel_tool_calls,
               "response_format": _response_format(body)}
     try:
         return ChatCompletionRequest.model_validate(fields)
@@ -255,7 +256,8 @@ class _Builder:
             "id": _id("resp_"), "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": server.settings.model_name, "output": [], "parallel_tool_calls": True,
+            "model": server.settings.model_name, "output": [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
             "store": False, "temperature": body.temperature,
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},

@@ -2,7 +2,8 @@
 `anthropic` SDK as the client, on the tiny random model
 (tests/agent_cases.py): text equal to the chat route's, the streamed event
 sequence reassembled equal to the whole reply, stop sequences, thinking
-blocks, tool_use (forced and auto) and a tool_result round trip,
+blocks, tool_use (forced, auto, and "any" with several tools) and a
+tool_result round trip,
 count_tokens, and Anthropic's error JSON for bad input."""
 
 import json
@@ -131,6 +132,17 @@ def test_auto_tool_use_is_parsed(served):
     assert (final.content[1].name, final.content[1].input) == ("set_colour", {"colour": "red"})
 
 
+def test_any_with_several_tools_is_one_call_to_either_without_parallel_use(served):
+    _, _, client, _ = served
+    tools = [ANTHROPIC_TOOL, {**ANTHROPIC_TOOL, "name": "other"}]
+    m = client.messages.create(model=MODEL, max_tokens=200, messages=HI, tools=tools,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    [use] = m.content
+    assert use.type == "tool_use" and use.name in ("set_colour", "other")
+    jsonschema.validate(use.input, SCHEMA)
+    assert m.stop_reason == "tool_use"
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"max_tokens": None}, "max_tokens: Field required"),
     ({"temperature": -1}, "temperature: Input should be greater than or equal to 0"),
@@ -139,9 +151,6 @@ def test_auto_tool_use_is_parsed(served):
      "user turn (text, tool_result)"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools[0]: tool type 'web_search_20250305' is not supported by this server (custom tools only)"),
-    ({"tools": [ANTHROPIC_TOOL, {**ANTHROPIC_TOOL, "name": "other"}], "tool_choice": {"type": "any"}},
-     'tool_choice {"type": "any"} needs exactly one tool here; name one with {"type": "tool", '
-     '"name": ...}'),
     ({"tool_choice": {"type": "sometimes"}, "tools": [ANTHROPIC_TOOL]},
      "tool_choice.type must be one of auto, any, tool, none, got 'sometimes'"),
     ({"stop_sequences": [""]}, "stop strings must be non-empty"),
