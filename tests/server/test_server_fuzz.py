@@ -2,7 +2,8 @@
 (Anthropic) and Responses routes on the trained toy (max_seq_len 32):
 generated bodies (valid ones, valid ones with fields replaced by junk, wrong
 types, nulls, huge numbers, unicode, nested junk, raw bytes; chat with
-tools, tool_choice and response_format; the new routes with their content
+tools, tool_choice, parallel_tool_calls, response_format, guided_* and
+grammar, completions with guided_* and grammar; the new routes with their content
 blocks, items, tools, tool_choice and text.format) each get a 2xx or a 4xx
 with the route's error JSON; never a 500, a hang (each answer within the
 client's timeout) or a dead engine; at the end every slot and page is free.
@@ -113,6 +114,13 @@ _SCHEMA = st.sampled_from([{"type": "object", "properties": {"a": {"type": "inte
                            {"type": "object", "properties": {"b": {"enum": ["x", "y"]}}}])
 _TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": st.sampled_from(["f", "g"]), "parameters": _SCHEMA})})
+# vLLM's guided_* and llama-server's grammar: a few valid values (each compiles once) and
+# invalid ones (a 400 before any work); two at once are a 400 too.
+_GUIDED = {"guided_json": _SCHEMA | st.just("{not json"),
+           "guided_regex": st.sampled_from(["[ab]{1,3}", "(", "x|y+"]),
+           "guided_choice": st.sampled_from([["a", "b"], [""], ["x"], []]),
+           "guided_grammar": st.sampled_from(['root ::= "a" | "b"', "root ::= (", "%%%"]),
+           "grammar": st.sampled_from(['root ::= "a" | "b"', "start: 1"])}
 CHAT_BODIES = _bodies({"messages": st.lists(_MESSAGE, min_size=1, max_size=3),
                        "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
                        "max_completion_tokens": st.integers(1, 4),
@@ -123,7 +131,8 @@ CHAT_BODIES = _bodies({"messages": st.lists(_MESSAGE, min_size=1, max_size=3),
                        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])
                        | st.builds(lambda s: {"type": "json_schema", "json_schema": {"schema": s}},
                                    _SCHEMA),
-                       "chat_template_kwargs": st.dictionaries(_TEXT, JUNK, max_size=2)})
+                       "chat_template_kwargs": st.dictionaries(_TEXT, JUNK, max_size=2),
+                       "parallel_tool_calls": st.booleans(), **_GUIDED})
 
 _BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}),
@@ -178,7 +187,7 @@ RESPONSES_BODIES = _bodies({
     "previous_response_id": st.just("resp_1"), "parallel_tool_calls": st.booleans()})
 COMPLETION_BODIES = _bodies({"prompt": _TEXT | _IDS | st.lists(_TEXT, min_size=1, max_size=2)
                              | st.lists(_IDS, min_size=1, max_size=2),
-                             "logprobs": st.integers(0, 3)})
+                             "logprobs": st.integers(0, 3), **_GUIDED})
 
 
 def _engine_error(server) -> str:
