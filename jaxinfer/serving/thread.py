@@ -142,9 +142,11 @@ class EngineThread:
         Raises:
           ValueError: the request cannot fit max_seq_len (checked now).
           QueueFullError: max_waiting_requests requests are already waiting.
-          EngineError: the engine has stopped or failed.
+          EngineError: the engine has stopped, or failed (the message has its error).
         """
-        if self.error is not None or self._stop.is_set():
+        if self.error is not None:
+            raise EngineError(f"the engine is not running: it failed: {self.error!r}")
+        if self._stop.is_set():
             raise EngineError("the engine is not running")
         if self.controls is not None and self.controls.sleep_level:
             raise EngineError(f"the engine is asleep (sleep level {self.controls.sleep_level}): "

@@ -171,7 +171,8 @@ def test_serve_over_two_processes_then_a_killed_one_ends_it(toy_folder, tmp_path
     """`jaxinfer serve` as two commands (tp=2, one device each): process 0
     answers the OpenAI client as one process does ("你好" -> "世界",
     streamed too); after process 1 is SIGKILLed the next request gets an
-    error naming the stopped job and process 0 exits with status 1."""
+    error naming the stopped job (500 from its failed step, or 503 when an
+    earlier step found the job gone first) and process 0 exits with status 1."""
     import openai
 
     cfg = tmp_path / "toy-tp2.yaml"
