@@ -59,7 +59,7 @@ from jaxinfer.server import prompt_scores
 from jaxinfer.server.responses import Choice, Formatter, TokenText
 from jaxinfer.server.responses_api import ResponsesRoute
 from jaxinfer.server.routes import event_stream, sse
-from jaxinfer.server.call_formats import call_format
+from jaxinfer.server.call_formats import call_format, writes_trigger
 from jaxinfer.server.turns import THINK_START, TurnParser, TurnPlan, parse_turn, thinks
 from jaxinfer.serving.thread import EngineError
 
@@ -213,7 +213,8 @@ class OpenAIServer:
         check_messages(body.messages)
         tools = body.auto_tools()
         tok = self.llm.tokenizer
-        body.use_call_format(call_format(tok.chat_template) if tok.renders_tools else None)
+        fmt = call_format(tok.chat_template) if tok.renders_tools else None
+        body.use_call_format(fmt, fmt is not None and writes_trigger(tok, fmt))
         if tools and not tok.renders_tools:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs a chat template '
                            "that renders tools, and this model's does not: name a function in "

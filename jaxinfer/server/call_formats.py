@@ -194,6 +194,17 @@ LLAMA3 = CallFormat("llama3", "", "parameters", parse_llama3)
 MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", "arguments", parse_mistral)
 
 
+def writes_trigger(tokenizer, fmt: CallFormat) -> bool:
+    """Whether a strict automaton can write `fmt`'s trigger with this
+    tokenizer: False when the trigger is one special token (Mistral's
+    `[TOOL_CALLS]` in its v3 tokenizers), which the automaton's vocabulary
+    and the decoded text leave out."""
+    if not fmt.trigger:
+        return True
+    ids = tokenizer.encode(fmt.trigger, add_special_tokens=False)
+    return not (len(ids) == 1 and ids[0] in tokenizer.special_token_ids)
+
+
 def call_format(template: Optional[str]) -> Optional[CallFormat]:
     """The call format a chat template asks for, or None: Hermes when its
     text has `<tool_call>`, Mistral with `[TOOL_CALLS]`, Llama 3 with
@@ -208,4 +219,4 @@ def call_format(template: Optional[str]) -> Optional[CallFormat]:
 
 
 __all__ = ["HERMES", "LLAMA3", "MISTRAL", "CallFormat", "avoiding", "arguments_regex",
-           "call_format", "parse_llama3", "parse_mistral"]
+           "call_format", "parse_llama3", "parse_mistral", "writes_trigger"]

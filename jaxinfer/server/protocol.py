@@ -288,6 +288,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = None
     _call_format: Optional[CallFormat] = PrivateAttr(None)
+    _strict_calls: bool = PrivateAttr(False)
     _tool_specs: dict = PrivateAttr(default_factory=dict)
 
     def new_token_limit(self) -> Optional[int]:
@@ -336,11 +337,12 @@ class ChatCompletionRequest(_Sampling):
         if choice == "required":
             if len(functions) == 1:
                 return next(iter(functions.values()))
-            if self._call_format is None:
+            if not self._strict_calls:
                 raise APIError(400, 'tool_choice "required" with several tools needs a chat '
                                "template whose tool-call format is known (Hermes <tool_call>, "
-                               "Llama 3 JSON, Mistral [TOOL_CALLS]; examples/chatml_tools.jinja): "
-                               "name one tool instead", param="tool_choice")
+                               "Llama 3 JSON, Mistral [TOOL_CALLS] written as text; "
+                               "examples/chatml_tools.jinja): name one tool instead",
+                               param="tool_choice")
             return None
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
@@ -349,9 +351,12 @@ class ChatCompletionRequest(_Sampling):
                            param="tool_choice")
         return functions[name]
 
-    def use_call_format(self, fmt: Optional[CallFormat]) -> None:
-        """Read and constrain tool calls in `fmt` (the chat template's; None: unknown)."""
+    def use_call_format(self, fmt: Optional[CallFormat], strict: bool = True) -> None:
+        """Read tool calls in `fmt` (the chat template's; None: unknown), and
+        constrain them unless `strict` is False (a trigger the automaton
+        cannot write: a special token of the tokenizer)."""
         self._call_format, self._tool_specs = fmt, {}
+        self._strict_calls = fmt is not None and strict
 
     @property
     def call_format(self) -> Optional[CallFormat]:
@@ -384,7 +389,8 @@ class ChatCompletionRequest(_Sampling):
                 raise APIError(400, "a tool's parameters must be a JSON schema object",
                                param="tools")
             return StructuredOutput(json_schema=schema)
-        if not self.calls_in_format() or auto != (self.tool_choice != "required"):
+        if (not self.calls_in_format() or not self._strict_calls
+                or auto != (self.tool_choice != "required")):
             return None
         if auto not in self._tool_specs:
             fmt, parallel = self._call_format, self.parallel_tool_calls is not False

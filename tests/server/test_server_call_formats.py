@@ -6,6 +6,7 @@ release to free text, several calls, at most one without parallel calls),
 mask and advance to a fake model that wants malformed calls, each format's
 parsing, and the request fields that choose them."""
 
+import dataclasses
 import json
 import re
 
@@ -19,7 +20,7 @@ from jaxinfer.config import StructuredOutput
 from jaxinfer.sampling import grammar as G
 from jaxinfer.sampling import structured as D
 from jaxinfer.server.call_formats import (HERMES, LLAMA3, MISTRAL, avoiding, call_format,
-                                          parse_llama3, parse_mistral)
+                                          parse_llama3, parse_mistral, writes_trigger)
 from jaxinfer.server.protocol import APIError, ChatCompletionRequest
 from jaxinfer.server.turns import Turn, TurnPlan, TurnParser, assemble, parse_turn
 from structured_cases import CONFIG, VOCAB, ascii_tokenizer
@@ -170,6 +171,9 @@ def test_llama3_and_mistral_calls_parse_and_their_regexes_match():
 
 
 def test_the_call_format_is_read_from_the_template():
+    tok = ascii_tokenizer()
+    assert writes_trigger(tok, HERMES) and writes_trigger(tok, LLAMA3)
+    assert not writes_trigger(tok, dataclasses.replace(MISTRAL, trigger="<|endoftext|>"))
     assert call_format("...<tool_call>...") is HERMES
     assert call_format("{{ '[TOOL_CALLS]' }}") is MISTRAL
     assert call_format("{{ '<|python_tag|>' }}") is LLAMA3
@@ -214,10 +218,14 @@ def test_the_request_fields_choose_the_constraint():
     body = _chat()                                             # an unknown format: free text
     body.use_call_format(None)
     assert body.structured_output() is None and not body.calls_in_format()
-    body = _chat(tool_choice="required")
-    body.use_call_format(None)
-    with pytest.raises(APIError, match='"required" with several tools needs a chat template'):
-        body.structured_output()
+    body = _chat()                    # a trigger the automaton cannot write: parsed, not held
+    body.use_call_format(HERMES, strict=False)
+    assert body.structured_output() is None and body.calls_in_format()
+    for fmt, strict in ((None, True), (HERMES, False)):
+        body = _chat(tool_choice="required")
+        body.use_call_format(fmt, strict)
+        with pytest.raises(APIError, match='"required" with several tools needs a chat template'):
+            body.structured_output()
     one = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
         "tools": [{"type": "function", "function": FUNCTIONS["paint"]}]})
