@@ -52,6 +52,7 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 
 import child_pytest  # noqa: E402  (tests/, on sys.path just above)
+import durations  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -291,6 +292,21 @@ def toy_folder(toy_trained, toy_config, tmp_path_factory):
     path = tmp_path_factory.mktemp("toy") / "toy-two-layer"
     toy.save_hf_folder(path, toy_trained, toy_config)
     return path
+
+
+@pytest.hookimpl(trylast=True)   # after `-m` and `-k` deselected what does not run
+def pytest_collection_modifyitems(config, items):
+    """The costliest test files first, by tests/durations.json's seconds of
+    their selected tests (`tests/durations.py`); files it does not know keep
+    their order, after them. With `-n 2` and `--dist loadfile` a free worker
+    takes the next file (`--no-loadscope-reorder` in pyproject.toml keeps this
+    order instead of pytest-xdist's most-tests-first), so the long files start
+    early and the two workers end together: longest-processing-time-first."""
+    cost = durations.module_costs([i.nodeid for i in items], durations.load())
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (-cost[item.nodeid.split("::")[0]], first[item.nodeid.split("::")[0]]))
 
 
 CHILD_TIMEOUT_S = 1800   # one module's `default_xla_flags` child (tests/serving/test_deterministic.py: its 11)
