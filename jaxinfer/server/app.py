@@ -60,7 +60,7 @@ from jaxinfer.server.responses import Choice, Formatter, TokenText
 from jaxinfer.server.responses_api import ResponsesRoute
 from jaxinfer.server.routes import event_stream, sse
 from jaxinfer.server.call_formats import call_format, writes_trigger
-from jaxinfer.server.turns import THINK_START, TurnParser, TurnPlan, parse_turn, thinks
+from jaxinfer.server.turns import THINK_END, THINK_START, TurnParser, TurnPlan, parse_turn, thinks
 from jaxinfer.serving.thread import EngineError
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
@@ -221,7 +221,6 @@ class OpenAIServer:
                            'tool_choice, give "required" with one tool, or serve the model with '
                            "a chat_template that renders tools (examples/chatml_tools.jinja)",
                            param="tool_choice")
-        await self._compile_structured(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         kwargs = dict(body.chat_template_kwargs or {})
@@ -241,11 +240,17 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - a template that rejects the messages
             raise APIError(400, f"messages: {e}", param="messages") from None
         forced = body.forced_tool()
+        thinking = thinks(tok.chat_template)
+        tail = tok.decode(ids[-8:], skip_special_tokens=False).rstrip() if thinking else ""
+        opened = tail.endswith(THINK_START)
+        # strict calls start after the reasoning block (none when the prompt closed it)
+        body.reason_first(opened if thinking and not tail.endswith(THINK_END) else None)
+        await self._compile_structured(body)
         spec = body.structured_output()
-        strict_auto = spec is not None and spec == body.tool_constraint(True)
-        reasoning = thinks(tok.chat_template) and (spec is None or strict_auto)
-        opened = reasoning and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(
-            THINK_START)
+        calls_spec = spec is not None and body.calls_in_format() and spec in (
+            body.tool_constraint(True), body.tool_constraint(False))
+        reasoning = thinking and (spec is None or calls_spec)
+        opened = reasoning and opened
         calls = body.call_format if body.calls_in_format() else None
         return ids, TurnPlan(reasoning, opened, forced["name"] if forced else None, calls=calls)
 

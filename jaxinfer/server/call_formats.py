@@ -21,7 +21,8 @@ after which the free part takes over again. With `parallel_tool_calls`
 false the free part after the block may not write the trigger again, and
 a Mistral block holds one call. "required": the reply is calls alone (at
 least one), then white space. Llama 3's reply is either calls from its
-start or text that does not start with `{`.
+start or text that does not start with `{`. With a thinking template the
+calls' automaton starts after the reasoning block (`reasoning_prefix`).
 
 Every call such an automaton lets through parses (`CallFormat.parse`) and
 its arguments follow the tool's schema; a reply cut by its token limit
@@ -194,6 +195,15 @@ LLAMA3 = CallFormat("llama3", "", "parameters", parse_llama3)
 MISTRAL = CallFormat("mistral", "[TOOL_CALLS]", "arguments", parse_mistral)
 
 
+def reasoning_prefix(opened: bool) -> str:
+    """A regex for the reasoning block a thinking template's reply starts
+    with, before strict calls: `...</think>` when the prompt opened the
+    block (`opened`), else an optional `<think>...</think>` (after white
+    space). The reasoning may hold any text but `</think>`, the trigger too."""
+    block = f"{avoiding('</think>')}</think>"
+    return block if opened else f"(?:\\s*<think>{block})?"
+
+
 def writes_trigger(tokenizer, fmt: CallFormat) -> bool:
     """Whether a strict automaton can write `fmt`'s trigger with this
     tokenizer: False when the trigger is one special token (Mistral's
@@ -219,4 +229,4 @@ def call_format(template: Optional[str]) -> Optional[CallFormat]:
 
 
 __all__ = ["HERMES", "LLAMA3", "MISTRAL", "CallFormat", "avoiding", "arguments_regex",
-           "call_format", "parse_llama3", "parse_mistral", "writes_trigger"]
+           "call_format", "parse_llama3", "parse_mistral", "reasoning_prefix", "writes_trigger"]

@@ -40,7 +40,7 @@ from jaxinfer.config import StructuredOutput
 from jaxinfer.serving.request import MAX_LOGPROBS
 from jaxinfer.sampling import MAX_SEED
 from jaxinfer.sampling.host_grammar import HostGrammar
-from jaxinfer.server.call_formats import CallFormat
+from jaxinfer.server.call_formats import CallFormat, reasoning_prefix
 from jaxinfer.server.turns import template_message
 
 # Choices per request at most (each one is a request in the engine).
@@ -289,6 +289,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Optional[bool] = None
     _call_format: Optional[CallFormat] = PrivateAttr(None)
     _strict_calls: bool = PrivateAttr(False)
+    _reasoning: Optional[bool] = PrivateAttr(None)
     _tool_specs: dict = PrivateAttr(default_factory=dict)
 
     def new_token_limit(self) -> Optional[int]:
@@ -358,6 +359,12 @@ class ChatCompletionRequest(_Sampling):
         self._call_format, self._tool_specs = fmt, {}
         self._strict_calls = fmt is not None and strict
 
+    def reason_first(self, opened: Optional[bool]) -> None:
+        """Let calls in the template's format follow a reasoning block: None
+        (no thinking template), True (the prompt opened the block), False
+        (the reply may open one)."""
+        self._reasoning, self._tool_specs = opened, {}
+
     @property
     def call_format(self) -> Optional[CallFormat]:
         """The tool-call format set by `use_call_format`, or None."""
@@ -397,6 +404,8 @@ class ChatCompletionRequest(_Sampling):
             try:
                 build = fmt.auto_regex if auto else fmt.required_regex
                 regex = build(self._functions(), parallel)
+                if self._reasoning is not None:
+                    regex = reasoning_prefix(self._reasoning) + regex
             except ValueError as e:
                 raise APIError(400, f"tools: {e}", param="tools") from None
             self._tool_specs[auto] = StructuredOutput(regex=regex)

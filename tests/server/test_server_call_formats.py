@@ -20,7 +20,8 @@ from jaxinfer.config import StructuredOutput
 from jaxinfer.sampling import grammar as G
 from jaxinfer.sampling import structured as D
 from jaxinfer.server.call_formats import (HERMES, LLAMA3, MISTRAL, avoiding, call_format,
-                                          parse_llama3, parse_mistral, writes_trigger)
+                                          parse_llama3, parse_mistral, reasoning_prefix,
+                                          writes_trigger)
 from jaxinfer.server.protocol import APIError, ChatCompletionRequest
 from jaxinfer.server.turns import Turn, TurnPlan, TurnParser, assemble, parse_turn
 from structured_cases import CONFIG, VOCAB, ascii_tokenizer
@@ -100,6 +101,19 @@ def test_a_trigger_split_across_tokens_and_ending_inside_one():
         end = g.walk([0, 1, 2, 3, 4, *path, 10, 11, 12])
         assert g.final[end] and g.step(end, 150) == end           # EOS after the call
     assert g.final[g.walk([0, 1, 2, 13])]                         # "<to>x": no trigger
+
+
+def test_strict_calls_start_after_the_reasoning_block(compiler):
+    think = "<think>I could write <tool_call> here</think>"
+    auto = HERMES.auto_regex(FUNCTIONS)
+    g = compiler.compile(StructuredOutput(regex=reasoning_prefix(False) + auto))
+    assert g.final[g.walk(_ids(f"  {think}ok <tool_call>{CALL}</tool_call>"))]
+    assert g.final[g.walk(_ids("no reasoning"))]
+    with pytest.raises(ValueError, match="not allowed"):
+        g.walk(_ids("<think>a</think>b<tool_call>x"))       # after the block: strict again
+    g = compiler.compile(StructuredOutput(regex=reasoning_prefix(True) + auto))
+    assert not g.final[g.walk(_ids("still <tool_call> thinking"))]  # the prompt opened the block
+    assert g.final[g.walk(_ids(f"x</think><tool_call>{CALL}</tool_call>"))]
 
 
 def _fake_model_run(grammar, script: list[int], steps: int = 120) -> list[int]:
@@ -215,6 +229,11 @@ def test_the_request_fields_choose_the_constraint():
     body = _chat(response_format={"type": "json_object"})      # an explicit constraint wins
     body.use_call_format(HERMES)
     assert body.structured_output() == StructuredOutput(json_object=True)
+    body = _chat()                                             # a thinking template's reply
+    body.use_call_format(HERMES)
+    body.reason_first(False)
+    assert body.structured_output() == StructuredOutput(
+        regex=reasoning_prefix(False) + HERMES.auto_regex(FUNCTIONS))
     body = _chat()                                             # an unknown format: free text
     body.use_call_format(None)
     assert body.structured_output() is None and not body.calls_in_format()
