@@ -104,21 +104,20 @@ class CallFormat:
 
     def call_regex(self, functions: dict[str, dict]) -> str:
         """One call object, to any of `functions` ({name: function dict})."""
+        quoted = lambda name: escape_literal(json.dumps(name, ensure_ascii=False))   # noqa: E731
         return "(?:" + "|".join(
-            _object(("name", '"' + escape_literal(json.dumps(name)[1:-1]) + '"'),
-                    (self.arguments_key, arguments_regex(f)))
+            _object(("name", quoted(name)), (self.arguments_key, arguments_regex(f)))
             for name, f in functions.items()) + ")"
 
     def block_regex(self, functions: dict[str, dict], parallel: bool) -> str:
         """One block of calls from the trigger to the closing text: one call
         (Hermes), or a list of calls (Mistral, Llama 3; one call without `parallel`)."""
         call = self.call_regex(functions)
-        more = "*" if parallel else "{0}"
         if self.name == "hermes":
             return f"<tool_call>\\n?{call}\\n?</tool_call>"
-        if self.name == "llama3":
-            return f"{call}(?:; {call}){more}"
-        return f"{escape_literal(self.trigger)}\\[{call}(?:, {call}){more}\\]"
+        sep = "; " if self.name == "llama3" else ", "
+        calls = f"{call}(?:{sep}{call})*" if parallel else call
+        return calls if self.name == "llama3" else f"{escape_literal(self.trigger)}\\[{calls}\\]"
 
     def auto_regex(self, functions: dict[str, dict], parallel: bool = True) -> str:
         """A reply that may call `functions`: free text, a block of calls

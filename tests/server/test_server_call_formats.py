@@ -251,3 +251,10 @@ def test_the_request_fields_choose_the_constraint():
     one.use_call_format(HERMES)                                # one tool: its bare arguments
     assert one.structured_output() == StructuredOutput(json_schema=COLOR)
     assert not one.calls_in_format()
+
+
+def test_tool_names_are_written_as_json_strings():
+    call = HERMES.call_regex({'a"b': {"name": 'a"b'}, "é.*": {"name": "é.*"}})
+    assert re.fullmatch(call, '{"name": "a\\"b", "arguments": {}}')
+    assert re.fullmatch(call, '{"name": "é.*", "arguments": {"x": 1}}')
+    assert not re.fullmatch(call, '{"name": "éxx", "arguments": {}}')       # a literal, not a regex
