@@ -28,14 +28,28 @@ GREEDY = SamplingParams()
 NEW = 20
 
 
+# The weights of each (arch, weights) pair, prepared once per module. The
+# `model` fixture's tests run tiny Llama in float32 and tiny Gemma 3 in
+# bfloat16, as two of the neighbour test's three cases do, and `_llm`'s
+# defaults are that test's: the same programs, compiled once (through the test
+# run's compilation cache) for both tests.
+MODEL_WEIGHTS = {"llama": "float32", "gemma3": "bfloat16"}
+
+
+def _model(arch, weights):
+    config = {"llama": TINY_LLAMA, "gemma3": TINY_GEMMA3}[arch]
+    raw = jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=3))
+    return config, prepare_params(raw, config, weights=weights)
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def model(request):
-    config = {"llama": TINY_LLAMA, "gemma3": TINY_GEMMA3}[request.param]
-    return config, jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=3))
+    return _model(request.param, MODEL_WEIGHTS[request.param])
 
 
 def _llm(model, **kwargs):
-    kwargs = {"max_seq_len": 128, "page_size": 16, "max_num_seqs": 16,
+    """129 slots: a lone row and up to 128 neighbours."""
+    kwargs = {"max_seq_len": 128, "page_size": 16, "max_num_seqs": 129,
               "max_num_batched_tokens": 256, "deterministic": True, **kwargs}
     return LLM(*model, **kwargs)
 
@@ -101,10 +115,8 @@ def test_a_lone_row_is_bitwise_the_same_among_1_to_128_neighbours(arch, weights)
     its seeded draws share the sampler's arrays. bfloat16 weights
     (`weights: bfloat16`) once failed here from 1 neighbour on: their
     kernel summed a lone row in two interleaved halves."""
-    config = {"llama": TINY_LLAMA, "gemma3": TINY_GEMMA3}[arch]
-    raw = jax.tree_util.tree_map(jnp.asarray, random_params(config, seed=3))
-    llm = _llm((config, prepare_params(raw, config, weights=weights)), max_num_seqs=129)
-    alone = _serve(llm, [_target(config.vocab_size)])
+    llm = _llm(_model(arch, weights))
+    alone = _serve(llm, [_target(llm.config.vocab_size)])
     for n in (1, 2, 7, 64, 128):
         _assert_bitwise(_with_neighbours(llm, n), alone, f"{arch}, {weights} weights, {n} neighbours")
 
