@@ -106,15 +106,23 @@ def avx2_kernel_env() -> dict:
     AVX2 (`JAXINFER_KERNEL_ARCH=x86-64-v3`): os.environ with the arch and a
     kernel cache shared by the whole test run (`RUN_DIR`/avx2-cache), so the
     AVX2 library is compiled once per run, by the first test process to ask
-    (under a file lock), not once per test. Skips off x86-64. Raises
+    (under a file lock), not once per test. Skips off x86-64, and where this
+    run's own kernels are already the AVX2 build (a CPU without AVX-512:
+    8-float vectors), whose paths the run's kernel tests then ran. Raises
     AssertionError with the build's stderr when the build fails or loads
     another arch."""
     import filelock
     import platform
     import subprocess
 
+    from jaxinfer.kernels import cpu as cpu_kernels
+
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 only")
+    native = cpu_kernels.kernel_info()
+    if native.get("vector_lanes") == 8:
+        pytest.skip(f"this run's kernels ({native['arch']}) are the AVX2 build already: "
+                    "8-float vectors, no AVX-512; the run's own kernel tests ran its paths")
     folder = RUN_DIR / "avx2-cache"
     env = dict(os.environ, JAXINFER_KERNEL_ARCH=AVX2_ARCH, JAXINFER_CACHE_DIR=str(folder))
     code = "from jaxinfer.kernels import cpu as c; assert c.enabled(); print(c.kernel_info()['arch'])"
