@@ -326,10 +326,12 @@ class ChatCompletionRequest(_Sampling):
         """The function the reply must call, or None: the `tools` entry that
         tool_choice names, or the only tool under "required" (its
         `parameters` schema constrains the arguments). None too for "auto"
-        (`auto_tools`).
+        (`auto_tools`) and for "required" with several tools (calls in the
+        template's format: `tool_constraint`).
 
         Raises:
-          APIError: 400 for "required" with several tools, an unknown name, a
+          APIError: 400 for "required" with several tools where no strict
+            call format is set (`use_call_format`), an unknown name, a
             tool_choice that is none of these, or a malformed tools list.
         """
         functions, choice = self._functions(), self.tool_choice

@@ -3,15 +3,17 @@ text is read by `turns.TurnParser`.
 
 Two ways a reply carries calls:
 
-* forced (`tool_choice` "required" or naming a function): the reply is
-  constrained to the function's `parameters` schema, and its whole text is
-  that call's `arguments`;
-* "auto" (or `tools` without `tool_choice`): the tools go to the chat
-  template, which must render them (`Tokenizer.renders_tools`), and the
-  model writes free text. When the template is one that asks for Hermes-style
-  calls (its text contains `<tool_call>`, as Qwen2.5, Qwen3 and Hermes do),
-  the calls are parsed out of the text as vLLM's `hermes` parser does
-  (`parse_hermes`); otherwise the text is returned as content.
+* forced (`tool_choice` naming a function, or "required" with one tool):
+  the reply is constrained to the function's `parameters` schema, and its
+  whole text is that call's `arguments`;
+* in the chat template's call format ("auto", or `tools` without
+  `tool_choice`, and "required" with several tools): the tools go to the
+  template, which must render them (`Tokenizer.renders_tools`); where the
+  format is known (`call_formats`: Hermes `<tool_call>` as Qwen2.5, Qwen3
+  and Hermes write them, parsed here as vLLM's `hermes` parser does
+  (`parse_hermes`); Llama 3 JSON; Mistral) the reply is held to free text
+  and well-formed calls on the device; otherwise the text is returned as
+  content.
 """
 
 from __future__ import annotations
