@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from jaxinfer.serving.control import return_freed_memory
 from jaxinfer.serving.faults import describe, failed_output
 from jaxinfer.serving.request import Request, RequestOutput, Timings
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
@@ -101,13 +102,20 @@ class EngineThread:
       max_waiting_requests: bound of requests submitted but not yet decoding
         (None: unbounded); `submit` raises QueueFullError beyond it.
       idle_wait_s: how long the thread sleeps on its command queue when idle.
+      trim_after_idle_s: once nothing has run for this long (seconds) after
+        some work, the thread hands the C heap's free memory back to the OS
+        (`serving.control.return_freed_memory`, once per idle spell), so a
+        server's resident memory returns to its level before a burst
+        (None: never).
     """
 
     def __init__(self, scheduler: Scheduler, *, max_waiting_requests: Optional[int] = None,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, trim_after_idle_s: Optional[float] = 0.5):
         self.scheduler = scheduler
         self.max_waiting_requests = max_waiting_requests
         self.idle_wait_s = idle_wait_s
+        self.trim_after_idle_s = trim_after_idle_s
+        self.num_trims = 0
         self._commands: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -227,13 +235,21 @@ class EngineThread:
 
     def _loop(self) -> None:
         try:
+            last_step = None            # when the last step ran, until the idle spell's trim
             while not self._stop.is_set():
                 busy = self.scheduler.has_unfinished()
                 self._drain(block=not busy)
                 if self.scheduler.has_unfinished():
                     self._deliver(self.scheduler.step())
-                elif self._paused:
-                    self._idle.set()
+                    last_step = time.monotonic()
+                else:
+                    if self._paused:
+                        self._idle.set()
+                    if (last_step is not None and self.trim_after_idle_s is not None
+                            and time.monotonic() - last_step >= self.trim_after_idle_s):
+                        return_freed_memory()
+                        self.num_trims += 1
+                        last_step = None
             self._shutdown()
             self._fail_calls(EngineError("the engine stopped"))
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it

@@ -2,7 +2,9 @@
 do not depend on when it arrives, which slot it gets, or who runs beside it;
 greedy tokens follow the float64 reference; abort, min_tokens and
 ignore_eos; what generate compiles; a warmed server compiling nothing; the
-engine thread serving concurrent submitters."""
+engine thread serving concurrent submitters and trimming the heap when idle."""
+
+import time
 
 import jax
 import jax.numpy as jnp
@@ -258,3 +260,38 @@ def test_engine_thread_serves_concurrent_submitters(llm):
         engine.submit(Request(_ids(60, v, 1), GREEDY, max_new_tokens=10))
     engine.stop()
     assert not engine.running and engine.error is None
+
+
+def test_an_idle_engine_returns_freed_memory_once_per_idle_spell(llm, monkeypatch):
+    """After a burst, once nothing has run for `trim_after_idle_s`, the
+    engine thread calls `return_freed_memory` (malloc_trim) once, and not
+    again until more work has run; never while requests run; never with None."""
+    from jaxinfer.serving import thread as thread_module
+    from jaxinfer.serving.thread import EngineThread
+
+    trims = []
+    monkeypatch.setattr(thread_module, "return_freed_memory",
+                        lambda: trims.append(engine.scheduler.has_unfinished()) or True)
+    v = llm.config.vocab_size
+    engine = EngineThread(llm.scheduler(2), trim_after_idle_s=0.2).start()
+    try:
+        list(engine.submit(Request(_ids(5, v, 3), GREEDY, max_new_tokens=4)))
+        deadline = time.monotonic() + 30
+        while not trims and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)                       # a longer idle spell: still one trim
+        assert trims == [False] and engine.num_trims == 1
+        list(engine.submit(Request(_ids(7, v, 4), GREEDY, max_new_tokens=4)))
+        deadline = time.monotonic() + 30
+        while len(trims) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trims == [False, False]
+    finally:
+        engine.stop()
+    never = EngineThread(llm.scheduler(2), trim_after_idle_s=None).start()
+    try:
+        list(never.submit(Request(_ids(5, v, 3), GREEDY, max_new_tokens=4)))
+        time.sleep(0.4)
+    finally:
+        never.stop()
+    assert never.num_trims == 0 and len(trims) == 2
