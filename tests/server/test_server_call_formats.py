@@ -258,3 +258,30 @@ def test_tool_names_are_written_as_json_strings():
     assert re.fullmatch(call, '{"name": "a\\"b", "arguments": {}}')
     assert re.fullmatch(call, '{"name": "é.*", "arguments": {"x": 1}}')
     assert not re.fullmatch(call, '{"name": "éxx", "arguments": {}}')       # a literal, not a regex
+
+
+def test_the_compiled_step_holds_a_random_model_to_calls():
+    """LLM.generate on the tiny random model (the automaton in the compiled
+    decode step): sampled "required" replies are calls to the two tools,
+    each following its schema (with parallel calls the random model may
+    call until its token limit); one call without parallel calls."""
+    from jaxinfer.config import SamplingParams
+    from structured_cases import tiny_llm
+
+    jsonschema = pytest.importorskip("jsonschema")
+    llm = tiny_llm(max_seq_len=160)
+    specs = [StructuredOutput(regex=HERMES.required_regex(FUNCTIONS, parallel))
+             for parallel in (True, False)]
+    params = [SamplingParams(temperature=1.0, seed=s, structured=spec)
+              for spec in specs for s in range(3)]
+    outs = llm.generate(["hi"] * len(params), params, max_new_tokens=120)
+    for i, out in enumerate(outs):
+        text = out.text
+        if i < 3 and out.finish_reason == "length":          # parallel: calls up to the limit
+            text = text[:text.rindex("</tool_call>") + len("</tool_call>")]
+        else:
+            assert out.finish_reason == "stop", text         # EOS in an accepting state
+        content, calls = HERMES.parse(text)
+        assert content is None and calls and (i < 3 or len(calls) == 1)
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), FUNCTIONS[name]["parameters"])
