@@ -105,8 +105,8 @@ class EngineThread:
       trim_after_idle_s: once nothing has run for this long (seconds) after
         some work, the thread hands the C heap's free memory back to the OS
         (`serving.control.return_freed_memory`, once per idle spell), so a
-        server's resident memory returns to its level before a burst
-        (None: never).
+        server's resident memory returns to its level before a burst; a
+        request that arrives during the trim waits for it (None: never).
     """
 
     def __init__(self, scheduler: Scheduler, *, max_waiting_requests: Optional[int] = None,
