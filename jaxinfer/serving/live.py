@@ -29,14 +29,21 @@ def update_weights(llm, params) -> None:
         The arrays given are not kept (copies are), so the caller may
         change or donate them afterwards.
     Requests in flight finish on the old weights first (an internal
-    `pause("wait")`, unless the LLM is paused already); the prefix cache
-    is invalidated; the old weights are dropped (freed once nothing else
-    refers to them). Allowed while asleep (after `sleep(level=2)` it is
-    the way back to serving).
+    `pause("wait")`, unless the LLM is paused already); then, paused, the
+    old weights are dropped part by part as the new ones are prepared (a
+    layer, the final norm, the embedding and head: each old part is freed
+    before its new one is made, unless something else refers to it, so
+    about one part's extra copy is alive; `serving.update.plan_update`
+    has the layouts prepared whole instead); the prefix cache is
+    invalidated. Allowed while asleep (after `sleep(level=2)` it is the
+    way back to serving).
 
     Raises:
       ValueError: a tree, shape or dtype that does not match the serving
         params, naming the first bad leaf; nothing has changed.
+      RuntimeError: preparing failed after the old weights were dropped
+        (e.g. out of memory); the LLM then has no weights until an
+        `update_weights` succeeds, as after `sleep(level=2)`.
     """
     with llm._admin:
         if llm.params is not None:      # (placed after construction: `parallel.load_llm`)
@@ -44,11 +51,22 @@ def update_weights(llm, params) -> None:
         # A tensor-parallel LLM lays params out per shard as loading does (its
         # `prepare_update`, set by `parallel.sharding.tensor_parallel_llm`).
         config = getattr(llm, "base_config", llm.config)
-        new = weights_update.prepare_update(
+        swap = weights_update.plan_update(
             params, config, llm._params_shape, dtype=llm.cache_dtype,
             weights=llm.weights_format, activations=llm.activations,
             prepare=llm.prepare_update)
         with llm.controls.paused_for("update_weights"):
+            # Only `box` refers to the old params now, so `swap` can free them part by part.
+            box = [] if llm.params is None else [llm.params]
+            llm.params = None
+            for runner in list(llm._runners):
+                runner.params = None
+            try:
+                new = swap(box)
+            except Exception as e:
+                raise RuntimeError("update_weights: preparing the new weights failed after the "
+                                   f"old ones were dropped ({e!r}); the LLM has no weights until "
+                                   "an update_weights succeeds") from e
             llm.params = new
             for runner in list(llm._runners):
                 runner.params = new

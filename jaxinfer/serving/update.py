@@ -17,12 +17,15 @@ model's weight format. The result must match the serving params leaf for
 leaf: the same tree (node types included: packed, quantized format), the
 same shapes and dtypes, so the compiled programs run it without a new
 compile. Anything else is refused with a ValueError naming the first bad
-leaf, before anything changes. The new arrays are placed with the old
-ones' shardings.
+leaf, before anything changes (the raw layouts are checked without
+preparing them: `plan_update`). The new arrays are placed with the old
+ones' shardings; raw params of a built-in family are prepared one part
+at a time as the old parts are dropped (`plan_update`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -30,13 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models
-from jaxinfer.checkpoint.convert import (EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD, _hf_shape,
-                                         _to_param_layout, layer_table, params_from_hf_tensors)
+from jaxinfer.checkpoint.convert import (EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD, _fetch,
+                                         _hf_shape, _to_param_layout, has_separate_lm_head,
+                                         layer_table, params_from_hf_tensors)
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels.packed import PackedWeight
 from jaxinfer.models.base import CheckpointError
+from jaxinfer.serving.update_parts import Converted, HfNamed, PartByPart, cast_to, place
 from jaxinfer.weights import quant
-from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.weights.prepare import (_MATMUL_WEIGHTS, fuse_layer, prepare_head, prepare_layer,
+                                     prepare_params, quantized_shape)
 
 
 def abstract(params) -> Any:
@@ -175,11 +181,88 @@ def _has_packed(params) -> bool:
         params, is_leaf=lambda x: isinstance(x, PackedWeight)))
 
 
-def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
-                   activations: str, prepare: Optional[Callable] = None) -> Any:
-    """New serving params from `params` (module docstring), checked against
-    `serving` (the abstract serving params) and placed on their shardings;
-    no array of `params` itself is kept (the caller may donate or change it).
+def check_hf(tensors: Mapping, config: ModelConfig) -> None:
+    """Check Hugging Face-named tensors against `config` as
+    `params_from_hf_tensors` does (in its order), without converting them.
+
+    Raises:
+      ValueError: a name the model does not have, a non-floating tensor, a
+        missing tensor or a shape the config does not imply (each named).
+    """
+    unknown = sorted(set(tensors) - hf_names(config))
+    if unknown:
+        raise ValueError(f"update_weights: tensor {unknown[0]!r} is not a tensor of this model")
+    for name, w in tensors.items():
+        if not jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
+            raise ValueError(f"update_weights: tensor {name!r} has dtype {np.dtype(w.dtype)}, "
+                             "expected a floating dtype")
+    c, names = config, set(tensors)
+    stand_in = lambda name: np.broadcast_to(np.float32(0), np.shape(tensors[name]))  # no copy
+    wanted = [(LM_HEAD if EMBED not in names and LM_HEAD in names else EMBED,
+               (c.vocab_size, c.hidden_size))]
+    if has_separate_lm_head(c, names):
+        wanted.append((LM_HEAD, (c.vocab_size, c.hidden_size)))
+    wanted.append((FINAL_NORM, (c.hidden_size,)))
+    for suffix, kind in layer_table(c).values():
+        wanted += [(LAYER_PREFIX.format(i=i) + suffix, _hf_shape(kind, c))
+                   for i in range(c.num_layers)]
+    try:
+        for name, shape in wanted:
+            _fetch(stand_in, names, name, shape)
+    except CheckpointError as e:
+        raise ValueError(f"update_weights: {e}") from None
+
+
+def _abstract_layer(raw, config: ModelConfig, pack: bool, weights: str) -> dict:
+    """What `prepare_layer` makes of a raw layer (abstract), without computing it."""
+    if weights == "float32":
+        return jax.eval_shape(functools.partial(prepare_layer, config=config, pack=pack), raw)
+    fused = jax.eval_shape(functools.partial(fuse_layer, config=config), raw)
+    out = dict(fused)
+    for name in _MATMUL_WEIGHTS:
+        w = fused[name]
+        k = int(np.prod(w.shape[:-1]))
+        out[name] = quantized_shape(k, w.shape[-1], weights, False)
+    return out
+
+
+def _abstract_prepared(source, config: ModelConfig, dtype, pack: bool, weights: str,
+                       activations: str) -> dict:
+    """The prepared params `source` gives (abstract: shapes, dtypes, tree)."""
+    c = config
+    raw = {key: jax.ShapeDtypeStruct(shape[1:], dtype)
+           for key, shape in raw_shapes(c)["layers"].items()}
+    layer = _abstract_layer(raw, c, pack, weights)
+    d, v = c.hidden_size, c.vocab_size
+    if weights == "float32":
+        head = jax.eval_shape(functools.partial(prepare_head, pack=pack),
+                              jax.ShapeDtypeStruct((d, v), dtype))
+    else:
+        head = quantized_shape(d, v, weights, True)
+    out = {"layers": (layer,) * c.num_layers, "norm": jax.ShapeDtypeStruct((d,), dtype),
+           "lm_head": head}
+    if source.untied:
+        out["embed_tokens"] = jax.ShapeDtypeStruct((v, d), dtype)
+    return quant.with_activations(out, activations)
+
+
+def plan_update(params, config: ModelConfig, serving, *, dtype, weights: str,
+                activations: str, prepare: Optional[Callable] = None) -> Callable[[list], Any]:
+    """Check `params` (module docstring) against `serving` (the abstract
+    serving params) and return the swap: `swap(box)` pops the serving
+    params from the list `box` (None when there are none) and returns the
+    new ones, placed on the serving shardings; no array of `params` itself
+    is kept (the caller may donate or change it).
+
+    Raw params of a built-in family (Hugging Face-named tensors or a
+    `checkpoint.convert` tree, the family's `prepare` being
+    `prepare_params`) are prepared inside the swap one part at a time (a
+    layer, the final norm, the embedding and head): each old part is
+    dropped (freed unless something else holds it) before its new one is
+    made, so the swap holds about one part's extra copy; the swap must run
+    while nothing runs on the serving params. Other layouts (prepared
+    params, a brought family's params, a `prepare` given) are prepared
+    whole here, before the swap.
 
     Args:
       dtype: the model's param dtype (floating leaves are cast to it).
@@ -190,19 +273,45 @@ def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
       ValueError: a mismatch, naming the first bad leaf (nothing changed).
     """
     family = models.family(config.arch)
-    builtin = family.prepare is prepare_params
-    if is_hf_named(params):
-        params = from_hf(params, config, dtype)
+    builtin = family.prepare is prepare_params and prepare is None
+    given = {id(x) for x in jax.tree.leaves(params) if isinstance(x, jax.Array)}
+    cast = cast_to(dtype)
+    source = None
+    if builtin and is_hf_named(params):
+        check_hf(params, config)
+        source = HfNamed(params, config, cast)
     elif builtin and isinstance(params, Mapping) and isinstance(params.get("layers"), Mapping):
         check_raw(params, config)
-    given = {id(x) for x in jax.tree.leaves(params) if isinstance(x, jax.Array)}
+        source = Converted(params, cast)
+    if source is not None:
+        pack = _has_packed(serving)
+        try:
+            expected = _abstract_prepared(source, config, dtype, pack, weights, activations)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise ValueError(f"update_weights: the params could not be prepared: {e!r}") from None
+        check_prepared(expected, serving)
+        return PartByPart(source, config, serving, given, pack=pack, weights=weights,
+                           activations=activations)
+    new = _prepare_whole(params, config, serving, given, family, dtype=dtype, weights=weights,
+                         activations=activations, prepare=prepare)
 
-    def cast(w):
-        if hasattr(w, "dtype") and jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
-            return jnp.asarray(w, dtype)
-        return w
+    def swap(box: list) -> Any:
+        if box:
+            box.pop()
+        return new
+    return swap
+
+
+def _prepare_whole(params, config, serving, given, family, *, dtype, weights, activations,
+                   prepare):
+    """The new serving params of any layout, prepared and placed whole."""
+    if is_hf_named(params):
+        params = from_hf(params, config, dtype)
+    elif (family.prepare is prepare_params and isinstance(params, Mapping)
+          and isinstance(params.get("layers"), Mapping)):
+        check_raw(params, config)
     try:
-        cast_params = jax.tree.map(cast, params)
+        cast_params = jax.tree.map(cast_to(dtype), params)
         if prepare is not None:
             prepared = prepare(cast_params)
         else:
@@ -212,14 +321,8 @@ def prepare_update(params, config: ModelConfig, serving, *, dtype, weights: str,
     except (ValueError, TypeError, KeyError, IndexError) as e:
         raise ValueError(f"update_weights: the params could not be prepared: {e!r}") from None
     check_prepared(prepared, serving)
-
-    def place(new, ref):
-        sharding = ref.sharding
-        if sharding is None:
-            return jnp.array(new, copy=True) if id(new) in given else jnp.asarray(new)
-        return jax.device_put(new, sharding, may_alias=id(new) not in given)
-    return jax.tree.map(place, prepared, serving)
+    return jax.tree.map(lambda n, r: place(n, r, given), prepared, serving)
 
 
-__all__ = ["abstract", "check_prepared", "check_raw", "from_hf", "prepare_update", "raw_shapes",
-           "weights_format"]
+__all__ = ["abstract", "check_hf", "check_prepared", "check_raw", "from_hf", "plan_update",
+           "raw_shapes", "weights_format"]

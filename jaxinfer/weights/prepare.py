@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,16 +92,8 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
     if isinstance(layers, tuple):
         return params
     num_layers = len(layers["q_proj"])
-    per_layer = []
-    for i in range(num_layers):
-        p = {name: w[i] for name, w in layers.items()}
-        d = config.hidden_size
-        p["qkv_proj"] = _concat_columns([p.pop(name) for name in ("q_proj", "k_proj", "v_proj")], d)
-        p["gate_up_proj"] = _concat_columns([p.pop("gate_proj"), p.pop("up_proj")], d)
-        if config.attention_bias:
-            biases = [p.pop(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
-            p["qkv_bias"] = jnp.concatenate(biases)
-        per_layer.append(p)
+    per_layer = [fuse_layer({name: w[i] for name, w in layers.items()}, config)
+                 for i in range(num_layers)]
     out = {name: w for name, w in params.items() if name != "layers"}
     out["layers"] = tuple(per_layer)
     if "lm_head" not in out:  # tied: the one [V, D] table becomes the [D, V] head
@@ -117,14 +110,63 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
 _MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def fuse_layer(p: dict, config: ModelConfig) -> dict:
+    """One layer of raw params (`checkpoint.convert` names, no leading L)
+    with the fused projections of `prepare_params`: "qkv_proj" [D, (N + 2K) * H],
+    "gate_up_proj" [D, 2F], "qkv_bias" [(N + 2K) * H] where the model has
+    attention biases; other entries as given."""
+    p = dict(p)
+    d = config.hidden_size
+    p["qkv_proj"] = _concat_columns([p.pop(name) for name in ("q_proj", "k_proj", "v_proj")], d)
+    p["gate_up_proj"] = _concat_columns([p.pop("gate_proj"), p.pop("up_proj")], d)
+    if config.attention_bias:
+        biases = [p.pop(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
+        p["qkv_bias"] = jnp.concatenate(biases)
+    return p
+
+
+def prepare_layer(p: dict, config: ModelConfig, pack: bool = False,
+                  weights: str = "float32") -> dict:
+    """One layer of `prepare_params` for float params: `p` one layer of raw
+    params (no leading L, float arrays); the result is what `prepare_params`
+    gives for that layer with the same `pack` (a bool here) and `weights`.
+    Traceable (jax.jit) for weights="float32"; the other formats quantize
+    with numpy."""
+    p = fuse_layer(p, config)
+    if weights != "float32":
+        return _quantize_layer(p, weights)
+    return _pack_layer(p) if pack else p
+
+
+def prepare_head(lm_head, pack: bool = False, weights: str = "float32"):
+    """The LM head [D, V] (float) as `prepare_params` stores it for float
+    params with the same `pack` (a bool here) and `weights`. Traceable
+    (jax.jit) for weights="float32"."""
+    if weights != "float32":
+        return _quantize_weight(lm_head, weights, True)
+    return packed_kernels.pack_weight(lm_head) if pack else lm_head
+
+
+def quantized_shape(k: int, n: int, weights: str, lm_head: bool) -> quant.QuantizedWeight:
+    """The `quant.QuantizedWeight` that `prepare_layer` / `prepare_head`
+    make of a float [K, N] weight in the `weights` format ("bfloat16",
+    "int8", "q4"), with `jax.ShapeDtypeStruct` leaves: quantizes one
+    panel's columns (K x 48 values), every panel having the same layout."""
+    one = _quantize_weight(np.ones((k, min(n, quant.PANEL)), np.float32), weights, lm_head)
+    panels = -(-n // quant.PANEL)
+    widen = lambda a: None if a is None else jax.ShapeDtypeStruct((panels,) + a.shape[1:], a.dtype)
+    return one.replace(codes=widen(one.codes), scale=widen(one.scale), min=widen(one.min), n=n)
+
+
+def _pack_layer(p: dict) -> dict:
+    p = dict(p, o_proj=p["o_proj"].reshape(-1, p["o_proj"].shape[-1]))
+    return {name: packed_kernels.pack_weight(w) if name in _MATMUL_WEIGHTS else w
+            for name, w in p.items()}
+
+
 def _pack_matmul_weights(params: dict) -> dict:
     """Prepared params with every matmul weight as a `packed_kernels.PackedWeight`."""
-    def pack(p):
-        p = dict(p, o_proj=p["o_proj"].reshape(-1, p["o_proj"].shape[-1]))
-        return {name: packed_kernels.pack_weight(w) if name in _MATMUL_WEIGHTS else w
-                for name, w in p.items()}
-
-    return dict(params, layers=tuple(pack(p) for p in params["layers"]),
+    return dict(params, layers=tuple(_pack_layer(p) for p in params["layers"]),
                 lm_head=packed_kernels.pack_weight(params["lm_head"]))
 
 
@@ -169,17 +211,19 @@ def _quantize_weight(w, weights: str, lm_head: bool):
     return quant.pack(quant.quantize_q4(values, bs))
 
 
+def _quantize_layer(p: dict, weights: str) -> dict:
+    """One fused layer with its matmul weights (o_proj as [N*H, D]) in the `weights` format."""
+    o = p["o_proj"]
+    p = dict(p, o_proj=o if isinstance(o, quant.BlockCodes) else o.reshape(-1, o.shape[-1]))
+    return {name: _quantize_weight(w, weights, False) if name in _MATMUL_WEIGHTS else w
+            for name, w in p.items()}
+
+
 def _quantize_matmul_weights(params: dict, weights: str) -> dict:
     """Prepared params with every matmul weight (o_proj as [N*H, D]) in the
     `weights` format; "float32" dequantizes `quant.BlockCodes` weights and
     packs them where the kernels are enabled."""
-    def convert(p):
-        o = p["o_proj"]
-        p = dict(p, o_proj=o if isinstance(o, quant.BlockCodes) else o.reshape(-1, o.shape[-1]))
-        return {name: _quantize_weight(w, weights, False) if name in _MATMUL_WEIGHTS else w
-                for name, w in p.items()}
-
-    out = dict(params, layers=tuple(convert(p) for p in params["layers"]),
+    out = dict(params, layers=tuple(_quantize_layer(p, weights) for p in params["layers"]),
                lm_head=_quantize_weight(params["lm_head"], weights, True))
     if weights == "float32" and out["lm_head"].dtype == jnp.float32 and cpu_kernels.enabled():
         out = _pack_matmul_weights(out)

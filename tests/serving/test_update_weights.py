@@ -8,6 +8,7 @@ tokens as before sleeping."""
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import threading
 import time
@@ -17,11 +18,14 @@ import numpy as np
 import pytest
 
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving import update_parts
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.loading import import_python_file
 from jaxinfer.serving.request import Request
 from jaxinfer.serving.thread import EngineError, EngineThread
+from jaxinfer.weights import quant
 from jaxinfer.weights.prepare import prepare_params
+from jaxinfer.weights.quant import with_activations
 from tiny import TINY_LLAMA, random_params
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
@@ -164,6 +168,44 @@ def test_quantized_weights_are_quantized_again_as_loading_does(raw, weights):
     assert q4.programs.num_compiles == compiles
     fresh = LLM(TINY_LLAMA, prepare_params(new, TINY_LLAMA, weights=weights), **SETTINGS)
     assert _tokens(q4) == _tokens(fresh)
+
+
+def _live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+@pytest.mark.parametrize("weights", ["float32", "q4"])
+def test_an_update_holds_about_one_layer_extra(raw, weights, monkeypatch):
+    """Device bytes alive while each part's new arrays are made (the raw
+    copy it was made from still alive), above those before the update: at
+    most one layer's (the prepared layer, or for q4 the float layer being
+    quantized) plus 1 KiB; a whole-tree preparation holds about two copies
+    of the model. The LM head is made 48 columns at a time here (three
+    chunks, the last of one column): the params equal `prepare_params`'
+    bit for bit."""
+    monkeypatch.setattr(update_parts, "HEAD_COLUMNS", 48)
+    on_device = jax.tree.map(jax.numpy.asarray, raw)      # every serving leaf a device array
+    llm = LLM(TINY_LLAMA, prepare_params(on_device, TINY_LLAMA, weights=weights), **SETTINGS)
+    del on_device
+    new = _perturbed(raw)
+    gc.collect()
+    base, peaks = _live_bytes(), []
+
+    def spy(params, activations):         # called on each part (or the whole tree) once made
+        peaks.append(_live_bytes() - base)
+        return with_activations(params, activations)
+    monkeypatch.setattr(quant, "with_activations", spy)
+    llm.update_weights(new)
+    layer = sum(x.nbytes for x in jax.tree.leaves(llm.params["layers"][0]))
+    raw_layer = sum(w[0].nbytes for w in raw["layers"].values())
+    assert len(peaks) > TINY_LLAMA.num_layers                 # part by part
+    assert max(peaks) <= max(layer, raw_layer) + 1024, (peaks, layer, raw_layer)
+    assert _live_bytes() == base                              # the old weights are gone
+    want = prepare_params(new, TINY_LLAMA, weights=weights)
+    assert jax.tree.structure(llm.params) == jax.tree.structure(
+        with_activations(want, llm.activations))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(llm.params),
+                                                    jax.tree.leaves(want)))
 
 
 def test_a_brought_nnx_model_takes_its_own_params():
