@@ -65,6 +65,18 @@ def weights_format(params) -> tuple[str, str]:
     return "float32", "float32"
 
 
+def _check_names_and_dtypes(tensors: Mapping, config: ModelConfig) -> None:
+    """Raises ValueError naming the first tensor this model does not have,
+    or the first one whose dtype is not floating."""
+    unknown = sorted(set(tensors) - hf_names(config))
+    if unknown:
+        raise ValueError(f"update_weights: tensor {unknown[0]!r} is not a tensor of this model")
+    for name, w in tensors.items():
+        if not jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
+            raise ValueError(f"update_weights: tensor {name!r} has dtype {np.dtype(w.dtype)}, "
+                             "expected a floating dtype")
+
+
 def is_hf_named(params) -> bool:
     """Whether `params` is a flat mapping of Hugging Face tensor names."""
     return isinstance(params, Mapping) and any(
@@ -88,13 +100,7 @@ def from_hf(tensors: Mapping, config: ModelConfig, dtype) -> dict:
         the config does not imply, or a non-floating tensor (each named).
     """
     family = models.family(config.arch)
-    unknown = sorted(set(tensors) - hf_names(config))
-    if unknown:
-        raise ValueError(f"update_weights: tensor {unknown[0]!r} is not a tensor of this model")
-    for name, w in tensors.items():
-        if not jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
-            raise ValueError(f"update_weights: tensor {name!r} has dtype {np.dtype(w.dtype)}, "
-                             "expected a floating dtype")
+    _check_names_and_dtypes(tensors, config)
 
     def get(name):
         return family.fix_hf_tensor(name, np.asarray(tensors[name]), config)
@@ -189,13 +195,7 @@ def check_hf(tensors: Mapping, config: ModelConfig) -> None:
       ValueError: a name the model does not have, a non-floating tensor, a
         missing tensor or a shape the config does not imply (each named).
     """
-    unknown = sorted(set(tensors) - hf_names(config))
-    if unknown:
-        raise ValueError(f"update_weights: tensor {unknown[0]!r} is not a tensor of this model")
-    for name, w in tensors.items():
-        if not jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
-            raise ValueError(f"update_weights: tensor {name!r} has dtype {np.dtype(w.dtype)}, "
-                             "expected a floating dtype")
+    _check_names_and_dtypes(tensors, config)
     c, names = config, set(tensors)
     stand_in = lambda name: np.broadcast_to(np.float32(0), np.shape(tensors[name]))  # no copy
     wanted = [(LM_HEAD if EMBED not in names and LM_HEAD in names else EMBED,
