@@ -11,6 +11,7 @@ import time
 from typing import Iterable
 
 from jaxinfer.config import GenerationConfig, SamplingParams
+from jaxinfer.config.paths import read_user_file
 from jaxinfer.progress import Progress
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.loading import enable_compilation_cache
@@ -65,13 +66,8 @@ def read_prompts(path: str) -> list[tuple[int, str]]:
       FileNotFoundError / ValueError: naming the file (and the line for bad
         UTF-8), when the file cannot be read or holds no prompt.
     """
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"prompts file {path}: no such file") from None
-    except OSError as e:
-        raise ValueError(f"prompts file {path}: {e.strerror}") from None
+    data = read_user_file(path, label=f"prompts file {path}",
+                          missing=f"prompts file {path}: no such file", binary=True)
     raw_lines = data.split(b"\n")
     if raw_lines and raw_lines[-1] == b"":
         raw_lines.pop()                       # the newline that ends the last line

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 import yaml
 
 from jaxinfer.config.cache import CacheConfig, parse_bytes
+from jaxinfer.config.paths import read_user_file
 from jaxinfer.config.sampling import DEFAULT_GRAMMAR_CACHE_BYTES, SamplingParams, check_token_limits
 from jaxinfer.config.scheduler import SchedulerConfig
 
@@ -355,15 +356,9 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
       ValueError: the file cannot be read (a folder, no permission), is not
         UTF-8, not valid YAML or not a mapping (names the file).
     """
+    text = read_user_file(path, label=f"config file {path}", missing=f"config file not found: {path}")
     try:
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file not found: {path}") from None
-    except OSError as e:
-        raise ValueError(f"config file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        values = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
     values = {} if values is None else values

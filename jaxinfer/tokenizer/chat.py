@@ -44,6 +44,8 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
+from jaxinfer.config.paths import read_user_file
+
 # Names a message's reasoning arrives under; templates read the first or "thinking".
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -112,16 +114,8 @@ def read_template(path: str | os.PathLike) -> str:
       ValueError: the file cannot be read, is not UTF-8, is empty or does
         not parse as Jinja (naming the file and the line).
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"chat_template: no such file {str(path)!r}") from None
-    except OSError as e:
-        raise ValueError(f"chat_template {str(path)!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"chat_template {str(path)!r}: not UTF-8 text ({e.reason} at byte "
-                         f"{e.start})") from None
+    source = read_user_file(path, label=f"chat_template {str(path)!r}",
+                            missing=f"chat_template: no such file {str(path)!r}")
     if not source.strip():
         raise ValueError(f"chat_template {str(path)!r}: the file is empty")
     try:
