@@ -278,22 +278,18 @@ class GenerationConfig:
                  "num_processes": int, "process_id": int}
         for name, kind in kinds.items():
             value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            if not _is_kind(value, kind):
                 raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+        # keys that may be null: name -> (kind, what the error calls it)
+        nullable = {"draft_model": (str, "a string"), "max_programs": (int, "int"),
+                    "coordinator": (str, "host:port"), "chat_template": (str, "a path to a Jinja file"),
+                    "system_prompt": (str, "a string")}
+        for name, (kind, what) in nullable.items():
+            value = getattr(self, name)
+            if value is not None and not _is_kind(value, kind):
+                raise ValueError(f"{name} must be {what} or null, got {value!r}")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"speculative must be null, ngram or draft, got {self.speculative!r}")
-        if self.draft_model is not None and not isinstance(self.draft_model, str):
-            raise ValueError(f"draft_model must be a string or null, got {self.draft_model!r}")
-        if self.max_programs is not None and (not isinstance(self.max_programs, int)
-                                              or isinstance(self.max_programs, bool)):
-            raise ValueError(f"max_programs must be int or null, got {self.max_programs!r}")
-        if self.coordinator is not None and not isinstance(self.coordinator, str):
-            raise ValueError(f"coordinator must be host:port or null, got {self.coordinator!r}")
-        if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise ValueError(f"chat_template must be a path to a Jinja file or null, got "
-                             f"{self.chat_template!r}")
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise ValueError(f"system_prompt must be a string or null, got {self.system_prompt!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -346,6 +342,11 @@ class GenerationConfig:
         `SamplingParams`'), for `jaxinfer generate --help`."""
         docs = {**attribute_docs(cls), **attribute_docs(SamplingParams)}
         return {k: docs[k] for k in cls.keys()}
+
+
+def _is_kind(value, kind: type) -> bool:
+    """isinstance(value, kind), but a bool is not an int here (YAML reads `yes` as true)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:
