@@ -36,7 +36,8 @@ from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.forward import paged_forward, place
 from jaxinfer.engine.ragged import AttentionBackend, Segments
-from jaxinfer.sampling.rows import NO_TOKEN, RowState, StepOutput, StopTokens, accept_drafts, sample_step
+from jaxinfer.sampling.rows import (NO_TOKEN, RowInputs, RowState, StepOutput, StopTokens, accept_drafts,
+                                    sample_step)
 from jaxinfer.speculative import DraftConfig, NgramConfig, ngram_propose
 from jaxinfer.engine.draft import propose, settle
 from jaxinfer.weights.matmul import computed_rows
@@ -72,33 +73,9 @@ class StepBatch:
     block_tables: jax.Array
 
 
-@pytree.dataclass
-class RowInputs:
-    """New requests' rows (leading axis [A]), for `admit`: max_new_tokens,
-    min_tokens int32, ignore_eos bool, seen bool [A, V] (the prompt's token
-    set, for the repetition penalty), history int32 [A, S] and history_len
-    [A] (the prompt's ids, then tokens generated before a preemption),
-    keys [A] PRNG keys, sampling arrays; num_generated int32 [A] and counts
-    int32 [A, V]: what a request resumed after preemption had generated (0
-    and zeros for a new one), so it goes on exactly where it stopped;
-    grammar int32 [A]: each row's structured-output state (-1: none; the
-    state after its generated tokens when resumed), or None."""
-
-    max_new_tokens: jax.Array
-    min_tokens: jax.Array
-    ignore_eos: jax.Array
-    seen: jax.Array
-    history: jax.Array
-    history_len: jax.Array
-    keys: jax.Array
-    sampling: object
-    num_generated: jax.Array
-    counts: jax.Array
-    grammar: Optional[jax.Array] = None
-
-
 def new_rows(inputs: RowInputs) -> RowState:
-    """The `RowState` of admitted requests: not done, no last token yet."""
+    """The `RowState` of admitted requests (`sampling.rows.RowInputs`, leading
+    axis [A]): not done, no last token yet."""
     a = inputs.max_new_tokens.shape[0]
     return RowState(tokens=jnp.zeros((a,), jnp.int32), done=jnp.zeros((a,), bool),
                     num_generated=inputs.num_generated.astype(jnp.int32),

@@ -38,29 +38,27 @@ class StopTokens:
 
 
 @pytree.dataclass
-class RowState:
-    """Everything per row (leading axis [B]) that generation carries.
+class RowInputs:
+    """A row's state as it is admitted (leading axis [A] new rows, or [B] in
+    `RowState`): what `RowState` holds but the last token and the done flag.
 
     Attributes:
-      tokens: int32 [B], the last sampled token (fed to the next decode step).
-      done: bool [B], the row has finished (stop token, max_new_tokens, or
-        the host said so); done rows write nothing and emit -1.
-      num_generated: int32 [B], tokens generated so far.
-      max_new_tokens: int32 [B], per-row budget.
-      min_tokens: int32 [B], stop tokens are masked until this many were generated.
-      ignore_eos: bool [B], EOS ids do not end the row.
-      seen: bool [B, V], prompt and generated tokens (repetition penalty).
-      counts: int32 [B, V], generated-token counts (presence/frequency penalty).
-      history: int32 [B, S], the prompt and generated tokens in order (what
-        an n-gram proposer searches); history_len: int32 [B], how many.
-      keys: [B] PRNG keys, one per row, folded with the row's step.
+      num_generated: int32, tokens generated so far (a request resumed after
+        preemption: those generated before it; a new one: 0).
+      max_new_tokens: int32, per-row budget.
+      min_tokens: int32, stop tokens are masked until this many were generated.
+      ignore_eos: bool, EOS ids do not end the row.
+      seen: bool [., V], prompt and generated tokens (repetition penalty).
+      counts: int32 [., V], generated-token counts (presence/frequency penalty).
+      history: int32 [., S], the prompt and generated tokens in order (what
+        an n-gram proposer searches); history_len: int32, how many.
+      keys: PRNG keys, one per row, folded with the row's step.
       sampling: per-row `SamplingArrays`.
-      grammar: int32 [B], each row's structured-output state (a global state
-        of `StopTokens.grammar`; -1: unconstrained), or None (no row has one).
+      grammar: int32, each row's structured-output state (a global state of
+        `StopTokens.grammar`, after its generated tokens; -1: unconstrained),
+        or None (no row has one).
     """
 
-    tokens: jax.Array
-    done: jax.Array
     num_generated: jax.Array
     max_new_tokens: jax.Array
     min_tokens: jax.Array
@@ -72,6 +70,21 @@ class RowState:
     keys: jax.Array
     sampling: SamplingArrays
     grammar: Optional[jax.Array] = None
+
+
+@pytree.dataclass
+class RowState(RowInputs):
+    """Everything per row (leading axis [B]) that generation carries:
+    `RowInputs`' fields, updated as tokens are generated, and two more.
+
+    Attributes:
+      tokens: int32 [B], the last sampled token (fed to the next decode step).
+      done: bool [B], the row has finished (stop token, max_new_tokens, or
+        the host said so); done rows write nothing and emit -1.
+    """
+
+    tokens: jax.Array = pytree.field(kw_only=True)
+    done: jax.Array = pytree.field(kw_only=True)
 
 
 class StepOutput(NamedTuple):
