@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 from jaxinfer.config import StructuredOutput
 from jaxinfer.sampling.grammar import constraint_regex, escape_literal
-from jaxinfer.server.tools import parse_hermes
+from jaxinfer.server.tools import named_call, parse_hermes
 
 _WS = "[ ]?"        # outlines-core's JSON white space between tokens
 Calls = tuple[Optional[str], list[tuple[str, str]]]
@@ -154,10 +154,12 @@ def parse_llama3(text: str) -> Optional[Calls]:
             call, at = decoder.raw_decode(body, at)
         except ValueError:
             return None
-        args = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
-        if not (isinstance(call.get("name"), str) and isinstance(args, dict)):
+        if isinstance(call, dict) and "parameters" in call:     # Llama 3's key for the arguments
+            call = {"name": call.get("name"), "arguments": call["parameters"]}
+        named = named_call(call)
+        if named is None:
             return None
-        calls.append((call["name"], json.dumps(args, ensure_ascii=False)))
+        calls.append(named)
         rest = body[at:]
         if not rest.strip():
             return None, calls
@@ -180,13 +182,10 @@ def parse_mistral(text: str) -> Optional[Calls]:
         return None
     if not isinstance(calls, list) or not calls:
         return None
-    out = []
-    for call in calls:
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-                and isinstance(call.get("arguments"), dict)):
-            return None
-        out.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
-    return (text[:start] or None), out
+    named = [named_call(call) for call in calls]
+    if None in named:
+        return None
+    return (text[:start] or None), named
 
 
 HERMES = CallFormat("hermes", "<tool_call>", "arguments", parse_hermes)

@@ -38,18 +38,24 @@ def parse_hermes(text: str) -> Optional[tuple[Optional[str], list[tuple[str, str
     """
     if HERMES_START not in text:
         return None
-    calls = []
-    for closed, unclosed in _HERMES.findall(text):
-        try:
-            call = json.loads(closed or unclosed)
-        except ValueError:
-            return None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-                and isinstance(call.get("arguments"), dict)):
-            return None
-        calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+    try:
+        calls = [named_call(json.loads(closed or unclosed))
+                 for closed, unclosed in _HERMES.findall(text)]
+    except ValueError:
+        return None
+    if None in calls:
+        return None
     content = text[:text.find(HERMES_START)]
     return (content or None), calls
+
+
+def named_call(call: object) -> Optional[tuple[str, str]]:
+    """(name, arguments as JSON text) of a decoded call, a JSON object with a
+    string "name" and an object "arguments"; None for anything else."""
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+            and isinstance(call.get("arguments"), dict)):
+        return None
+    return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
 
 
 def renders_hermes(template: Optional[str]) -> bool:

@@ -169,7 +169,8 @@ def test_llama3_and_mistral_calls_parse_and_their_regexes_match():
     assert parse_llama3(" " + two) == (None, [("paint", '{"c": "red"}'), ("stop", "{}")])
     tagged = '<|python_tag|>{"name": "stop", "arguments": {}}'
     assert parse_llama3(tagged) == (None, [("stop", "{}")])
-    for text in ("Hello", '{"name": "stop"}', '{"name": "stop", "parameters": {}} x', "{bad"):
+    for text in ("Hello", '{"name": "stop"}', '{"name": "stop", "parameters": {}} x', "{bad",
+                 '{"name": "stop", "parameters": {}}; [1]'):
         assert parse_llama3(text) is None
     listed = f'[TOOL_CALLS][{CALL}, {{"name": "stop", "arguments": {{}}}}]'
     assert parse_mistral("Sure." + listed) == ("Sure.", [("paint", '{"c": "red"}'), ("stop", "{}")])
