@@ -26,10 +26,7 @@ from fastapi import Request as HTTPRequest
 
 from jaxinfer.serving.control import PAUSE_MODES
 from jaxinfer.server.protocol import APIError
-
-ADMIN_ROUTES = ("/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache", "/is_sleeping",
-                "/is_paused")
-
+from jaxinfer.server.routes import Routes
 
 async def _fields(request: HTTPRequest) -> dict:
     """The JSON body's fields over the query parameters (400: a body that is
@@ -47,11 +44,13 @@ async def _fields(request: HTTPRequest) -> dict:
     return fields
 
 
-class AdminRoutes:
+class AdminRoutes(Routes):
     """The admin routes of an `app.OpenAIServer` (module docstring)."""
 
-    def __init__(self, server):
-        self.server = server
+    ROUTES = (("post", "/pause", "pause"), ("post", "/resume", "resume"),
+              ("post", "/sleep", "sleep"), ("post", "/wake_up", "wake_up"),
+              ("post", "/reset_prefix_cache", "reset_prefix_cache"),
+              ("get", "/is_sleeping", "is_sleeping"), ("get", "/is_paused", "is_paused"))
 
     @property
     def llm(self):
@@ -60,13 +59,7 @@ class AdminRoutes:
     def register(self, app) -> None:
         """Add the routes to `app` and mark them for the API-key check."""
         self.server.admin_routes = ADMIN_ROUTES
-        app.post("/pause")(self.pause)
-        app.post("/resume")(self.resume)
-        app.post("/sleep")(self.sleep)
-        app.post("/wake_up")(self.wake_up)
-        app.post("/reset_prefix_cache")(self.reset_prefix_cache)
-        app.get("/is_sleeping")(self.is_sleeping)
-        app.get("/is_paused")(self.is_paused)
+        super().register(app)
 
     async def pause(self, request: HTTPRequest):
         fields = await _fields(request)
@@ -112,5 +105,7 @@ class AdminRoutes:
     async def is_paused(self):
         return {"is_paused": self.llm.is_paused}
 
+
+ADMIN_ROUTES = tuple(path for _, path, _ in AdminRoutes.ROUTES)
 
 __all__ = ["ADMIN_ROUTES", "AdminRoutes"]

@@ -1,6 +1,6 @@
-"""What the route groups of `app.OpenAIServer` share (`messages.MessagesRoute`,
-`responses_api.ResponsesRoute`): registration from a table, and server-sent
-events (`sse`, sent as `event_stream`)."""
+"""What the route groups of `app.OpenAIServer` share (`admin.AdminRoutes`,
+`messages.MessagesRoute`, `responses_api.ResponsesRoute`): registration
+from a table, and server-sent events (`sse`, sent as `event_stream`)."""
 
 from __future__ import annotations
 
