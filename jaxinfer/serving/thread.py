@@ -36,7 +36,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from jaxinfer.serving.control import return_freed_memory
 from jaxinfer.serving.faults import describe, failed_output
@@ -256,11 +256,7 @@ class EngineThread:
             self.error = e
             for handle in list(self._by_sched.values()):
                 handle._deliver(e)
-            while True:
-                try:
-                    kind, handle = self._commands.get_nowait()
-                except queue.Empty:
-                    break
+            for kind, handle in self._queued_commands():
                 if kind == "add":
                     handle._deliver(e)
                 elif kind == "call":
@@ -268,13 +264,17 @@ class EngineThread:
 
     def _fail_calls(self, error: EngineError) -> None:
         """Fail the `call`s still queued (the thread has stopped); other commands are dropped."""
-        while True:
-            try:
-                kind, item = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, item in self._queued_commands():
             if kind == "call" and not item[1].done():
                 item[1].set_exception(error)
+
+    def _queued_commands(self) -> Iterator[tuple[str, object]]:
+        """Take queued commands, oldest first, until the queue is empty (never waits)."""
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _drain(self, block: bool) -> None:
         wait = self.idle_wait_s if block else None
