@@ -29,6 +29,45 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075
                 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+# The gauges `ServerMetrics.render` sets from an engine snapshot, labelled
+# model_name (and the extra labels after the help): key -> (name, help, *labels).
+_GAUGES = {
+    "running": ("jaxinfer_num_requests_running", "Requests in decode slots"),
+    "waiting": ("jaxinfer_num_requests_waiting",
+                "Requests accepted, not yet decoding (queued or prefilling)"),
+    "slots_used": ("jaxinfer_slots_used", "Decode slots holding a request"),
+    "slots_total": ("jaxinfer_slots_total", "Decode slots (max_num_seqs)"),
+    "kv_usage": ("jaxinfer_kv_cache_usage_ratio",
+                 "Fraction of the allocated KV-cache positions holding live tokens"),
+    "kv_capacity": ("jaxinfer_kv_cache_capacity_tokens",
+                    "KV-cache positions allocated per slot (the cache bucket)"),
+    "kv_bytes": ("jaxinfer_kv_cache_bytes", "Bytes of the decode state's KV cache"),
+    "kv_pages": ("jaxinfer_kv_cache_pages", "Pages of the paged KV pool by state: used (held by "
+                 "requests), free, cached (kept for prefix hits)", "state"),
+    "prefix_queries": ("jaxinfer_prefix_cache_query_tokens",
+                       "Prompt tokens looked up in the prefix cache so far"),
+    "prefix_hits": ("jaxinfer_prefix_cache_hit_tokens",
+                    "Prompt tokens served from the prefix cache so far"),
+    "prefix_hit_rate": ("jaxinfer_prefix_cache_hit_rate", "Prompt tokens served from the prefix "
+                        "cache over those looked up, so far (0 before any)"),
+    "preempted": ("jaxinfer_num_preemptions", "Requests preempted so far (the KV page pool ran "
+                  "dry; they are recomputed)"),
+    "steps": ("jaxinfer_engine_steps", "Scheduler steps so far"),
+    "compiles": ("jaxinfer_programs_compiled", "Compiled programs so far"),
+    "live": ("jaxinfer_programs_live", "Compiled programs held now (at most the max_programs "
+             "cap; each keeps its machine code mapped)"),
+    "compile_s": ("jaxinfer_compile_seconds", "Seconds spent compiling so far"),
+    "grammar_bytes": ("jaxinfer_grammar_cache_bytes", "Bytes of the device tables of structured "
+                      "output's automata (padded; at most jaxinfer_grammar_cache_limit_bytes)"),
+    "grammar_entries": ("jaxinfer_grammar_cache_entries",
+                        "Structured-output automata held on the device"),
+    "grammar_limit": ("jaxinfer_grammar_cache_limit_bytes",
+                      "The cap on the automata's device tables (grammar_cache_bytes)"),
+    "grammar_evictions": ("jaxinfer_grammar_cache_evictions", "Automata evicted from the device "
+                          "so far (built again when needed)"),
+}
+
+
 class ServerMetrics:
     """The server's counters, gauges and histograms.
 
@@ -53,48 +92,8 @@ class ServerMetrics:
                                      m, registry=r)
         self.generation_tokens = Counter("jaxinfer_generation_tokens", "Generated tokens", m,
                                          registry=r)
-        self.running = Gauge("jaxinfer_num_requests_running", "Requests in decode slots", m,
-                             registry=r)
-        self.waiting = Gauge("jaxinfer_num_requests_waiting",
-                             "Requests accepted, not yet decoding (queued or prefilling)", m,
-                             registry=r)
-        self.slots_used = Gauge("jaxinfer_slots_used", "Decode slots holding a request", m, registry=r)
-        self.slots_total = Gauge("jaxinfer_slots_total", "Decode slots (max_num_seqs)", m, registry=r)
-        self.kv_usage = Gauge("jaxinfer_kv_cache_usage_ratio", "Fraction of the allocated KV-cache "
-                              "positions holding live tokens", m, registry=r)
-        self.kv_capacity = Gauge("jaxinfer_kv_cache_capacity_tokens",
-                                 "KV-cache positions allocated per slot (the cache bucket)", m,
-                                 registry=r)
-        self.kv_bytes = Gauge("jaxinfer_kv_cache_bytes", "Bytes of the decode state's KV cache", m,
-                              registry=r)
-        self.kv_pages = Gauge("jaxinfer_kv_cache_pages", "Pages of the paged KV pool by state: used "
-                              "(held by requests), free, cached (kept for prefix hits)",
-                              m + ["state"], registry=r)
-        self.prefix_queries = Gauge("jaxinfer_prefix_cache_query_tokens",
-                                    "Prompt tokens looked up in the prefix cache so far", m,
-                                    registry=r)
-        self.prefix_hits = Gauge("jaxinfer_prefix_cache_hit_tokens",
-                                 "Prompt tokens served from the prefix cache so far", m, registry=r)
-        self.prefix_hit_rate = Gauge("jaxinfer_prefix_cache_hit_rate",
-                                     "Prompt tokens served from the prefix cache over those "
-                                     "looked up, so far (0 before any)", m, registry=r)
-        self.preempted = Gauge("jaxinfer_num_preemptions", "Requests preempted so far (the KV "
-                               "page pool ran dry; they are recomputed)", m, registry=r)
-        self.steps = Gauge("jaxinfer_engine_steps", "Scheduler steps so far", m, registry=r)
-        self.compiles = Gauge("jaxinfer_programs_compiled", "Compiled programs so far", m, registry=r)
-        self.live = Gauge("jaxinfer_programs_live", "Compiled programs held now (at most the "
-                          "max_programs cap; each keeps its machine code mapped)", m, registry=r)
-        self.compile_s = Gauge("jaxinfer_compile_seconds", "Seconds spent compiling so far", m,
-                               registry=r)
-        self.grammar_bytes = Gauge("jaxinfer_grammar_cache_bytes", "Bytes of the device tables "
-                                   "of structured output's automata (padded; at most "
-                                   "jaxinfer_grammar_cache_limit_bytes)", m, registry=r)
-        self.grammar_entries = Gauge("jaxinfer_grammar_cache_entries", "Structured-output "
-                                     "automata held on the device", m, registry=r)
-        self.grammar_limit = Gauge("jaxinfer_grammar_cache_limit_bytes", "The cap on the "
-                                   "automata's device tables (grammar_cache_bytes)", m, registry=r)
-        self.grammar_evictions = Gauge("jaxinfer_grammar_cache_evictions", "Automata evicted from "
-                                       "the device so far (built again when needed)", m, registry=r)
+        self.gauges = {key: Gauge(name, doc, m + list(extra), registry=r)
+                       for key, (name, doc, *extra) in _GAUGES.items()}
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time to first token", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("jaxinfer_inter_token_latency_seconds", "Inter-token latency", m,
@@ -130,27 +129,22 @@ class ServerMetrics:
         """The exposition text, with the gauges set from an engine snapshot
         (num_live: compiled programs held now)."""
         m = self._model
-        self.running.labels(m).set(stats.running)
-        self.slots_used.labels(m).set(stats.running)
-        self.slots_total.labels(m).set(stats.slots)
-        self.waiting.labels(m).set(waiting)
-        self.kv_usage.labels(m).set(stats.kv_cache_usage)
-        self.kv_capacity.labels(m).set(stats.cache_capacity)
-        self.kv_bytes.labels(m).set(stats.slots * stats.cache_capacity * self.kv_bytes_per_position)
+        values = {"running": stats.running, "waiting": waiting, "slots_used": stats.running,
+                  "slots_total": stats.slots, "kv_usage": stats.kv_cache_usage,
+                  "kv_capacity": stats.cache_capacity,
+                  "kv_bytes": stats.slots * stats.cache_capacity * self.kv_bytes_per_position,
+                  "preempted": stats.num_preempted, "steps": stats.steps,
+                  "compiles": num_compiles, "live": num_live, "compile_s": compile_s,
+                  "grammar_bytes": stats.grammar_bytes, "grammar_entries": stats.grammar_entries,
+                  "grammar_limit": stats.grammar_limit_bytes,
+                  "grammar_evictions": stats.grammar_evictions}
         if stats.num_pages:
             for state in ("used", "free", "cached"):
-                self.kv_pages.labels(m, state).set(getattr(stats, f"pages_{state}"))
-            self.prefix_queries.labels(m).set(stats.prefix_query_tokens)
-            self.prefix_hits.labels(m).set(stats.prefix_hit_tokens)
-            self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / stats.prefix_query_tokens
-                                               if stats.prefix_query_tokens else 0.0)
-        self.preempted.labels(m).set(stats.num_preempted)
-        self.grammar_bytes.labels(m).set(stats.grammar_bytes)
-        self.grammar_entries.labels(m).set(stats.grammar_entries)
-        self.grammar_limit.labels(m).set(stats.grammar_limit_bytes)
-        self.grammar_evictions.labels(m).set(stats.grammar_evictions)
-        self.steps.labels(m).set(stats.steps)
-        self.compiles.labels(m).set(num_compiles)
-        self.compile_s.labels(m).set(compile_s)
-        self.live.labels(m).set(num_live)
+                self.gauges["kv_pages"].labels(m, state).set(getattr(stats, f"pages_{state}"))
+            values.update(prefix_queries=stats.prefix_query_tokens,
+                          prefix_hits=stats.prefix_hit_tokens,
+                          prefix_hit_rate=(stats.prefix_hit_tokens / stats.prefix_query_tokens
+                                           if stats.prefix_query_tokens else 0.0))
+        for key, value in values.items():
+            self.gauges[key].labels(m).set(value)
         return generate_latest(self.registry)
