@@ -125,20 +125,39 @@ class Timings:
 
 
 @dataclasses.dataclass
-class SpecStats:
-    """A request's speculative decoding so far, and the policy that turns it
-    down when it does not pay.
+class SpecCounts:
+    """Speculative decoding's totals (a request's, or a run's: `RunStats`).
 
     Attributes:
       drafted, accepted: proposed tokens verified, and accepted.
       rounds: verification rounds (with at least one draft).
-      rate: exponential average (weight 0.5 per chunk) of the acceptance rate.
-      off_since: tokens generated when the cap last went to 0, or None.
     """
 
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (NaN before any draft)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verification round (NaN before any round)."""
+        return self.accepted / self.rounds if self.rounds else float("nan")
+
+
+@dataclasses.dataclass
+class SpecStats(SpecCounts):
+    """A request's speculative decoding so far (`SpecCounts`), and the policy
+    that turns it down when it does not pay.
+
+    Attributes:
+      rate: exponential average (weight 0.5 per chunk) of the acceptance rate.
+      off_since: tokens generated when the cap last went to 0, or None.
+    """
+
     rate: Optional[float] = None
     off_since: Optional[int] = None
 
@@ -164,15 +183,6 @@ class SpecStats:
         if self.rate >= self.LOW:
             return max(1, k // 2)
         return k if generated - (self.off_since or 0) >= self.PROBE_EVERY else 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else float("nan")
-
-    @property
-    def mean_accepted(self) -> float:
-        """Accepted drafts per verification round."""
-        return self.accepted / self.rounds if self.rounds else float("nan")
 
 
 @dataclasses.dataclass

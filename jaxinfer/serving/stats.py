@@ -6,11 +6,11 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from jaxinfer.serving.request import Timings
+from jaxinfer.serving.request import SpecCounts, Timings
 
 
 @dataclasses.dataclass
-class RunStats:
+class RunStats(SpecCounts):
     """Timing of one generate/stream call; seconds, tokens and tokens/s.
     Compilation is excluded from every time (the scheduler runs on
     `ProgramCache.clock`).
@@ -26,8 +26,8 @@ class RunStats:
       decode_steps: steps that decoded at least one row (a decode loop's
         steps count whole, so steps past a request's end count too).
       decoded_tokens: tokens after each request's first.
-      drafted, accepted, rounds: speculative decoding totals (tokens
-        proposed and verified, accepted, verification rounds with a draft).
+      drafted, accepted, rounds (`SpecCounts`): speculative decoding's
+        totals over the call's requests.
       prefix_query_tokens, prefix_hit_tokens: paged KV with prefix caching:
         prompt tokens looked up in the prefix cache, and served from it.
       num_preempted: requests preempted (paged KV pool ran dry; recomputed).
@@ -42,9 +42,6 @@ class RunStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decoded_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preempted: int = 0
@@ -59,16 +56,6 @@ class RunStats:
     def decode_tokens_per_s(self) -> float:
         """Tokens after each request's first, per decode second."""
         return self.decoded_tokens / self.decode_s if self.decode_s > 0 else math.nan
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / drafted tokens (speculative decoding)."""
-        return self.accepted / self.drafted if self.drafted else math.nan
-
-    @property
-    def mean_accepted(self) -> float:
-        """Accepted drafts per verification round."""
-        return self.accepted / self.rounds if self.rounds else math.nan
 
     @classmethod
     def from_requests(cls, prompt_lengths: Sequence[int], tokens: Sequence[Sequence[int]],
