@@ -7,11 +7,14 @@ grammar, completions with guided_* and grammar; the new routes with their conten
 blocks, items, tools, tool_choice and text.format) each get a 2xx or a 4xx
 with the route's error JSON; never a 500, a hang (each answer within the
 client's timeout) or a dead engine; at the end every slot and page is free.
-1,000 bodies per route ($JAXINFER_FUZZ_CASES for a shorter run). In the
+1,000 bodies per route ($JAXINFER_FUZZ_CASES for a shorter run), 4,000 in
+all; the last test prints each route's count of bodies and of answers by
+status, past pytest's capture (benchmarks/grammar_pool.py reads it). In the
 slow set: the first use of each sampling variant compiles its programs,
 and each schema its grammar, minutes in all on a busy machine.
 """
 
+import collections
 import json
 import os
 import traceback
@@ -26,6 +29,7 @@ from toy_server import CHAT, COMPLETIONS, MODEL, assert_idle_and_clean, toy_serv
 
 FUZZ_CASES = int(os.environ.get("JAXINFER_FUZZ_CASES", 1000))           # per route
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+ANSWERS: dict[str, collections.Counter] = {}    # route -> status code -> bodies so answered
 
 pytestmark = pytest.mark.slow
 
@@ -243,8 +247,9 @@ def _fuzz_test(path: str, bodies, cases: int):
     @given(body=bodies)
     def test(server, http, body):
         raw = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
-        _check_answer(http.post(path, content=raw, headers={"Content-Type": "application/json"}),
-                      server[0], path)
+        r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+        ANSWERS.setdefault(path, collections.Counter())[r.status_code] += 1
+        _check_answer(r, server[0], path)
     return test
 
 
@@ -254,7 +259,17 @@ test_fuzz_messages = _fuzz_test(MESSAGES, MESSAGES_BODIES, FUZZ_CASES)
 test_fuzz_responses = _fuzz_test(RESPONSES, RESPONSES_BODIES, FUZZ_CASES)
 
 
-def test_the_server_is_alive_after_the_fuzz(server, http):
+def test_the_server_is_alive_after_the_fuzz(server, http, capsys):
+    with capsys.disabled():      # the counts, whatever pytest's capture: the benchmark reads them
+        print()
+        for path, codes in sorted(ANSWERS.items()):
+            print(f"fuzz {path}: {sum(codes.values())} bodies, by status "
+                  + ", ".join(f"{code} {n}" for code, n in sorted(codes.items())))
+        print(f"fuzz total: {sum(sum(c.values()) for c in ANSWERS.values())} bodies over "
+              f"{len(ANSWERS)} routes, answers of 500: {sum(c[500] for c in ANSWERS.values())}")
+    # every route this process fuzzed got its full count (hypothesis stops early only on a failure)
+    assert {path: sum(codes.values()) for path, codes in ANSWERS.items()} == \
+        dict.fromkeys(ANSWERS, FUZZ_CASES)
     assert server[0].engine.engine.error is None
     assert_idle_and_clean(server[0])
     assert http.get("/health").json() == {"status": "ok"}
