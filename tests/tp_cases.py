@@ -122,7 +122,7 @@ def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str
     """A real model on a tp mesh (`sharding.load_llm(name, mesh, **llm_kwargs)`):
     last-position prefill logits of each prompt (one prefill of all of them as
     rows right-padded to a multiple of 64; saved to `out_path` as .npz,
-    arrays "0", "1", ...), greedy and seeded tokens."""
+    arrays "0", "1", ...), greedy and seeded tokens (`real_model_tokens`)."""
     skip = _devices_or_skip(tp)
     if skip:
         return skip
@@ -136,7 +136,14 @@ def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str
                           jnp.asarray(tokens), jnp.array([len(ids) for ids in prompts], jnp.int32),
                           config=llm.config)
     np.savez(out_path, **{str(i): row for i, row in enumerate(np.asarray(out))})
-    greedy = llm.generate(prompts, max_new_tokens=new_tokens)
-    seeded = llm.generate(prompts, SEEDED, max_new_tokens=new_tokens)
-    return {"plan": llm.sharding_plan.describe(), "greedy": [c.token_ids for c in greedy],
-            "seeded": [c.token_ids for c in seeded]}
+    return {"plan": llm.sharding_plan.describe(), **real_model_tokens(llm, prompts, new_tokens)}
+
+
+def real_model_tokens(llm, prompts: list, new_tokens: int) -> dict:
+    """Greedy and seeded (`SEEDED`) tokens of each prompt, from one `generate`
+    over both (a row per prompt and sampling: one prefill of the long prompts,
+    not two): {"greedy": [ids per prompt], "seeded": [ids per prompt]}."""
+    out = llm.generate(prompts * 2, [SamplingParams()] * len(prompts) + [SEEDED] * len(prompts),
+                       max_new_tokens=new_tokens)
+    ids = [c.token_ids for c in out]
+    return {"greedy": ids[:len(prompts)], "seeded": ids[len(prompts):]}

@@ -223,7 +223,7 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags, atol
     and 53 s with these, on 2 Zen 4 cores)."""
     from jaxinfer.serving.llm import LLM
     from jaxinfer.serving.loading import load_tokenizer
-    from tp_cases import SEEDED
+    from tp_cases import real_model_tokens
 
     torch = pytest.importorskip("torch")
     path = real_model_path(name)
@@ -246,10 +246,9 @@ def _real(name, tp, hf_gguf, real_model_path, tmp_path, jaxinfer_xla_flags, atol
     del model
     hf_gguf.clear()
     llm = LLM.load(str(path), progress=False, **REAL_LLM_KWARGS)
-    tokens = lambda sampling: [c.token_ids for c in llm.generate(prompts, sampling,
-                                                                 max_new_tokens=REAL_NEW_TOKENS)]
-    assert result["greedy"] == tokens(None)
-    assert result["seeded"] == tokens(SEEDED)
+    one_device = real_model_tokens(llm, prompts, REAL_NEW_TOKENS)
+    assert result["greedy"] == one_device["greedy"]
+    assert result["seeded"] == one_device["seeded"]
     return result
 
 
