@@ -20,15 +20,25 @@ from jaxinfer.checkpoint.convert import (EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEA
 from jaxinfer.config import ModelConfig
 from jaxinfer.serving.control import return_freed_memory
 from jaxinfer.weights import quant
-from jaxinfer.weights.prepare import prepare_head, prepare_layer
+from jaxinfer.weights.prepare import (MATMUL_SOURCES, fuse_biases, matrix, prepare_head,
+                                     prepare_layer, quantize_weight)
 
 
 def cast_to(dtype) -> Callable:
+    """w -> w cast to `dtype` where floating (a jax.Array); the function's
+    `dtype` attribute is `dtype`."""
     def cast(w):
         if hasattr(w, "dtype") and jnp.issubdtype(np.dtype(w.dtype), jnp.floating):
             return jnp.asarray(w, dtype)
         return w
+    cast.dtype = np.dtype(dtype)
     return cast
+
+
+def host(w):
+    """`w` as a numpy array: a view of a jax.Array on one CPU device (no
+    copy), a copy of one elsewhere, numpy arrays as they are."""
+    return np.asarray(w) if isinstance(w, jax.Array) else w
 
 
 def place(new, ref, given: set):
@@ -39,6 +49,22 @@ def place(new, ref, given: set):
     return jax.device_put(new, sharding, may_alias=id(new) not in given)
 
 
+def _host_zeros(shape, dtype) -> np.ndarray:
+    """A zeroed numpy array at a 64-byte boundary (`_to_device` takes it without a copy)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(size + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    return raw[at:at + size].view(dtype).reshape(shape)
+
+
+def _to_device(a: np.ndarray) -> jax.Array:
+    """A numpy array as a jax.Array: on a CPU the same memory where it is
+    64-byte aligned and of a DLPack dtype (`jnp.from_dlpack`), else a copy."""
+    if a.dtype in (np.int8, np.uint8, np.float16, np.float32) and a.ctypes.data % 64 == 0:
+        return jnp.from_dlpack(a)
+    return jnp.asarray(a)
+
+
 class Converted:
     """Raw params one part at a time from a `checkpoint.convert` tree
     (checked by `check_raw`): layer i unstacked, cast to the model's dtype."""
@@ -47,8 +73,15 @@ class Converted:
         self.params, self.cast = params, cast
         self.untied = "lm_head" in params
 
-    def layer(self, i: int) -> dict:
-        return {key: self.cast(w[i]) for key, w in self.params["layers"].items()}
+    def layer(self, i: int, keys=None, cast: bool = True) -> dict:
+        """Layer i's weights `keys` (default all), cast, or as given with cast=False."""
+        keys = self.params["layers"].keys() if keys is None else keys
+        if cast:
+            return {key: self.cast(self.params["layers"][key][i]) for key in keys}
+        return {key: _index(self.params["layers"][key], i) for key in keys}
+
+    def layer_keys(self) -> list:
+        return list(self.params["layers"])
 
     def embed(self, cast: bool = True):
         """[V, D]; as given (not cast) with cast=False."""
@@ -62,6 +95,14 @@ class Converted:
 
     def norm(self):
         return self.cast(self.params["norm"])
+
+
+def _index(w, i: int):
+    """w[i] of a stacked weight, a numpy view where `w` is a jax.Array on one CPU device."""
+    if isinstance(w, jax.Array) and all(d.platform == "cpu" for d in w.devices()) and len(
+            w.devices()) == 1:
+        return np.asarray(w)[i]
+    return w[i]
 
 
 class HfNamed:
@@ -79,10 +120,20 @@ class HfNamed:
         w = self.fix(name, np.asarray(self.tensors[name]), self.config)
         return np.asarray(w, np.float32) if float32 else w
 
-    def layer(self, i: int) -> dict:
-        return {key: self.cast(_to_param_layout(self._get(LAYER_PREFIX.format(i=i) + suffix),
-                                                kind, self.config))
-                for key, (suffix, kind) in layer_table(self.config).items()}
+    def layer(self, i: int, keys=None, cast: bool = True) -> dict:
+        """Layer i's weights `keys` (default all), cast, or with cast=False in
+        the dtype given (a transposed view where the tensor is a numpy array)."""
+        table = layer_table(self.config)
+        out = {}
+        for key in table if keys is None else keys:
+            suffix, kind = table[key]
+            w = _to_param_layout(self._get(LAYER_PREFIX.format(i=i) + suffix, float32=cast),
+                                 kind, self.config)
+            out[key] = self.cast(w) if cast else w
+        return out
+
+    def layer_keys(self) -> list:
+        return list(layer_table(self.config))
 
     def embed(self, cast: bool = True):
         """[V, D]; with cast=False in the dtype given (its float32 values
@@ -103,6 +154,14 @@ class HfNamed:
 
 
 HEAD_COLUMNS = 3072    # LM head columns made at a time (64 panels of 48; 7 MiB at D=576, float32)
+QUANTIZE_BYTES = 1 << 18   # float32 bytes of a weight's columns quantized at a time (at least 48)
+
+
+def quantize_columns(k: int) -> int:
+    """Columns of a [K, N] weight quantized at a time: a multiple of
+    `quant.PANEL` whose float32 values take about QUANTIZE_BYTES (numpy's
+    temporaries take a few times that)."""
+    return max(1, QUANTIZE_BYTES // (4 * k * quant.PANEL)) * quant.PANEL
 
 
 @functools.partial(jax.jit, static_argnames=("axis",), donate_argnums=0)
@@ -131,40 +190,99 @@ class PartByPart:
         self.pack, self.weights, self.activations = pack, weights, activations
 
     def _layer(self, i: int):
-        raw = self.source.layer(i)
-        if self.weights == "float32":      # one program for every layer (same shapes)
-            new = _jit_layer(raw, config=self.config, pack=self.pack, weights="float32")
-        else:                              # numpy quantization
-            new = prepare_layer(raw, self.config, self.pack, self.weights)
+        if self.weights != "float32":
+            return self._quantized_layer(i)
+        raw = self.source.layer(i)         # one program for every layer (same shapes)
+        new = _jit_layer(raw, config=self.config, pack=self.pack, weights="float32")
         new = quant.with_activations(new, self.activations)
         del raw
         return self._place(new, self.serving["layers"][i])
 
+    def _quantized_layer(self, i: int):
+        """Layer i with its matmul weights quantized `quantize_columns` columns
+        at a time from the raw weights as given (no float copy of the layer):
+        the panels of `prepare_layer`'s weights."""
+        ref = self.serving["layers"][i]
+        sources = {key for keys in MATMUL_SOURCES.values() for key in keys}
+        rest = [key for key in self.source.layer_keys() if key not in sources]
+        new = fuse_biases(self.source.layer(i, rest), self.config)
+        raw = self.source.layer(i, sorted(sources), cast=False)
+        for name, keys in MATMUL_SOURCES.items():
+            parts = [matrix(key, host(raw[key])) for key in keys]
+            new[name] = self._fill(ref[name], sum(w.shape[1] for w in parts),
+                                   quantize_columns(parts[0].shape[0]),
+                                   functools.partial(self._quantize_columns, parts), axis=0,
+                                   on_host=True)
+        del raw
+        return self._place(quant.with_activations(new, self.activations), ref)
+
+    def _values(self, w) -> np.ndarray:
+        """A piece of a raw weight (as given) as float32 numpy values, cast as
+        loading casts it (to the model's dtype, then float32)."""
+        dtype = self.source.cast.dtype
+        if dtype != np.float32 and np.dtype(w.dtype) != dtype:
+            w = self.source.cast(w)
+        return np.asarray(w, np.float32)
+
+    def _quantize_columns(self, parts: list, cols: slice):
+        """Columns `cols` of the weight whose columns are those of `parts` in
+        order, quantized."""
+        pieces, at = [], 0
+        for w in parts:
+            lo, hi = max(cols.start - at, 0), min(cols.stop - at, w.shape[1])
+            if lo < hi:
+                pieces.append(self._values(w[:, lo:hi]))
+            at += w.shape[1]
+        chunk = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
+        return quantize_weight(chunk, self.weights, host=True)
+
+    def _fill(self, ref, n: int, step: int, make: Callable, axis: int, on_host: bool):
+        """A weight like `ref` (abstract) made `step` of its `n` columns at a
+        time into one buffer per leaf: `make(cols)` gives the weight of
+        columns `cols`, its leaves the slices of `ref`'s along `axis` (0:
+        panels). On the host: numpy buffers the device arrays then alias on
+        a CPU (no compile, no copy), else device buffers (`_put` donates them)."""
+        zeros = (lambda r: _host_zeros(r.shape, r.dtype)) if on_host else (
+            lambda r: jnp.zeros(r.shape, r.dtype))
+        out, treedef = jax.tree.flatten(jax.tree.map(zeros, ref))
+        at = 0
+        for start in range(0, n, step):
+            part = jax.tree.leaves(make(slice(start, min(start + step, n))))
+            size = part[0].shape[axis]
+            if on_host:
+                for o, p in zip(out, part):
+                    o[at:at + size] = np.asarray(p)
+            else:
+                out = [_put(o, p, at, axis=axis) for o, p in zip(out, part)]
+                jax.block_until_ready(out)    # this chunk's buffers freed before the next one's
+            at += size
+            del part
+        return jax.tree.unflatten(treedef, [_to_device(o) for o in out] if on_host else out)
+
     def _head(self, tied: bool):
-        """The LM head made HEAD_COLUMNS columns at a time into one buffer
-        (`_put` donates it): column panels are independent, so each chunk's
-        panels are those of the whole head."""
+        """The LM head made HEAD_COLUMNS columns at a time (`quantize_columns`
+        where quantized) into one buffer: column panels are independent, so
+        each chunk's panels are those of the whole head."""
         w = self.source.embed(cast=False) if tied else self.source.lm_head(cast=False)
         ref = self.serving["lm_head"]
-        out, treedef = jax.tree.flatten(jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), ref))
         panels = not isinstance(ref, jax.ShapeDtypeStruct)     # packed or quantized: [P, ...]
-        at = 0
-        for start in range(0, self.config.vocab_size, HEAD_COLUMNS):
-            cols = slice(start, start + HEAD_COLUMNS)
+        step = HEAD_COLUMNS
+        if self.weights != "float32":
+            step = min(step, quantize_columns(self.config.hidden_size))
+
+        if self.weights != "float32":
+            w = host(w)
+
+        def make(cols):
+            if self.weights != "float32":     # numpy quantization
+                chunk = self._values(w[cols] if tied else w[:, cols])
+                return quantize_weight(chunk.T if tied else chunk, self.weights, lm_head=True,
+                                       host=True)
             chunk = self.source.cast(w[cols]) if tied else self.source.cast(w[:, cols])
-            if self.weights == "float32":
-                part = _jit_head(chunk, tied=tied, pack=self.pack)
-            else:
-                part = prepare_head(chunk.T if tied else chunk, self.pack, self.weights)
-            del chunk
-            part = jax.tree.leaves(part)
-            out = [_put(o, p, at, axis=0 if panels else 1) for o, p in zip(out, part)]
-            at += part[0].shape[0 if panels else 1]
-            del part
-            jax.block_until_ready(out)    # this chunk's buffers freed before the next one's
-        new = quant.with_activations(jax.tree.unflatten(treedef, out), self.activations)
-        del out
-        return self._place(new, ref)
+            return _jit_head(chunk, tied=tied, pack=self.pack)
+        new = self._fill(ref, self.config.vocab_size, step, make, axis=0 if panels else 1,
+                         on_host=self.weights != "float32")
+        return self._place(quant.with_activations(new, self.activations), ref)
 
     def _place(self, new, ref):
         new = jax.tree.map(lambda n, r: place(n, r, self.given), new, ref)

@@ -110,19 +110,39 @@ def prepare_params(params: dict, config: ModelConfig, pack: bool | None = None,
 _MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+# Each prepared matmul weight and the raw weights whose columns it holds, in order.
+MATMUL_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                  "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
 def fuse_layer(p: dict, config: ModelConfig) -> dict:
     """One layer of raw params (`checkpoint.convert` names, no leading L)
     with the fused projections of `prepare_params`: "qkv_proj" [D, (N + 2K) * H],
     "gate_up_proj" [D, 2F], "qkv_bias" [(N + 2K) * H] where the model has
     attention biases; other entries as given."""
-    p = dict(p)
     d = config.hidden_size
-    p["qkv_proj"] = _concat_columns([p.pop(name) for name in ("q_proj", "k_proj", "v_proj")], d)
-    p["gate_up_proj"] = _concat_columns([p.pop("gate_proj"), p.pop("up_proj")], d)
+    p = fuse_biases(p, config)
+    p["qkv_proj"] = _concat_columns([p.pop(name) for name in MATMUL_SOURCES["qkv_proj"]], d)
+    p["gate_up_proj"] = _concat_columns([p.pop(name) for name in MATMUL_SOURCES["gate_up_proj"]], d)
+    return p
+
+
+def fuse_biases(p: dict, config: ModelConfig) -> dict:
+    """A copy of one raw layer `p` with "qkv_bias" [(N + 2K) * H] in place of
+    q_bias, k_bias and v_bias where the model has attention biases."""
+    p = dict(p)
     if config.attention_bias:
         biases = [p.pop(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")]
         p["qkv_bias"] = jnp.concatenate(biases)
     return p
+
+
+def matrix(name: str, w):
+    """A raw layer weight (params layout, no leading L) as the [K, N] matrix
+    whose columns its prepared weight holds: o_proj [N, H, D] -> [N*H, D],
+    q/k/v [D, N, H] -> [D, N*H], the MLP weights as they are (a reshape:
+    a view of a numpy array)."""
+    return w.reshape(-1, w.shape[-1]) if name == "o_proj" else w.reshape(w.shape[0], -1)
 
 
 def prepare_layer(p: dict, config: ModelConfig, pack: bool = False,
@@ -145,6 +165,22 @@ def prepare_head(lm_head, pack: bool = False, weights: str = "float32"):
     if weights != "float32":
         return _quantize_weight(lm_head, weights, True)
     return packed_kernels.pack_weight(lm_head) if pack else lm_head
+
+
+def quantize_weight(w, weights: str, lm_head: bool = False, host: bool = False):
+    """A float [K, N] matmul weight (a layer's, or the LM head with
+    `lm_head`) as `prepare_params` stores it in the `weights` format other
+    than "float32" (a `quant.QuantizedWeight`). Columns are quantized
+    independently, so the panels of columns [48j, 48j + n) are those of the
+    whole weight's panels j...: a weight may be made a multiple of 48
+    columns at a time. With `host` its leaves are numpy arrays.
+
+    Raises:
+      ValueError: `weights` is "float32" or not one of WEIGHT_FORMATS.
+    """
+    if weights not in WEIGHT_FORMATS[1:]:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS[1:]}, got {weights!r}")
+    return _quantize_weight(w, weights, lm_head, host)
 
 
 def quantized_shape(k: int, n: int, weights: str, lm_head: bool) -> quant.QuantizedWeight:
@@ -190,25 +226,25 @@ def _holds_blocks(params: dict) -> bool:
         isinstance(w, quant.BlockCodes) for p in params["layers"] for w in p.values())
 
 
-def _quantize_weight(w, weights: str, lm_head: bool):
+def _quantize_weight(w, weights: str, lm_head: bool, host: bool = False):
     """One matmul weight (float [K, N] or `quant.BlockCodes`) in the `weights`
     format; the LM head of "int8" and "q4" as 8-bit blocks (see prepare_params)."""
     if isinstance(w, quant.BlockCodes) and (weights == "q4" or (
             weights == "int8" and lm_head and w.bits == 8)):
-        return quant.pack(w)
+        return quant.pack(w, host)
     values = w.dequantize() if isinstance(w, quant.BlockCodes) else np.asarray(w, np.float32)
     if weights == "float32":
         return jnp.asarray(values)
     if weights == "bfloat16":
-        return quant.pack_bf16(values)
+        return quant.pack_bf16(values, host)
     if weights == "int8" and not lm_head:
         if values.shape[0] % INT8_BLOCK:
-            return quant.pack(quant.quantize_int8(values))
-        return quant.pack(quant.quantize_q8(values, INT8_BLOCK))
+            return quant.pack(quant.quantize_int8(values), host)
+        return quant.pack(quant.quantize_q8(values, INT8_BLOCK), host)
     bs = math.gcd(values.shape[0], 32)  # 32 rows, or the largest divisor of K that divides 32
     if lm_head or bs % 2:  # 4-bit codes pair rows
-        return quant.pack(quant.quantize_q8(values, bs))
-    return quant.pack(quant.quantize_q4(values, bs))
+        return quant.pack(quant.quantize_q8(values, bs), host)
+    return quant.pack(quant.quantize_q4(values, bs), host)
 
 
 def _quantize_layer(p: dict, weights: str) -> dict:

@@ -245,27 +245,33 @@ class QuantizedWeight:
 def _to_panels(a: np.ndarray, n_panels: int) -> np.ndarray:
     """[R, N] -> [P, R, 48], zero-padded past column N."""
     r, n = a.shape
-    a = np.pad(a, ((0, 0), (0, n_panels * PANEL - n)))
+    if n != n_panels * PANEL:
+        a = np.pad(a, ((0, 0), (0, n_panels * PANEL - n)))
     return np.ascontiguousarray(a.reshape(r, n_panels, PANEL).transpose(1, 0, 2))
 
 
-def pack(w: BlockCodes) -> QuantizedWeight:
-    """A `BlockCodes` weight as `QuantizedWeight` panels (a copy; done once at load)."""
+def pack(w: BlockCodes, host: bool = False) -> QuantizedWeight:
+    """A `BlockCodes` weight as `QuantizedWeight` panels (a copy; done once at
+    load): jax.Arrays, or numpy arrays with `host`."""
     k, n = w.shape
     p = -(-n // PANEL)
     codes = _to_panels(w.codes, p)
     if w.bits == 4:
         pairs = codes.reshape(p, k // 2, 2, PANEL)
         codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(np.uint8)
-    panels = lambda a: None if a is None else jnp.asarray(_to_panels(a, p))
-    return QuantizedWeight(jnp.asarray(codes), panels(w.scale), panels(w.min), n,
+    put = np.asarray if host else jnp.asarray
+    panels = lambda a: None if a is None else put(_to_panels(a, p))
+    return QuantizedWeight(put(codes), panels(w.scale), panels(w.min), n,
                            "q4" if w.bits == 4 else "int8")
 
 
-def pack_bf16(w: np.ndarray) -> QuantizedWeight:
-    """A float weight [K, N] as bfloat16 panels (round to nearest even)."""
+def pack_bf16(w: np.ndarray, host: bool = False) -> QuantizedWeight:
+    """A float weight [K, N] as bfloat16 panels (round to nearest even): a
+    jax.Array, or a numpy array with `host`."""
     n = w.shape[1]
     codes = _to_panels(np.asarray(w, np.float32), -(-n // PANEL))
+    if host:
+        return QuantizedWeight(np.asarray(jnp.asarray(codes, jnp.bfloat16)), None, None, n, "bf16")
     return QuantizedWeight(jnp.asarray(codes, jnp.bfloat16), None, None, n, "bf16")
 
 
