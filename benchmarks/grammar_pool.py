@@ -4,7 +4,7 @@ serve` started from outside, as a client sees it.
 
     python benchmarks/grammar_pool.py [--config configs/smollm2-135m-instruct.yaml]
         [--quick] [--schemas 1000] [--cap 64MiB] [--page docs/bench/grammar-pool.md]
-        [--no-fuzz] [key=value ...]
+        [--parts 1,2,3,4] [--no-fuzz] [key=value ...]
 
 One server (`jaxinfer serve --config CONFIG chat_template=examples/chatml_tools.jinja
 grammar_cache_bytes=CAP max_seq_len=1024`, plus the key=value overrides), on
@@ -15,18 +15,19 @@ a free loopback port; every request is greedy and names its max_tokens.
    time - first's) / (completion tokens - 1), one figure per request; p99
    over requests. Beside them, side traffic 2 at a time: after a warm-up
    (8 side requests, then no new program for 10 s), first `--baseline`
-   side requests without a schema (p99 "without grammar traffic"), then two side requests for each of `--schemas` distinct
-   JSON schemas (an object of an integer field named k<i> and a boolean;
-   16 tokens), the second 16 requests after the first (a row is masked on
-   the host when its schema's tables are not built as it is seated, and
-   stays so: the second request runs on the device tables, so every schema
-   passes through the pool), the measured rows running until the last one
-   ends (p99 "with").
-   Figure: p99 with / p99 without; goal < 1.5. /metrics is polled every
-   0.5 s: the largest jaxinfer_grammar_cache_bytes seen against
-   jaxinfer_grammar_cache_limit_bytes (goal: bytes <= cap), and the final
-   entries and evictions (the cap is meant to be small enough for
-   evictions: > 0 shows the LRU worked).
+   side requests without a schema (p99 "without grammar traffic"), then
+   two side requests for each of `--schemas` distinct JSON schemas (an
+   object of an integer field named k<i> and a boolean; 16 tokens), the
+   second 16 requests after the first: a row is masked on the host when
+   its schema's tables are not built as it is seated, and stays so; the
+   second runs on the device tables, so every schema passes through the
+   pool. The measured rows run until the last side request ends (p99
+   "with"). Figure: p99 with / p99 without; goal < 1.5 (also printed:
+   p50s, stream counts, programs compiled in each phase). /metrics is
+   polled every 0.5 s: the largest jaxinfer_grammar_cache_bytes seen
+   against jaxinfer_grammar_cache_limit_bytes (goal: bytes <= cap), the
+   most entries, and the evictions at the end (the cap is meant to be
+   small enough for evictions: > 0 shows the LRU worked).
 2. First token of a never-seen schema: `--fresh` pairs of streamed
    requests, one at a time, the same prompt unconstrained and with a schema
    no request named before (field n<i>), each with its own cache_salt (no
@@ -47,7 +48,8 @@ a free loopback port; every request is greedy and names its max_tokens.
    end where their request ends (EOS, a schema's closing brace, a call's
    end), as in `jaxinfer bench --structured`. Figure: the smaller of the
    json_schema / unconstrained and auto tools / unconstrained ratios;
-   goal >= 0.9.
+   goal >= 0.9. Also printed: completion tokens a request and the mean
+   of the server's jaxinfer_inter_token_latency_seconds per kind.
 4. HTTP fuzz: tests/server/test_server_fuzz.py's slow run in a pytest
    subprocess (on the trained toy: SmolLM2's 1,024-token context makes a
    fuzzed body without max_tokens decode up to a thousand tokens, n up to
@@ -426,10 +428,9 @@ def main(argv=None) -> int:
     port, t_start = free_port(), time.perf_counter()
     url = f"http://127.0.0.1:{port}"
     log = pathlib.Path(tempfile.mkdtemp(prefix="grammar-pool-")) / "server.log"
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--config", args.config, "--port", str(port),
-           "-q", f"chat_template={TEMPLATE.relative_to(ROOT)}", f"grammar_cache_bytes={cap}",
-           "max_seq_len=1024",
-           *args.overrides]
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--config", args.config, "--port",
+           str(port), "-q", f"chat_template={TEMPLATE.relative_to(ROOT)}",
+           f"grammar_cache_bytes={cap}", "max_seq_len=1024", *args.overrides]
     r["server_cmd"] = ["jaxinfer", *cmd[3:5], args.config, *cmd[8:]]
     print(f"server log: {log}", flush=True)
     with open(log, "w") as log_file:
