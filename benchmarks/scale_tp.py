@@ -4,11 +4,17 @@ processes (one CPU device each, gloo) against tp=2 over two forced host
 devices of one process (target: at most 10%).
 
     python benchmarks/scale_tp.py [--model smollm2-135m-instruct] [--batch 16] [--steps 64]
-                                  [--prompt-len 32] [--cpus-per-process 1]
+                                  [--prompt-len 32] [--variants shared,pinned] [--quick]
 
 Runs, one after the other, each in fresh processes: the one-process
 reference (XLA_FLAGS=--xla_force_host_platform_device_count=2), then the
-two-process job (`parallel.multiprocess`, coordinator on 127.0.0.1). Each
+two-process job (`parallel.multiprocess`, coordinator on 127.0.0.1) once
+per variant: `shared`, both processes free to use every core (each
+process's XLA CPU thread pool has a thread per core it may use, so two
+processes put two pools on the cores one process's pool uses), `pinned`,
+process i on core i (as `jaxinfer.cli.launch --cpus-per-process 1` pins
+them), and,
+when asked, `eigen1`, unpinned with --xla_cpu_multi_thread_eigen=false. Each
 fills `--batch` slots with prompts of `--prompt-len` random tokens, runs
 decode steps until every slot decodes and the step is compiled, then times
 `--steps` scheduler steps of one decode token per slot (`Scheduler.step`,
@@ -18,7 +24,9 @@ counts gloo's collectives between processes against XLA's within one),
 and on process 0 of the job the ms spent sending per step (`Channel.send`,
 the key-value store's set per follower; the issue's "broadcast adds",
 against the one-process step) and the bytes sent per step.
-`--model random-tiny` is a random two-layer model for a plumbing check.
+`--model random-tiny` is a random two-layer model for a plumbing check;
+`--quick` runs it at batch 4 for 8 steps (a smoke run: no figures). Each
+run also reports its process's threads and the cores it may use.
 
 Prints the CPU, the load average before and after, and one line per
 figure. Run it alone on the machine: both runs share its cores.
@@ -96,7 +104,8 @@ def _time_decode(llm, args, mark=lambda phase: None) -> dict:
     for _ in range(8):
         scheduler.step()
     return {"median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times),
-            "steps": len(times)}
+            "steps": len(times), "threads": len(os.listdir("/proc/self/task")),
+            "cores": len(os.sched_getaffinity(0))}
 
 
 def single(args) -> dict:
@@ -144,11 +153,12 @@ def rank(args) -> dict:
     return out
 
 
-def _run(role_args, devices: int, cpus) -> list:
+def _run(role_args, devices: int, cpus, extra_flags=()) -> list:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     if devices > 1:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
+    flags += list(extra_flags)
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, __file__, *a], env=env, stdout=subprocess.PIPE,
                               text=True, preexec_fn=(lambda c=c: os.sched_setaffinity(0, c))
@@ -161,14 +171,24 @@ def _run(role_args, devices: int, cpus) -> list:
     return [json.loads(line[len(MARK):]) for line in outs[0].splitlines() if line.startswith(MARK)]
 
 
+VARIANTS = {   # the job's variants: (cores per process, extra XLA_FLAGS)
+    "shared": (0, ()),              # both processes may use every core (no pinning)
+    "pinned": (1, ()),              # process i on core i (`jaxinfer.cli.launch --cpus-per-process 1`)
+    "eigen1": (0, ("--xla_cpu_multi_thread_eigen=false",)),   # no pinning, no Eigen threads
+}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--cpus-per-process", type=int, default=0,
-                   help="pin the job's process i to cores [i*C, (i+1)*C) (0: no pinning)")
+    p.add_argument("--variants", default="shared,pinned",
+                   help=f"the job's runs, in order, comma-separated (repeats allowed), of "
+                        f"{sorted(VARIANTS)}")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: random-tiny, batch 4, 8 steps (no figures)")
     p.add_argument("--role", choices=("single", "rank"), help=argparse.SUPPRESS)
     p.add_argument("--coordinator", help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -177,30 +197,40 @@ def main(argv=None) -> int:
         result = single(args) if args.role == "single" else rank(args)
         print(MARK + json.dumps(result), flush=True)
         return 0
+    if args.quick:
+        args.model, args.batch, args.steps = "random-tiny", 4, 8
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
     common = ["--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps),
               "--prompt-len", str(args.prompt_len)]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown")
     print(f"cpu: {cpu}, {os.cpu_count()} cores; load before: {os.getloadavg()}")
     [ref] = _run([common + ["--role", "single"]], 2, [None])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    c = args.cpus_per_process
-    cpus = [set(range(i * c, (i + 1) * c)) if c else None for i in range(2)]
-    [job] = _run([common + ["--role", "rank", "--coordinator", coordinator, "--process-id", str(i)]
-                  for i in range(2)], 1, cpus)
-    print(f"load after: {os.getloadavg()}")
     print(f"one process, tp=2 (2 host devices): {ref['median_ms']:.2f} ms per decode step "
-          f"(median; mean {ref['mean_ms']:.2f}) at batch {args.batch}")
-    print(f"two processes, tp=2: {job['median_ms']:.2f} ms (median; mean {job['mean_ms']:.2f})")
-    print(f"two processes against one: {100 * (job['median_ms'] / ref['median_ms'] - 1):+.1f}% "
-          "(the sending, and gloo's collectives between processes instead of within one)")
-    print(f"sending: {job['send_ms_per_step']:.3f} ms, {job['bytes_per_step']:.0f} bytes, "
-          f"{job['messages_per_step']:.2f} messages per step (process 0), "
-          f"{100 * job['send_ms_per_step'] / ref['median_ms']:.1f}% of the one-process step "
-          "(target <= 10%; an upper bound: the set may overlap the step running)")
-    print(json.dumps({"reference": ref, "job": job, "args": vars(args)}))
+          f"(median; mean {ref['mean_ms']:.2f}) at batch {args.batch}; {ref['threads']} threads "
+          f"on {ref['cores']} cores", flush=True)
+    jobs = []
+    for name in variants:
+        c, flags = VARIANTS[name]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+        cpus = [{i * c + k for k in range(c)} if c else None for i in range(2)]
+        [job] = _run([common + ["--role", "rank", "--coordinator", coordinator,
+                                "--process-id", str(i)] for i in range(2)], 1, cpus, flags)
+        jobs.append({"variant": name, **job})
+        print(f"two processes, tp=2, {name} ({c or 'all'} cores per process"
+              f"{', ' + ' '.join(flags) if flags else ''}): {job['median_ms']:.2f} ms (median; "
+              f"mean {job['mean_ms']:.2f}), {100 * (job['median_ms'] / ref['median_ms'] - 1):+.1f}% "
+              f"against one process; process 0: {job['threads']} threads on {job['cores']} cores; "
+              f"sending {job['send_ms_per_step']:.3f} ms, {job['bytes_per_step']:.0f} bytes, "
+              f"{job['messages_per_step']:.2f} messages per step, "
+              f"{100 * job['send_ms_per_step'] / ref['median_ms']:.1f}% of the one-process step "
+              "(target <= 10%; an upper bound: the set may overlap the step running)", flush=True)
+    print(f"load after: {os.getloadavg()}")
+    print(json.dumps({"reference": ref, "jobs": jobs, "args": vars(args)}))
     return 0
 
 

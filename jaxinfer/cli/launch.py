@@ -1,17 +1,19 @@
 """Start N local processes of one jaxinfer command as one job (testing a
 model across processes on one machine):
 
-    python -m jaxinfer.cli.launch -n 2 [--cpus-per-process C] -- jaxinfer serve --config C tp=2 [key=value ...]
+    python -m jaxinfer.cli.launch -n 2 [--cpus-per-process C|auto] -- jaxinfer serve --config C tp=2 [key=value ...]
 
 Each process runs the command with `coordinator=127.0.0.1:<free port>
 num_processes=N process_id=i` appended, its output going to this
-terminal. Process i runs on its own C of the cores this launcher may use
-(the i-th C of them, in order; default C: those cores divided by N, no
-pinning where they are fewer than N; 0: no pinning), so each process's XLA CPU thread pool, which
-takes one thread per core the process may use, does not share cores with
-the others'. SIGINT or SIGTERM is passed to process 0 (which stops the job).
-When a process fails, the others are terminated; the launcher exits with
-the first failure's status, or 0 once all exited cleanly.
+terminal. With `--cpus-per-process C`, process i runs on its own C of the
+cores this launcher may use (the i-th C of them, in order; "auto": those
+cores divided by N), so each process's XLA CPU thread pools, sized by the
+cores the process may use, do not share cores with the others'; by
+default the processes are not pinned (on a loaded machine a pinned
+process cannot move off a busy core). SIGINT or SIGTERM is passed to
+process 0 (which stops the job). When a process fails, the others are
+terminated; the launcher exits with the first failure's status, or 0 once
+all exited cleanly.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def commands(command: Sequence[str], num_processes: int, coordinator: str) -> li
                              f"process_id={i}"] for i in range(num_processes)]
 
 
-def core_sets(num_processes: int, cpus_per_process: Optional[int] = None) -> list[Optional[set[int]]]:
+def core_sets(num_processes: int, cpus_per_process: Optional[int] = 0) -> list[Optional[set[int]]]:
     """The cores each process is pinned to: the i-th `cpus_per_process` of
     this process's allowed cores (None: their count // num_processes, or
     no pinning where they are fewer than the processes; 0: no pinning,
@@ -64,7 +66,7 @@ def core_sets(num_processes: int, cpus_per_process: Optional[int] = None) -> lis
 
 
 def run(command: Sequence[str], num_processes: int, coordinator: Optional[str] = None,
-        grace_s: float = 30.0, cpus_per_process: Optional[int] = None) -> int:
+        grace_s: float = 30.0, cpus_per_process: Optional[int] = 0) -> int:
     """Run the job; returns the exit status (first failure's, else 0).
     `cpus_per_process`: as `core_sets`.
 
@@ -124,16 +126,19 @@ def main(argv=None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--num-processes", type=int, required=True, help="processes in the job")
     p.add_argument("--coordinator", help="host:port (default 127.0.0.1 and a free port)")
-    p.add_argument("--cpus-per-process", type=int, default=None,
-                   help="pin process i to the i-th C allowed cores (default: the allowed cores "
-                        "divided by N; 0: no pinning)")
+    p.add_argument("--cpus-per-process", default="0",
+                   help="pin process i to the i-th C allowed cores (auto: the allowed cores "
+                        "divided by N; default 0: no pinning)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- then the command, e.g. jaxinfer serve ...")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.cpus_per_process != "auto" and not args.cpus_per_process.isdigit():
+        p.error(f"--cpus-per-process must be a count or auto, got {args.cpus_per_process!r}")
     try:
         return run(command, args.num_processes, args.coordinator,
-                   cpus_per_process=args.cpus_per_process)
+                   cpus_per_process=(None if args.cpus_per_process == "auto"
+                                     else int(args.cpus_per_process)))
     except ValueError as e:
         p.error(str(e))
 

@@ -211,8 +211,8 @@ def test_serve_over_two_processes_then_a_killed_one_ends_it(toy_folder, tmp_path
 
 def test_launch_starts_n_processes_with_the_job_keys(tmp_path):
     """The local launcher appends coordinator, num_processes and process_id
-    to each process's command and pins process i to its own cores; a
-    failing process's status is the launcher's."""
+    to each process's command and, when asked, pins process i to its own
+    cores; a failing process's status is the launcher's."""
     from jaxinfer.cli import launch
 
     script = ("import os, sys, pathlib; keys = dict(a.split('=') for a in sys.argv[1:]); "
@@ -223,10 +223,11 @@ def test_launch_starts_n_processes_with_the_job_keys(tmp_path):
     cores = [allowed[:len(allowed) // 2], allowed[len(allowed) // 2:2 * (len(allowed) // 2)]]
     if len(allowed) < 2:
         cores = [allowed, allowed]              # fewer cores than processes: no pinning
-    assert launch.run([sys.executable, "-c", script], 2, coordinator="127.0.0.1:5555") == 0
+    assert launch.run([sys.executable, "-c", script], 2, coordinator="127.0.0.1:5555",
+                      cpus_per_process=None) == 0
     assert [(tmp_path / str(i)).read_text() for i in range(2)] == [
         f"coordinator=127.0.0.1:5555 num_processes=2 process_id={i} {cores[i]}" for i in range(2)]
-    assert launch.run([sys.executable, "-c", script], 2, cpus_per_process=0) == 0
+    assert launch.run([sys.executable, "-c", script], 2) == 0          # default: not pinned
     assert [(tmp_path / str(i)).read_text().endswith(f" {allowed}") for i in range(2)] == [True] * 2
     assert launch.run([sys.executable, "-c", script, "fail=1"], 2) == 3
     with pytest.raises(ValueError, match="need num_processes >= 1 and a command"):
