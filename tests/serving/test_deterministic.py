@@ -160,9 +160,9 @@ def test_a_row_is_bitwise_the_same_whatever_its_batch_chunking_and_prefix_hits(m
         _assert_bitwise(_serve(llm, [_target(v)], prefill_chunk_size=chunk), alone, f"chunk {chunk}")
     for n in (1, 6, 15):       # batch 2, 7 and 16
         _assert_bitwise(_with_neighbours(llm, n), alone, f"{n} neighbours")
+    cold = _llm(model, prefix_caching=False)
     for length in (32, 33):    # a prefix hit ending on a page boundary and one token past it
         prompt = ids(length, v, length)
-        cold = _llm(model, prefix_caching=False)
         want = _serve(cold, [_request(prompt)])
         first, again = one_by_one(llm.scheduler(prefill_chunk_size=8), [_request(prompt)] * 2)
         assert (first[2], again[2]) == (0, (length - 1) // 16 * 16)   # the last token is computed
@@ -172,22 +172,27 @@ def test_a_row_is_bitwise_the_same_whatever_its_batch_chunking_and_prefix_hits(m
 @pytest.mark.slow
 @pytest.mark.default_xla_flags   # bitwise: as `jaxinfer` compiles (tests/conftest.py)
 def test_greedy_speculation_and_preemption_keep_the_bits(model):
-    """Pages of 4 tokens throughout, so the k = 4 drafts cross pages, and one
-    LLM serves the plain runs (one set of compiled programs for both)."""
+    """Pages of 4 tokens throughout, so the k = 4 drafts cross pages. One
+    LLM of 4 slots and a pool of 20 pages serves the references, each
+    request alone (it fits the pool), and the five requests at once, which
+    do not fit and preempt: each of the five, the preempted and recomputed
+    ones among them, must be bitwise its run alone (one set of compiled
+    programs for both)."""
     v = model[0].vocab_size
     prompt = (ids(6, v, 7) * 5)[:29]          # repeats: the n-gram proposer finds drafts
-    roomy = _llm(model, page_size=4)
-    plain = _serve(roomy, [_request(prompt, GREEDY)])
-    spec = _llm(model, page_size=4, speculative=SpecConfig("ngram", num_speculative_tokens=4))
+    small = _llm(model, page_size=4, num_pages=20, max_num_seqs=4)
+    plain = _serve(small, [_request(prompt, GREEDY)])
+    spec = _llm(model, page_size=4, num_pages=20, max_num_seqs=4,
+                speculative=SpecConfig("ngram", num_speculative_tokens=4))
     _assert_bitwise(_serve(spec, [_request(prompt, GREEDY)]), plain, "speculation k=4")
     requests = [_request(prompt)] + [_request(ids(n, v, 40 + n), GREEDY if n % 2 else SAMPLED)
                                      for n in (9, 14, 6, 11)]
-    want = _serve(roomy, requests, [0, 0, 1, 2, 2], prefill_chunk_size=8)
-    small = _llm(model, page_size=4, num_pages=20, max_num_seqs=4)
+    want = [_serve(small, [r], prefill_chunk_size=8) for r in requests]
     sched = small.scheduler(prefill_chunk_size=8)
-    tokens, logprobs = run(sched, requests, [0, 0, 1, 2, 2])[0]      # added first
+    got = run(sched, requests, [0, 0, 1, 2, 2])      # in the order added
     assert sched.num_preempted > 0
-    _assert_bitwise((tokens, logprobs), want, "preempted and recomputed")
+    for i, (one, alone) in enumerate(zip(got, want)):
+        _assert_bitwise(one, alone, f"request {i} among the preempting five")
 
 
 @pytest.fixture
