@@ -29,7 +29,10 @@ would be in the panels' layout, or none.
 Agreement with the engine (tests/engine/test_differentiable.py): the
 log-probs `LLM.generate(..., logprobs=0)` reports for its tokens equal
 `token_logprobs` over the prompt and those tokens within float32
-rounding (the serving step's batches and chunks sum in other orders), and
+rounding (RMSNorm sums a row alone in both modes, `models.blocks.rms_norm`,
+where the CPU kernels run; XLA may still compile a one-token step or a
+batch's elementwise code otherwise: 0.0 measured on SmolLM2-135M's 3-row
+rollouts, under 1e-6 on the tiny Llama's 4 x 44 rows), and
 bitwise under `deterministic=True`, whose reductions do not depend on the
 batch or the chunking (docs/deterministic.md), alone or inside a
 trainer's `jax.jit(jax.value_and_grad(...))`: the backward recomputes the

@@ -103,6 +103,30 @@ def packed_matmul(x: jax.Array, w: PackedWeight, rows: Optional[jax.Array] = Non
     return out.reshape(*x.shape[:-1], n)
 
 
+@functools.lru_cache(maxsize=None)
+def _ones_column(k: int, width: int) -> np.ndarray:
+    """The float32 panels of a [k, 1] weight of ones (a numpy constant)."""
+    panels = np.zeros((1, k, width), np.float32)
+    panels[0, :, 0] = 1.0
+    panels.setflags(write=False)
+    return panels
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """The float32 sum of x [..., K] over its last axis as `packed_matmul`
+    of x and a column of ones: one fixed loop k = 0, 1, ... per row, so a
+    row's sum depends only on that row (not on the rows beside it, unlike
+    XLA's reduction), and it is differentiable as `packed_matmul` is.
+    Returns float32 [...].
+
+    Raises:
+      RuntimeError: the kernels are not `enabled()`.
+    """
+    k = x.shape[-1]
+    ones = PackedWeight(_ones_column(k, panel_width()), 1)
+    return packed_matmul(x.astype(jnp.float32), ones)[..., 0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _packed_matmul_f32(flat, panels, count, n: int):
     """The float32 panels' kernel call, differentiable: its VJP is XLA's

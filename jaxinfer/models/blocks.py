@@ -12,12 +12,26 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels.packed import PackedWeight, take_columns
-from jaxinfer.nn.norm import rms_norm
+from jaxinfer.kernels import cpu as cpu_kernels
+from jaxinfer.kernels.packed import PackedWeight, row_sum, take_columns
+from jaxinfer.nn import norm
 from jaxinfer.nn.rope import apply_rope
 from jaxinfer.weights import quant
 from jaxinfer.weights.matmul import matmul
 from jaxinfer.weights.quant import QuantizedWeight
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, deterministic: bool) -> jax.Array:
+    """`nn.norm.rms_norm` as the built-in families run it: each row's mean
+    square summed in an order fixed by that row alone, so a decode step
+    and a whole-sequence forward (`engine.differentiable`) normalise a row
+    alike whatever rows are beside it: `nn.norm.ordered_sum` in the
+    deterministic mode, else the packed kernel's fixed loop
+    (`kernels.packed.row_sum`) where the CPU kernels run, else XLA's
+    reduction. x: [..., D]; returns [..., D] in x.dtype."""
+    if deterministic:
+        return norm.rms_norm(x, scale, eps, ordered=True)
+    return norm.rms_norm(x, scale, eps, row_sum=row_sum if cpu_kernels.enabled() else None)
 
 
 def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> jax.Array:

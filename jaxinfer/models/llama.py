@@ -22,8 +22,8 @@ import numpy as np
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.models import gguf_keys, hf_keys
 from jaxinfer.models.base import CheckpointError, Family
-from jaxinfer.models.blocks import embed_rows, gated_mlp, output_projection, project_qkv, unembed
-from jaxinfer.nn import rms_norm
+from jaxinfer.models.blocks import (embed_rows, gated_mlp, output_projection, project_qkv,
+                                    rms_norm, unembed)
 
 
 # --- forward ---------------------------------------------------------------------------------

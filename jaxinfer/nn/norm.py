@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -45,7 +47,8 @@ def ordered_sum(x: jax.Array) -> jax.Array:
     return x[..., 0]
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, ordered: bool = False) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, ordered: bool = False,
+             row_sum: Optional[Callable[[jax.Array], jax.Array]] = None) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), computed in float32.
 
     Args:
@@ -54,13 +57,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, ordered: bool = False) 
       eps: added to the mean square.
       ordered: take the mean square with `ordered_sum`, so that a row's
         result does not depend on the rows beside it (the deterministic
-        mode, `ModelConfig.deterministic`); otherwise XLA's own reduction.
+        mode, `ModelConfig.deterministic`); otherwise `row_sum` where given
+        (float32 [..., D] -> [...], e.g. `kernels.packed.row_sum`), else
+        XLA's own reduction.
     Returns:
       [..., D] in x.dtype.
     """
     x32 = x.astype(jnp.float32)
     if ordered:
         mean_square = ordered_sum(x32 * x32)[..., None] / x.shape[-1]
+    elif row_sum is not None:
+        mean_square = row_sum(x32 * x32)[..., None] / x.shape[-1]
     else:
         mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     normed = x32 * jax.lax.rsqrt(mean_square + eps)

@@ -13,6 +13,7 @@ from jaxinfer.cache.kv import init_cache
 from jaxinfer.engine import phases
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import packed
+from jaxinfer.models import blocks
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30]]
@@ -117,6 +118,42 @@ def test_grad_is_finite_jits_and_matches_finite_differences(tiny):
         analytic = sum(float(np.vdot(np.asarray(g, np.float64), d))
                        for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction)))
         assert abs(numeric - analytic) <= 0.02 * abs(analytic), (numeric, analytic)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="the C++ kernels are not built here")
+@pytest.mark.default_xla_flags   # as `jaxinfer` compiles: the fast-compile flags' programs differ
+def test_default_mode_rollouts_log_probs_hold_the_forwards_over_many_rows(tiny):
+    """In the default (not deterministic) mode too, a row's RMSNorm sums
+    depend on that row alone (`models.blocks.rms_norm`), so the forward
+    over 4 x 44 rows gives the log-probs the engine reported while decoding
+    a few rows a step, within 1e-6 (XLA's reduction, whose order changes
+    from 128 rows of 32 on, gave 9.3e-6 here)."""
+    llm, raw = tiny
+    prompts = [list(range(1, 31)), list(range(40, 75)), list(range(5, 33)), [3, 9, 27]]
+    tokens, lengths, prompt_lengths, reported = _rollouts(llm, seed=3, prompts=prompts)
+    assert tokens.size >= 128
+    logp = np.asarray(token_logprobs(llm.config, raw, tokens, lengths))
+    assert _largest_difference(logp, prompt_lengths, reported) <= 1e-6
+
+
+@pytest.mark.skipif(not cpu_kernels.enabled(), reason="the C++ kernels are not built here")
+def test_rms_norm_gives_a_row_what_it_gives_it_alone():
+    """`models.blocks.rms_norm` in the default mode (the packed kernel's row
+    sum) and the deterministic mode: each row of [B, D] bitwise as alone, at
+    shapes where XLA's own reduction changed rows (93 of 256 rows of 32, 23
+    of 64 rows of 576)."""
+    rng = np.random.default_rng(0)
+    for b, d in ((256, 32), (64, 576)):
+        x = rng.normal(size=(b, d)).astype(np.float32)
+        scale = rng.normal(size=(d,)).astype(np.float32)
+        for deterministic in (False, True):
+            norm = jax.jit(lambda x: blocks.rms_norm(x, scale, 1e-5, deterministic))
+            whole = np.asarray(norm(x))
+            alone = np.concatenate([np.asarray(norm(x[i:i + 1])) for i in range(b)])
+            assert np.array_equal(whole, alone), (b, d, deterministic)
+            want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-5)
+            np.testing.assert_allclose(whole, want * scale, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
