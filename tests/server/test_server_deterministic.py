@@ -36,10 +36,7 @@ def test_a_request_is_bitwise_the_same_alone_and_among_15_others(name, real_mode
     from jaxinfer.serving.llm import LLM
 
     real_model_path(name)
-    # a step budget of 32 tokens: a step of many prompts is chunked rather than compiled at
-    # 64 and 256 tokens; the target decodes in steps of 2 tokens alone, up to 32 among others
-    llm = LLM.load(name, max_seq_len=256, max_num_seqs=16, max_num_batched_tokens=32,
-                   progress=False, deterministic=True)
+    llm = LLM.load(name, max_seq_len=256, max_num_seqs=16, progress=False, deterministic=True)
     server = build_server(llm, model_name=name, max_num_seqs=16, max_waiting_requests=64)
     with ServerThread(server.app) as url, httpx.Client(base_url=url, timeout=600) as http:
         alone = _completion(http, name, PROMPT, seed=7)
