@@ -91,6 +91,7 @@ from tool_calls import SHOTS, TEMPLATE, TOOLS  # noqa: E402
 from jaxinfer_tools.bench.machine import cpu_info  # noqa: E402
 from jaxinfer_tools.bench.report import page_header, source_commit  # noqa: E402
 from jaxinfer_tools.bench.serve_compare import free_port  # noqa: E402
+from jaxinfer_tools.bench.serve_workloads import ServerProcess  # noqa: E402
 from jaxinfer_tools.bench.structured import CITIES, SCHEMA, prompts  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -433,19 +434,7 @@ def main(argv=None) -> int:
            f"grammar_cache_bytes={cap}", "max_seq_len=1024", *args.overrides]
     r["server_cmd"] = ["jaxinfer", *cmd[3:5], args.config, *cmd[8:]]
     print(f"server log: {log}", flush=True)
-    with open(log, "w") as log_file:
-        server = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not become healthy ({server.poll()}); see {log}")
-            time.sleep(0.5)
+    with ServerProcess(cmd, url, log, start_timeout_s=900, cwd=ROOT):
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         with httpx.Client(base_url=url, timeout=600) as http:   # the first compiles, apart
             _stream(http, {"model": model, "messages": [{"role": "user", "content": STORY}],
@@ -462,9 +451,6 @@ def main(argv=None) -> int:
         if "3" in parts:
             r["speed"] = batch_throughput(url, model, batches, 32 if q else 128)
             print(f"batch-16 decode tokens/s: {r['speed']}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(60)
     r["fuzz"] = None if args.no_fuzz or "4" not in parts else fuzz(q)
     if r["fuzz"] and not r["fuzz"]["passed"]:
         print(f"the fuzz test failed:\n{r['fuzz']['tail']}")

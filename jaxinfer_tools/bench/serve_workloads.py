@@ -37,8 +37,9 @@ HEALTH_POLL_S = 0.1
 
 
 class ServerProcess:
-    """A server subprocess, up once GET <url>/health answers 200 (or, where
-    /health is 404, GET <url>/v1/models); stopped (SIGTERM, then SIGKILL
+    """A server subprocess (started in `cwd`, default this process's), up
+    once GET <url>/health answers 200 (or, where /health is 404, GET
+    <url>/v1/models); stopped (SIGTERM, then SIGKILL
     after 60 s) on exit. `started` is the `time.perf_counter()` just before
     the process was spawned; `healthy_s` the seconds from then to the first
     200 (None until up).
@@ -49,9 +50,10 @@ class ServerProcess:
     """
 
     def __init__(self, cmd: Sequence[str], url: str, log_path: pathlib.Path, start_timeout_s: float,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, cwd: Optional[pathlib.Path] = None):
         self.cmd, self.url, self.log_path, self.start_timeout_s = list(cmd), url, log_path, start_timeout_s
         self.env = None if env is None else {**os.environ, **env}
+        self.cwd = cwd
         self.proc: Optional[subprocess.Popen] = None
         self.started = 0.0
         self.healthy_s: Optional[float] = None
@@ -72,7 +74,7 @@ class ServerProcess:
         log = open(self.log_path, "w", encoding="utf-8")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env)
+                                     stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd)
         log.close()
         while time.perf_counter() - self.started < self.start_timeout_s:
             if self.proc.poll() is not None:
