@@ -8,7 +8,9 @@ replicas are used.
 
 Modules: `prefix` (a prompt's page hashes as the router computes them,
 and which replica was sent which pages; no Ray), `asgi` (a request
-through the server's app in-process, streamed; no Ray), `router` (the
-Ray Serve request router), `deployment` (the replica and ingress
-deployments, `build`), `run` (the commands). See docs/scaling.md.
+through the server's app in-process, streamed; no Ray), `forward` (the
+ingress's forwarding of a request to a replica and its response back; no
+Ray), `router` (the Ray Serve request router), `deployment` (the replica
+and ingress deployments, `build`), `run` (the commands). See
+docs/scaling.md.
 """

@@ -5,7 +5,13 @@ and forwards the request through a deployment handle; the replicas'
 `PrefixAffinityRouter` (`scale.router`) picks the replica.
 
     app = build(ReplicaSettings(config="configs/x.yaml", overrides=("max_num_seqs=8",)), replicas=2)
-    serve.run(app, name="jaxinfer", route_prefix="/")
+    serve.run(app, name="jaxinfer", route_prefix="/")      # HTTP through Ray Serve's proxy
+    app = build(settings, replicas=2, listen=("0.0.0.0", 8000))   # ... or the ingress's own
+
+Through Ray Serve's proxy a request takes two hops (proxy to ingress, ingress
+to replica) and the ingress reads its body back from the proxy; with
+`listen` the ingress is the HTTP server (uvicorn, as `jaxinfer serve`),
+and the one hop left is the deployment handle's to the replica.
 
 A replica runs each forwarded request through its server's own app
 (`scale.asgi.call_app`), so routes, validation, errors and streaming are
@@ -31,8 +37,8 @@ import dataclasses
 import json
 from typing import Optional
 
+import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -40,19 +46,16 @@ from jaxinfer.checkpoint.sources import resolve_model
 from jaxinfer.config import GenerationConfig
 from jaxinfer.progress import Progress
 from jaxinfer.scale.asgi import AppLifespan, Head, call_app
+from jaxinfer.scale.forward import REPLICA_HEADER, Forwarder
 from jaxinfer.scale.prefix import PromptPages
-from jaxinfer.scale.router import PAGE_HASHES, PINNED, PrefixAffinityRouter
+from jaxinfer.scale.router import PrefixAffinityRouter
 from jaxinfer.server.protocol import error_body
-from jaxinfer.server.routes import sse
-from jaxinfer.server.run import build_server
+from jaxinfer.server.run import bind_socket, build_server
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.loading import PYTHON_SOURCE, enable_compilation_cache, load_tokenizer
 from jaxinfer.tokenizer.chat import with_chat_template
 
-REPLICA_HEADER = "x-jaxinfer-replica"
 ROUTERS = ("prefix", "pow2")    # PrefixAffinityRouter; Ray's default (power of two choices)
-_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
-                          "upgrade", "te", "trailer", "proxy-connection"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,27 +131,6 @@ class Replica:
             await self.lifespan.stop()
 
 
-# (defined before the ingress class: `serve.ingress` pickles the class, with the globals it
-# finds, when it decorates it)
-async def _pass_through(parts):
-    """The replica's stream, piece by piece; a replica lost mid-stream ends
-    it with an error event and `data: [DONE]`."""
-    try:
-        async for piece in parts:
-            yield piece
-    except Exception as e:  # noqa: BLE001
-        yield sse(error_body(f"the replica serving this request failed: {e}", "server_error",
-                             code="replica_failed")).encode()
-        yield b"data: [DONE]\n\n"
-    finally:
-        parts.cancel()
-
-
-def _replica_failed(e: Exception) -> JSONResponse:
-    return JSONResponse(error_body(f"the replica serving this request failed: {type(e).__name__}: "
-                                   f"{e}", "server_error", code="replica_failed"), status_code=503)
-
-
 def router_tokenizer(cfg):
     """The model's tokenizer with the served chat template (None for a
     "python:" model, whose tokenizer comes only with its weights)."""
@@ -163,40 +145,41 @@ ingress_app = FastAPI(title="jaxinfer replicas", docs_url=None, redoc_url=None, 
 
 @serve.ingress(ingress_app)
 class Ingress:
-    """Takes every HTTP request and forwards it to a replica (see the module
-    docstring); the prompt's page hashes go with it for the router."""
+    """Takes every HTTP request and forwards it to a replica
+    (`scale.forward.Forwarder`): the prompt's page hashes go with it for
+    the router. With `listen` (host, port), it also serves HTTP itself
+    there, so a request skips Ray Serve's proxy and its hop to the ingress.
 
-    def __init__(self, replicas, settings: ReplicaSettings, max_pages: int = 32):
+    Raises:
+      ValueError: `listen` cannot be bound (naming the address).
+    """
+
+    async def __init__(self, replicas, settings: ReplicaSettings, max_pages: int = 32,
+                       listen: Optional[tuple[str, int]] = None):
         cfg = settings.generation_config()
-        self.pages = PromptPages(router_tokenizer(cfg), cfg.page_size, max_pages)
-        self.replicas = replicas.options(stream=True)
+        self.forwarder = Forwarder(PromptPages(router_tokenizer(cfg), cfg.page_size, max_pages),
+                                   replicas.options(stream=True).handle_request.remote)
+        self.listener = None
+        if listen is not None:
+            sock = bind_socket(*listen)
+            server = uvicorn.Server(uvicorn.Config(self.forwarder, lifespan="off", ws="none",
+                                                   log_level="warning", access_log=False))
+            self.listener = asyncio.ensure_future(server.serve(sockets=[sock]))
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(self, request: HTTPRequest):
-        body = await request.body()
-        path = request.url.path
-        hashes = self.pages.of_request(path, body) if request.method == "POST" else []
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
-        routing = {PAGE_HASHES: hashes, PINNED: request.headers.get(REPLICA_HEADER)}
-        parts = self.replicas.handle_request.remote(request.method, path, request.url.query,
-                                                    headers, body, **routing)
-        try:
-            head = await parts.__anext__()
-        except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
-            return _replica_failed(e)
-        headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
-        if not head.header("content-type").startswith("text/event-stream"):
-            try:
-                content = b"".join([piece async for piece in parts])
-            except Exception as e:  # noqa: BLE001
-                return _replica_failed(e)
-            return Response(content, status_code=head.status, headers=headers)
-        return StreamingResponse(_pass_through(parts), status_code=head.status, headers=headers)
+        return await self.forwarder.respond(request)
+
+    def check_health(self) -> None:
+        """Ray's health check. Raises RuntimeError when the `listen` server stopped."""
+        if self.listener is not None and self.listener.done():
+            raise RuntimeError("the ingress's HTTP server stopped")
 
 
 def build(settings: ReplicaSettings, replicas: int = 2, router: str = "prefix",
           replica_cpus: float = 1.0, replica_gpus: float = 0.0, max_ongoing_requests: Optional[int] = None,
-          health_check_period_s: float = 10.0, max_pages: int = 32):
+          health_check_period_s: float = 10.0, max_pages: int = 32,
+          listen: Optional[tuple[str, int]] = None):
     """The Ray Serve application (`serve.run` it) of `replicas` replicas of
     `settings` behind one ingress.
 
@@ -208,6 +191,9 @@ def build(settings: ReplicaSettings, replicas: int = 2, router: str = "prefix",
         config's max_num_seqs plus max_waiting_requests); more wait in the router.
       health_check_period_s: how often Ray checks each replica, seconds.
       max_pages: prompt pages hashed for routing, at most.
+      listen: (host, port) where the ingress serves HTTP itself, besides
+        Ray Serve's proxy (None: only through the proxy); one ingress
+        replica binds it, on whichever node Ray places it.
     Raises:
       ValueError: replicas < 1, an unknown router, a bad config, tp or
         num_processes > 1 (before Ray starts anything).
@@ -230,4 +216,4 @@ def build(settings: ReplicaSettings, replicas: int = 2, router: str = "prefix",
         health_check_period_s=health_check_period_s, request_router_config=router_config)
     ingress = serve.deployment(Ingress, name="JaxinferIngress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(1000, replicas * max_ongoing_requests))
-    return ingress.bind(replica.bind(settings), settings, max_pages)
+    return ingress.bind(replica.bind(settings), settings, max_pages, listen)

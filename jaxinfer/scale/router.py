@@ -30,10 +30,8 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from jaxinfer.scale.forward import PAGE_HASHES, PINNED
 from jaxinfer.scale.prefix import PrefixTable
-
-PAGE_HASHES = "page_hashes"     # the keyword argument that carries a request's page hashes
-PINNED = "pinned"               # ... and the id of the replica a request must run on (or None)
 
 
 class PrefixAffinityRouter(RequestRouter):

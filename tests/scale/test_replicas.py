@@ -31,7 +31,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(toy_folder, tmp_path_factory):
-    """(ray, serve, url) of 2 toy replicas behind the prefix router."""
+    """(ray, serve, url, proxy url) of 2 toy replicas behind the prefix
+    router: url is the ingress's own HTTP server (`jaxinfer serve
+    --replicas`), proxy url Ray Serve's proxy (`serve run`)."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
     from ray import serve
     from jaxinfer.scale.deployment import ReplicaSettings, build
@@ -44,12 +46,12 @@ def cluster(toy_folder, tmp_path_factory):
         "max_waiting_requests=16", "warmup=false"))
     ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
-    port = _free_port()
+    port, listen = _free_port(), _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(settings, replicas=2, replica_cpus=1, health_check_period_s=1),
-                  name="jaxinfer", route_prefix="/")
-        yield ray, serve, f"http://127.0.0.1:{port}"
+        serve.run(build(settings, replicas=2, replica_cpus=1, health_check_period_s=1,
+                        listen=("127.0.0.1", listen)), name="jaxinfer", route_prefix="/")
+        yield ray, serve, f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -68,7 +70,7 @@ def reference(toy_folder):
     return lambda prompt, n: llm.generate([prompt], max_new_tokens=n, ignore_eos=True)[0].text
 
 
-def test_two_replicas_answer_the_openai_client(client, reference):
+def test_two_replicas_answer_the_openai_client(cluster, client, reference):
     prompt = "我爱世界"
     want = reference(prompt, 8)
     done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
@@ -87,6 +89,11 @@ def test_two_replicas_answer_the_openai_client(client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
     with pytest.raises(openai.BadRequestError, match="max_seq_len|max_tokens"):   # the server's own 400
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=64)
+    proxied = openai.OpenAI(base_url=cluster[3] + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = proxied.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})
+    pieces = [c.choices[0].text for c in stream if c.choices]   # the same through Ray's proxy
+    assert "".join(pieces) == want and len(pieces) > 1
 
 
 def test_prefix_affinity(cluster, capsys):
@@ -162,7 +169,7 @@ def test_killed_replica_fails_its_requests_and_comes_back(cluster, client):
     there: a client leaving aborts its request; killing the replica ends a
     waiting stream with the replica_failed event, new requests go to the
     other replica, and Ray starts a replacement that takes requests."""
-    ray, serve, url = cluster
+    ray, serve, url, _ = cluster
     victim = httpx.get(url + "/v1/models", timeout=60).headers[REPLICA]
     before = _replica_ids(ray)
     assert victim in before and len(before) == 2
@@ -235,6 +242,8 @@ def test_serve_run_arguments():
 
     with pytest.raises(ValueError, match="replicas='two': expected int"):
         app({"replicas": "two"})
+    with pytest.raises(ValueError, match="listen='8000': expected host:port"):
+        app({"listen": "8000"})
     with pytest.raises(ValueError, match="router must be one of"):
         app({"router": "round_robin"})
     with pytest.raises(ValueError, match="replicas must be >= 1"):

@@ -1,7 +1,7 @@
 """The replicas' routing and forwarding pieces that need no Ray
-(`jaxinfer.scale.prefix`, `jaxinfer.scale.asgi`), and that the library
-imports no Ray. Ray itself
-is tested in test_replicas.py (slow)."""
+(`jaxinfer.scale.prefix`, `jaxinfer.scale.asgi`, `jaxinfer.scale.forward`),
+and that the library imports no Ray. Ray itself is tested in
+test_replicas.py (slow)."""
 
 import asyncio
 import contextlib
@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from jaxinfer.scale.asgi import AppLifespan, Head, call_app
+from jaxinfer.scale.forward import Forwarder
 from jaxinfer.scale.prefix import PrefixTable, PromptPages
 from jaxinfer.serving.pages import page_hashes
 
@@ -130,7 +131,118 @@ def test_call_app_streams_the_response_and_disconnects_on_close():
 
 def test_the_library_imports_no_ray():
     code = ("import sys, jaxinfer, jaxinfer.server, jaxinfer.cli.serve, jaxinfer.scale.prefix, "
-            "jaxinfer.scale.asgi; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")
+            "jaxinfer.scale.asgi, jaxinfer.scale.forward; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]"]
+
+
+class _FakeReplica:
+    """`Forwarder`'s `call`: records each call, answers `parts` (a `Head`,
+    then bytes; an exception is raised where it stands), and records its
+    own cancelling."""
+
+    def __init__(self, *parts):
+        self.parts, self.calls, self.cancelled = parts, [], False
+
+    def __call__(self, *args, **routing):
+        self.calls.append((args, routing))
+        replica = self
+
+        class Stream:
+            def __init__(self):
+                self.items = iter(replica.parts)
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                item = next(self.items, StopAsyncIteration)
+                if item is StopAsyncIteration or isinstance(item, Exception):
+                    raise item
+                await asyncio.sleep(0)
+                return item
+
+            def cancel(self):
+                replica.cancelled = True
+
+        return Stream()
+
+
+def _forward(replica, method, path, body=b"", headers=(), receive_more=None):
+    """(status, headers, body) of one request through a `Forwarder` over
+    `replica`, run as the ASGI app uvicorn serves."""
+    sent = []
+
+    async def run():
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await (receive_more or asyncio.Event()).wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": path, "query_string": b"a=1",
+                 "headers": [(k.encode(), v.encode()) for k, v in headers], "http_version": "1.1",
+                 "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+                 "root_path": "", "raw_path": path.encode()}
+        await Forwarder(PromptPages(_CharTokenizer(), page_size=2), replica)(scope, receive, send)
+
+    asyncio.run(run())
+    start = sent[0]
+    return (start["status"], {k.decode(): v.decode() for k, v in start["headers"]},
+            b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_forwarder_sends_the_prompt_pages_and_passes_the_response_through():
+    body = json.dumps({"prompt": "abcde", "stream": True}).encode()
+    replica = _FakeReplica(Head(200, [("content-type", "text/event-stream"), ("connection", "x")]),
+                           b"data: 1\n\n", b"data: [DONE]\n\n")
+    status, headers, content = _forward(replica, "POST", "/v1/completions", body,
+                                        [("x-jaxinfer-replica", "r1"), ("keep-alive", "5")])
+    assert (status, content) == (200, b"data: 1\n\ndata: [DONE]\n\n")
+    assert headers["content-type"] == "text/event-stream" and "connection" not in headers
+    [(args, routing)] = replica.calls
+    assert args[:3] == ("POST", "/v1/completions", "a=1") and args[4] == body
+    assert ("x-jaxinfer-replica", "r1") in args[3] and all(k != "keep-alive" for k, _ in args[3])
+    assert routing == {"page_hashes": page_hashes([ord(c) for c in "abcd"], 2), "pinned": "r1"}
+    assert replica.cancelled                                   # the stream is closed when done
+    replica = _FakeReplica(Head(404, [("content-type", "application/json")]), b'{"a"', b": 1}")
+    assert _forward(replica, "GET", "/v1/nowhere")[::2] == (404, b'{"a": 1}')
+    assert replica.calls[0][1] == {"page_hashes": [], "pinned": None}
+
+
+def test_forwarder_answers_a_failed_replica():
+    status, _, content = _forward(_FakeReplica(RuntimeError("actor died")), "POST", "/v1/completions")
+    assert status == 503 and json.loads(content)["error"]["code"] == "replica_failed"
+    assert "RuntimeError: actor died" in json.loads(content)["error"]["message"]
+    not_streamed = _FakeReplica(Head(200, [("content-type", "application/json")]), RuntimeError("x"))
+    assert _forward(not_streamed, "POST", "/v1/completions")[0] == 503
+    streamed = _FakeReplica(Head(200, [("content-type", "text/event-stream")]), b"data: 1\n\n",
+                            RuntimeError("actor died"))
+    status, _, content = _forward(streamed, "POST", "/v1/completions")
+    events = content.decode().split("\n\n")
+    assert status == 200 and events[0] == "data: 1" and events[-2] == "data: [DONE]"
+    assert json.loads(events[1][len("data: "):])["error"]["code"] == "replica_failed"
+
+
+def test_forwarder_cancels_the_replica_stream_when_the_client_leaves():
+    class Endless(_FakeReplica):
+        def __call__(self, *args, **routing):
+            stream = super().__call__(*args, **routing)
+            stream.items = iter([Head(200, [("content-type", "text/event-stream")])]
+                                + [b"data: 1\n\n"] * 10 ** 6)
+            return stream
+
+    left = asyncio.Event()
+    left.set()                                  # the client is gone once its request was read
+    replica = Endless()
+    status, _, content = _forward(replica, "POST", "/v1/completions", receive_more=left)
+    assert status == 200 and len(content) < 10 ** 6 * 9 and replica.cancelled
+    with pytest.raises(ValueError, match="HTTP only"):
+        asyncio.run(Forwarder(PromptPages(None, 2), replica)({"type": "websocket"}, None, None))
