@@ -11,7 +11,9 @@ Workload: `--groups` prefixes of `--prefix-tokens` random token ids, each
 asked `--rounds` times with its own 16-token suffix, interleaved (every
 group once, then again), one request at a time, 1 generated token,
 streamed; prompts go as token ids, so the tokenizer plays no part. TTFT is
-timed at the client from sending to the first `data:` event.
+timed at the client from sending to the first `data:` event. The Ray runs
+are asked through the ingress's own HTTP server (`build`'s `listen`, as
+`jaxinfer serve --replicas` serves them).
 
 Runs, one after another, each on fresh caches:
   direct   one `jaxinfer serve` of the same config in its own process (no
@@ -24,8 +26,11 @@ Runs, one after another, each on fresh caches:
            prompt (32 token ids, a prefix hit after the first) sent
            `--overhead-requests` times to each, alternating (which goes
            first alternates too), after 5 unmeasured each; overhead = p50
-           TTFT through Ray Serve's proxy, the ingress, the router and a
-           handle minus p50 TTFT of the direct server (target <= 5 ms).
+           TTFT through the ingress's own HTTP server (as `jaxinfer serve
+           --replicas` serves), the router and a handle minus p50 TTFT of
+           the direct server (target <= 5 ms); the same requests through
+           Ray Serve's proxy to the ingress (as `serve run` serves) are sent
+           in the same rotation, for comparison.
   kill     `--replicas` replicas (prefix router); `--kill-streams` streams
            of `--kill-tokens` tokens (ignore_eos) pinned to each replica;
            once every stream has its first token one replica is killed
@@ -170,34 +175,42 @@ def direct_server(settings: ReplicaSettings, timeout_s: float = 600.0):
             proc.wait()
 
 
-def overhead(routed: str, direct: str, model: str, prompt: list[int], requests: int) -> dict:
-    """p50 TTFT of `prompt` sent `requests` times to each URL, alternating
-    (and alternating which goes first), after 5 unmeasured requests each."""
-    ttft = {routed: [], direct: []}
+def overhead(routed: str, direct: str, model: str, prompt: list[int], requests: int,
+             proxy: str) -> dict:
+    """p50 TTFT of `prompt` sent `requests` times to each URL (routed:
+    the ingress's own server; proxy: Ray Serve's proxy), in turn (and
+    alternating the order), after 5 unmeasured requests each."""
+    urls = {"routed": routed, "proxy": proxy, "direct": direct}
+    ttft = {name: [] for name in urls}
     with httpx.Client(timeout=600) as client:
         for _ in range(5):
-            for url in (routed, direct):
+            for url in urls.values():
                 ask(client, url, model, prompt)
         for i in range(requests):
-            for url in ((routed, direct) if i % 2 == 0 else (direct, routed)):
-                ttft[url].append(ask(client, url, model, prompt)[0])
-    routed_ms, direct_ms = (1e3 * statistics.median(ttft[u]) for u in (routed, direct))
-    return {"requests": requests, "routed_p50_ttft_ms": routed_ms, "direct_p50_ttft_ms": direct_ms,
-            "overhead_ms": routed_ms - direct_ms,
-            "routed_p90_ttft_ms": 1e3 * float(np.percentile(ttft[routed], 90)),
-            "direct_p90_ttft_ms": 1e3 * float(np.percentile(ttft[direct], 90))}
+            for name in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
+                ttft[name].append(ask(client, urls[name], model, prompt)[0])
+    out = {"requests": requests}
+    for name, times in ttft.items():
+        out[f"{name}_p50_ttft_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_p90_ttft_ms"] = 1e3 * float(np.percentile(times, 90))
+    out["overhead_ms"] = out["routed_p50_ttft_ms"] - out["direct_p50_ttft_ms"]
+    out["proxy_overhead_ms"] = out["proxy_p50_ttft_ms"] - out["direct_p50_ttft_ms"]
+    return out
 
 
 def on_ray(settings: ReplicaSettings, sequence, replicas: int, router: str, port: int,
            direct_url=None, overhead_requests: int = 0, overhead_prompt=()) -> dict:
     from ray import serve
 
-    serve.run(build(settings, replicas=replicas, router=router), name="bench", route_prefix="/")
+    listen = _free_port()
+    serve.run(build(settings, replicas=replicas, router=router, listen=("127.0.0.1", listen)),
+              name="bench", route_prefix="/")
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{listen}"
         out = run_sequence(url, "m", sequence)
         if direct_url and overhead_requests:
-            out["overhead"] = overhead(url, direct_url, "m", list(overhead_prompt), overhead_requests)
+            out["overhead"] = overhead(url, direct_url, "m", list(overhead_prompt), overhead_requests,
+                                       proxy=f"http://127.0.0.1:{port}")
         return out
     finally:
         serve.delete("bench")
@@ -239,8 +252,10 @@ def kill_replica(settings: ReplicaSettings, replicas: int, port: int, vocab_size
     import ray
     from ray import serve
 
-    serve.run(build(settings, replicas=replicas, router="prefix"), name="bench", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    listen = _free_port()
+    serve.run(build(settings, replicas=replicas, router="prefix", listen=("127.0.0.1", listen)),
+              name="bench", route_prefix="/")
+    url = f"http://127.0.0.1:{listen}"
     actor_prefix = "SERVE_REPLICA::bench#JaxinferReplica#"
 
     def live_ids() -> set:
@@ -376,7 +391,9 @@ def main(argv=None) -> None:
         o = results["one"]["overhead"]
         print(f"router overhead = routed p50 TTFT - direct p50 TTFT = {o['routed_p50_ttft_ms']:.1f} - "
               f"{o['direct_p50_ttft_ms']:.1f} = {o['overhead_ms']:.1f} ms over {o['requests']} "
-              f"requests each (target <= 5 ms)")
+              f"requests each (target <= 5 ms); through Ray Serve's proxy "
+              f"{o['proxy_p50_ttft_ms']:.1f} - {o['direct_p50_ttft_ms']:.1f} = "
+              f"{o['proxy_overhead_ms']:.1f} ms")
     if "kill" in results:
         k = results["kill"]
         print(f"replica killed: first new request succeeded after {k['first_new_success_s']:.2f} s "

@@ -192,8 +192,8 @@ def build(settings: ReplicaSettings, replicas: int = 2, router: str = "prefix",
       health_check_period_s: how often Ray checks each replica, seconds.
       max_pages: prompt pages hashed for routing, at most.
       listen: (host, port) where the ingress serves HTTP itself, besides
-        Ray Serve's proxy (None: only through the proxy); one ingress
-        replica binds it, on whichever node Ray places it.
+        Ray Serve's proxy (None: only through the proxy); the ingress then
+        runs on the cluster's head node, and binds it there.
     Raises:
       ValueError: replicas < 1, an unknown router, a bad config, tp or
         num_processes > 1 (before Ray starts anything).
@@ -214,6 +214,9 @@ def build(settings: ReplicaSettings, replicas: int = 2, router: str = "prefix",
         num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         health_check_period_s=health_check_period_s, request_router_config=router_config)
+    # with `listen`, the ingress runs on the head node (Ray's resource naming it), where it listens
+    placement = {"resources": {"node:__internal_head__": 0.001}} if listen is not None else {}
     ingress = serve.deployment(Ingress, name="JaxinferIngress").options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(1000, replicas * max_ongoing_requests))
+        ray_actor_options={"num_cpus": 0, **placement},
+        max_ongoing_requests=max(1000, replicas * max_ongoing_requests))
     return ingress.bind(replica.bind(settings), settings, max_pages, listen)

@@ -9,7 +9,7 @@ piece as it arrives.
     await forwarder(scope, receive, send)                   # or as an ASGI app (uvicorn)
 
 `call(method, path, query, headers, body, page_hashes=..., pinned=...)`
-must return an async iterator of a `asgi.Head` and then the body's bytes
+must return an async iterator of an `asgi.Head`, then the body's bytes
 (`scale.deployment.Replica.handle_request`) with a `cancel()` method (Ray's
 `DeploymentResponseGenerator`). A request carrying the header
 `REPLICA_HEADER` is pinned to that replica (`pinned`). A replica that
