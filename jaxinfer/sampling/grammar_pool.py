@@ -47,15 +47,25 @@ class GrammarPool:
     to powers of two (at least MIN_STATES, MIN_EDGES; kept at the size they
     reached while that still fits the cap, so evictions do not change the
     compiled step's shapes) and the live rows to a power of two (at least
-    MIN_LIVE_ROWS).
+    MIN_LIVE_ROWS; `live_rows` rows from the start).
+
+    A pool with a `limit` (the largest padded (S, E) the compiled step
+    takes now; see `grow`) never builds tables past it, and always builds
+    tables (empty ones before the first automaton): an automaton that needs
+    more evicts within the limit, or is refused like one over the cap, and
+    `wanted` names the shape it needed (within the cap) until `grow` allows it.
 
     Args:
       vocab_size: the model's V (the masks' width: ceil(V / 32) words).
       max_bytes: the cap on the padded device tables (live rows apart); an
         automaton whose tables cannot fit it alone is never added.
+      live_rows: host-masked rows the tables hold before any doubling (a
+        runner passes its slots: one live row per slot at most).
+      limit: True: start limited to the smallest tables (`limit`); False: none.
     """
 
-    def __init__(self, vocab_size: int, max_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES):
+    def __init__(self, vocab_size: int, max_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+                 live_rows: int = MIN_LIVE_ROWS, limit: bool = False):
         self.max_bytes = int(max_bytes)
         self._width = -(-int(vocab_size) // 32)
         self._lru: collections.OrderedDict = collections.OrderedDict()  # key -> Grammar, LRU first
@@ -69,7 +79,9 @@ class GrammarPool:
         self.evictions = 0
         self._tables: Optional[GrammarTables] = None
         self.live: dict[int, HostMatcher] = {}
-        self._words = np.zeros((MIN_LIVE_ROWS, self._width), np.int32)
+        self._words = np.zeros((max(int(live_rows), 1), self._width), np.int32)
+        self.limit: Optional[tuple[int, int]] = self._padded(0, 0) if limit else None
+        self.wanted: Optional[tuple[int, int]] = None
 
     @staticmethod
     def key(grammar: Grammar):
@@ -99,8 +111,27 @@ class GrammarPool:
     def _padded(self, states: int, edges: int) -> tuple[int, int]:
         return _pow2(states, MIN_STATES), _pow2(edges, MIN_EDGES)
 
-    def _fits(self, states: int, edges: int) -> bool:
-        return self.table_bytes(*self._padded(states, edges)) <= self.max_bytes
+    def _fits(self, states: int, edges: int, limited: bool = True) -> bool:
+        shape = self._padded(states, edges)
+        inside = (not limited or self.limit is None
+                  or (shape[0] <= self.limit[0] and shape[1] <= self.limit[1]))
+        return inside and self.table_bytes(*shape) <= self.max_bytes
+
+    def _want(self, need: tuple[int, int]) -> None:
+        """Note that tables of padded shape `need` were needed past the limit
+        (`wanted`: the limit and every such need, while within the cap)."""
+        wanted = tuple(max(x) for x in zip(need, self.limit, self.wanted or need))
+        if self.table_bytes(*wanted) <= self.max_bytes:
+            self.wanted = wanted
+
+    def grow(self, shape: tuple[int, int]) -> None:
+        """Let the tables take padded (S, E) = `shape` from the next `tables()`
+        (the step is compiled for it; within the cap); `wanted` is cleared
+        when `shape` holds it."""
+        self.limit = (max(shape[0], self.limit[0]), max(shape[1], self.limit[1]))
+        if self.wanted is not None and all(w <= m for w, m in zip(self.wanted, self.limit)):
+            self.wanted = None
+        self._tables = None
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +175,8 @@ class GrammarPool:
         states, edges = self.num_states + grammar.num_states, self.num_edges + len(grammar.tokens)
         if self._fits(states, edges):
             return True
+        if self.limit is not None:
+            self._want(self._padded(states, edges))
         pinned = set(self._users.values())
         victims = [k for k in self._lru if k not in pinned]       # least recently used first
         free_s = sum(self._lru[k].num_states for k in victims)
@@ -169,6 +202,8 @@ class GrammarPool:
     def _layout_shape(self) -> tuple[int, int]:
         """Padded (S, E) for the resident automata: the tables' current
         shape while it holds them within the cap, else the powers of two."""
+        if self.limit is not None:      # the one shape the step is compiled for
+            return self.limit
         states, edges = self.num_states, self.num_edges
         need = self._padded(states, edges)
         keep = (max(need[0], self._shape[0]), max(need[1], self._shape[1]))
@@ -192,7 +227,7 @@ class GrammarPool:
         """The device tables of every resident automaton, with each live
         row's next-token mask computed now (None before the first grammar
         or host-masked row)."""
-        if not self._lru and not self.live and self._tables is None:
+        if not self._lru and not self.live and self._tables is None and self.limit is None:
             return None
         if self._tables is None or self._tables.live.shape != self._words.shape:
             grammars = self.grammars

@@ -32,11 +32,10 @@ from jaxinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxinfer.engine import step as engine_step
 from jaxinfer.engine.ragged import AttentionBackend, choose_backend
 from jaxinfer.sampling.arrays import to_device
-from jaxinfer.sampling.grammar import GrammarPool, HostGrammar, remap_states
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
-from jaxinfer.sampling.structured import UNCONSTRAINED, host_state
 from jaxinfer.serving import chunking
 from jaxinfer.serving.buckets import bucket_for, power_of_two_buckets
+from jaxinfer.serving.grammar_rows import GrammarRows
 from jaxinfer.serving.programs import ProgramCache
 from jaxinfer.serving.request import Request
 from jaxinfer.serving.rows import TokenRules, row_inputs
@@ -113,7 +112,7 @@ class Dispatched:
     steps: int
 
 
-class ModelRunner:
+class ModelRunner(GrammarRows):
     """Runs one model's step over a paged KV cache for the scheduler.
 
     Args:
@@ -155,9 +154,7 @@ class ModelRunner:
         self.backend = backend or choose_backend(jnp.dtype(cache_config.dtype))
         self.stop = tokens.device()
         self.grammars = tokens.grammars
-        self.grammar_pool = GrammarPool(config.vocab_size, *(
-            [self.grammars.cache_bytes] if self.grammars is not None else []))
-        self.host_rows: dict[int, int] = {}   # slot -> live row of a host-masked request
+        self._init_grammar_rows(config.vocab_size, (-1,) + LOGPROB_BUCKETS)   # `grammar_rows`
         self.speculative = speculative
         self.spec = self._spec(speculative)
         self.draft_params = speculative.draft.params if isinstance(self.spec, DraftConfig) else None
@@ -217,6 +214,8 @@ class ModelRunner:
         self.rows = engine_step.new_rows(row_inputs(
             [Request((0,), max_new_tokens=1)] * self.max_num_seqs, self.config.vocab_size,
             self.max_seq_len))
+        if self.growth is not None:     # compiles once: rows' states move without a compile
+            self.growth.compile_remap(self.grammar_pool.limit[0], self.rows.grammar)
 
     def _init_caches(self):
         cache = self._init_cache(self.config)
@@ -274,79 +273,6 @@ class ModelRunner:
         lengths[:len(admissions)] = [x.cached for x in admissions]
         self.cache, self.rows = self.programs(engine_step.admit, self.cache, self.rows,
                                               to_device(slots), inputs, to_device(lengths))
-
-    def check_structured(self, request: Request) -> None:
-        """Compile a request's structured output (cached). Raises ValueError:
-        an invalid constraint, or a runner without a `GrammarCompiler`."""
-        if request.sampling.structured is not None:
-            if self.grammars is None:
-                raise ValueError("structured output needs a model with a tokenizer")
-            self.grammars.compile(request.sampling.structured)
-
-    def host_constrained(self, request: Request) -> bool:
-        """Whether the request's constraint compiles to a host mask now
-        (`grammar.HostGrammar`); `_grammar_states` decides again as it seats
-        the row (`GrammarCompiler.background`: the tables may be built by then)."""
-        spec = request.sampling.structured
-        return spec is not None and isinstance(self.grammars.compile(spec), HostGrammar)
-
-    def _grammar_states(self, admissions: Sequence[Admission]) -> list[int]:
-        """Each admitted row's grammar state (-1: none), after the tokens it
-        generated before a preemption; the device tables follow. A
-        host-masked request takes a live row (its slot's earlier one freed).
-        An automaton the pool cannot hold beside those running rows use
-        (`GrammarPool`, the grammar_cache_bytes cap) is masked on the host;
-        when the pool evicted automata and compacted its tables, the running
-        rows' states are moved with them (`remap_states`)."""
-        states, device = [UNCONSTRAINED] * len(admissions), []
-        for i, x in enumerate(admissions):
-            old = self.host_rows.pop(x.slot, None)
-            if old is not None:
-                self.grammar_pool.release(old)
-            self.grammar_pool.release_slot(x.slot)
-            spec = x.request.sampling.structured
-            if spec is None:
-                continue
-            self.check_structured(x.request)
-            grammar = self.grammars.compile(spec)
-            pool = self.grammar_pool
-            if not isinstance(grammar, HostGrammar) and pool.add(grammar, x.slot) is None:
-                grammar = self.grammars.host_grammar(spec, "its automaton's tables do not fit the "
-                                                     "grammar cache beside those of running rows")
-            if isinstance(grammar, HostGrammar):
-                self.host_rows[x.slot] = self.grammar_pool.acquire(grammar.matcher(x.generated))
-                states[i] = host_state(self.host_rows[x.slot])
-            else:
-                device.append((i, grammar, x.generated))
-        for i, grammar, generated in device:    # offsets as they are after every add
-            states[i] = self.grammar_pool.offset(grammar) + grammar.walk(generated)
-        self.stop = self.stop.replace(grammar=self.grammar_pool.tables())
-        remap = self.grammar_pool.take_remap()
-        if remap is not None and self.rows.grammar is not None:
-            self.rows = self.rows.replace(grammar=remap_states(self.rows.grammar, to_device(remap)))
-        return states
-
-    def release_slot(self, slot: int) -> None:
-        """`slot`'s request left (finished, aborted or preempted): its
-        automaton may be evicted from the grammar pool."""
-        self.grammar_pool.release_slot(slot)
-
-    def advance_host_row(self, slot: int, tokens: Sequence[int]) -> None:
-        """Feed a host-masked request's whole output so far to its parser
-        (no-op for a slot without one). Raises ValueError: a token its
-        grammar does not allow."""
-        j = self.host_rows.get(slot)
-        if j is not None:
-            self.grammar_pool.live[j].advance(tokens)
-
-    def sync_host_rows(self, slots) -> None:
-        """Before a step: `slots` hold the host-masked requests; other slots'
-        live rows are freed, and every parser's next-token mask goes to the
-        device."""
-        for slot in [s for s in self.host_rows if s not in slots]:
-            self.grammar_pool.release(self.host_rows.pop(slot))
-        if self.host_rows:
-            self.stop = self.stop.replace(grammar=self.grammar_pool.tables())
 
     def step_shape(self, num_tokens: int) -> tuple[int, int]:
         """(T, R): the token bucket of a step of `num_tokens` tokens and its segments.
@@ -445,11 +371,13 @@ class ModelRunner:
 
     # --- the compile plan ----------------------------------------------------------------
 
-    def compile_plan(self, num_logprobs: Sequence[int] = (-1,)) -> list[tuple]:
+    def compile_plan(self, num_logprobs: Sequence[int] = (-1,), stop=None) -> list[tuple]:
         """Every program serving runs, as (function, abstract args, static args):
         the step for each token bucket (largest first), and admission. Warm-up
         compiles exactly these; dispatch compiles nothing else except other
-        log-prob counts and decode loops (`decode_plan`)."""
+        log-prob counts, decode loops (`decode_plan`) and the step for larger
+        grammar tables (`grammar_rows`). `stop`: the stop rule to compile
+        the step for (default the runner's)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         abstract = lambda tree: jax.tree_util.tree_map(shape, tree)
         cache, rows = self._cache_shape, abstract(self.rows)
@@ -460,7 +388,8 @@ class ModelRunner:
             batch = abstract(self.host_batch(segments, np.zeros(tables.shape, np.int32)))
             for n in num_logprobs:
                 plan.append((engine_step.step,
-                             (self._params_shape, cache, rows, batch, self.stop, self.draft_params),
+                             (self._params_shape, cache, rows, batch, stop or self.stop,
+                              self.draft_params),
                              dict(config=self.config, backend=self.backend, num_logprobs=n,
                                   spec=self.spec)))
         a = self.admit_rows

@@ -102,7 +102,7 @@ def runs():
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jaxinfer.serving.runner.remap_states", remap_states)
+        mp.setattr("jaxinfer.serving.grammar_rows.remap_states", remap_states)
         small_out = _run(sched, prompts, params)
     sched.moves = moves
     return big.generate(prompts, params, max_new_tokens=48), small_out, sched

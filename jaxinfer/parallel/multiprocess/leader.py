@@ -129,6 +129,8 @@ class LeaderRunner(ModelRunner):
       args, kwargs: as `ModelRunner`.
     """
 
+    tables_from_start = False    # structured output is refused: no grammar tables (as followers)
+
     def __init__(self, job: Job, runner_id: int, *args, **kwargs):
         self.job = None                      # ModelRunner.__init__'s reset is not sent
         super().__init__(*args, **kwargs)
