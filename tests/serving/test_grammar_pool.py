@@ -2,7 +2,8 @@
 grammar_cache_bytes setting): many distinct automata never take more device
 bytes than the cap, the least recently used unreferenced ones are evicted
 and rebuilt on demand with the same tokens, an automaton a running row uses
-is never evicted (its row's state moves with the compacted tables), and
+is never evicted (its row's state moves with the compacted tables), a
+limited pool keeps the shape the step is compiled for until it grows, and
 /metrics reports the pool. The tiny random Llama and character tokenizer of
 tests/structured_cases.py."""
 
@@ -75,6 +76,32 @@ def test_a_referenced_automaton_is_kept_and_its_states_move_with_the_tables():
     assert pool.add(big, slot=2) is None and pool.entries == 3
     pool.release_slot(0)
     assert pool.add(big, slot=2) is not None and b.source not in [g.source for g in pool.grammars]
+
+
+def test_a_limited_pool_keeps_the_compiled_shape_until_it_grows():
+    """A pool with a limit (a background-building server's) has the smallest
+    tables before any automaton and keeps their shape: automata past it
+    evict unreferenced ones within it (a 4th [a-z]{n} passes 4,096 edges),
+    one that cannot fit is refused; each notes the shape it wanted, and
+    after `grow` the tables take exactly that shape and the refused one fits."""
+    compiler = _compiler()
+    pool = G.GrammarPool(V, limit=True)
+    first = pool.tables()
+    assert (first.mask.shape[0], first.tokens.shape[0]) == pool.limit == (D.MIN_STATES, D.MIN_EDGES)
+    assert pool.nbytes == pool.table_bytes(*pool.limit) and pool.wanted is None
+    for i, n in enumerate(range(30, 36)):
+        g = compiler.compile(StructuredOutput(regex=f"[a-z]{{{n}}}"))
+        assert pool.add(g, slot=i if i < 2 else None) is not None
+        tables = pool.tables()
+        assert (tables.mask.shape[0], tables.tokens.shape[0]) == pool.limit == (256, 4096)
+    assert pool.evictions == 3 and pool.entries == 3 and pool.wanted == (256, 8192)
+    big = compiler.compile(StructuredOutput(regex="[a-z]{200}"))      # 201 states, 8,163 edges
+    assert pool.add(big) is None and pool.wanted == (512, 16384)
+    pool.grow(pool.wanted)
+    assert pool.wanted is None and pool.add(big) is not None
+    tables = pool.tables()
+    assert (tables.mask.shape[0], tables.tokens.shape[0]) == pool.limit == (512, 16384)
+    assert pool.nbytes == _device_bytes(tables) == pool.table_bytes(512, 16384)
 
 
 def test_a_cap_of_zero_masks_every_constraint_on_the_host():
