@@ -14,6 +14,8 @@ needs more room evicts within the compiled shape or is masked on the host.
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import threading
 import weakref
 from typing import Optional, Sequence
@@ -142,8 +144,9 @@ class TableGrowth:
 
     The programs compiled: the step of every token bucket for each log-prob
     count the step is compiled for at the current shape, and `remap_states`
-    for the new state count. Decode loops are not (dispatch runs a loop only
-    once it is compiled: `ModelRunner.has_decode_loop`).
+    for the new state count, at the lowest CPU priority. Decode loops are
+    not (dispatch runs a loop only once it is compiled:
+    `ModelRunner.has_decode_loop`).
 
     Attributes:
       num_growths: shapes the pool took so far.
@@ -200,6 +203,7 @@ class TableGrowth:
         """Compile `plan` and `remap_states` from tables of each of `states`
         states (for rows' states like `rows`), then offer `shape`."""
         programs = self.runner.programs
+        _lowest_priority()
         try:
             with programs.background():
                 for fn, args, static in plan:
@@ -225,6 +229,16 @@ class TableGrowth:
             self._thread.join(timeout_s)
             return not self._thread.is_alive()
         return True
+
+
+def _lowest_priority() -> None:
+    """Lower this thread's CPU priority (Linux: its own nice value, 19), so
+    that the engine thread's steps run before its compiles."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 def _join(growth: weakref.ref) -> None:
