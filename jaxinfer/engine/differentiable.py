@@ -18,7 +18,8 @@ nothing to allocate, donate or keep.
 
 `jax.grad` (reverse mode) and `jax.jit` run through them: the C++
 kernels the forward calls have VJPs on XLA (`kernels.packed`'s float32
-panels, `kernels.ragged`'s attention), and preparing is array ops, so the
+panels, alone or with the RMSNorm before them, `kernels.norm_matmul`;
+`kernels.ragged`'s attention), and preparing is array ops, so the
 gradient is taken with respect to whichever params are passed: the raw
 layout a model is loaded from (`checkpoint.convert`'s stacked [L, ...]
 arrays, what `tests/tiny.random_params` builds and `LLM.update_weights`

@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -163,6 +165,50 @@ using Rows = ffi::BufferR0<ffi::S32>;
 // The rows to compute: the rows operand clamped to [0, M].
 inline int64_t valid_rows(Rows& rows, int64_t M) {
   return std::clamp<int64_t>(rows.typed_data()[0], 0, M);
+}
+
+// --- RMSNorm prologue of the fused norm + matmul targets ---
+// The norm scale operand [I].
+using Scale1 = ffi::Buffer<ffi::F32, 1>;
+
+// A row's sum of x[k] * x[k] over k = 0, 1, ..., I - 1 in that order, each square rounded to
+// float32 before it is added: kernels.packed.row_sum's loop over the squares XLA computed
+// (a multiply-add by 1.0 is an add), so a row's sum depends on that row alone.
+inline float sum_of_squares(const float* x, int64_t I) {
+  float s = 0.0f;
+  for (int64_t k = 0; k < I; ++k) {
+    float square = x[k] * x[k];
+    asm("" : "+x"(square));  // keeps the square rounded: no multiply-add into s
+    s += square;
+  }
+  return s;
+}
+
+// out[k] = (x[k] * r) * scale[k] with r = 1 / sqrt(sum_of_squares / I + eps): the float32
+// operations of nn.norm.rms_norm with row_sum, in its order.
+inline void rms_norm_row(const float* x, const float* scale, float eps, int64_t I, float* out) {
+  const float r = 1.0f / std::sqrt(sum_of_squares(x, I) / static_cast<float>(I) + eps);
+  for (int64_t k = 0; k < I; ++k) out[k] = (x[k] * r) * scale[k];
+}
+
+// The first n rows of x [n, I] normalised into a new buffer; rows split over the pool
+// kNormRows at a time when there are more than that (prefill), else on the calling thread.
+constexpr int64_t kNormRows = 16;
+inline std::vector<float> rms_norm_rows(ffi::ThreadPool& pool, const float* x, const float* scale,
+                                        float eps, int64_t n, int64_t I) {
+  std::vector<float> out(n * I);
+  float* o = out.data();
+  const auto rows = [=](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) rms_norm_row(x + m * I, scale, eps, I, o + m * I);
+  };
+  if (n <= kNormRows) {
+    rows(0, n);
+  } else {
+    parallel_units(pool, (n + kNormRows - 1) / kNormRows, [=](int64_t u) {
+      rows(u * kNormRows, std::min(n, (u + 1) * kNormRows));
+    });
+  }
+  return out;
 }
 
 }  // namespace

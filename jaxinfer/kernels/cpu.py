@@ -50,6 +50,7 @@ SOURCE_DIR = pathlib.Path(__file__).parent
 _TARGETS = {"jaxinfer_ragged_paged_attention": "JaxinferRaggedPagedAttention",
             "jaxinfer_ragged_paged_attention_int8": "JaxinferRaggedPagedAttentionInt8",
             "jaxinfer_packed_matmul": "JaxinferPackedMatmul",
+            "jaxinfer_packed_matmul_norm": "JaxinferPackedMatmulNorm",
             "jaxinfer_packed_matmul_bf16": "JaxinferPackedMatmulBf16",
             "jaxinfer_argmax_first": "JaxinferArgmaxFirst",
             "jaxinfer_read_sum": "JaxinferReadSum"}

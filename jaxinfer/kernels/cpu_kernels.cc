@@ -811,17 +811,39 @@ inline int64_t computed_rows(Rows& rows, float* out, int64_t M, int64_t O) {
   return n;
 }
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, Rows rows,
-                        ffi::Result<Matrix2> out) {
+ffi::Error check_packed(Matrix2& x, Panels3& packed, ffi::Result<Matrix2>& out) {
   const auto xd = x.dimensions(), pd = packed.dimensions(), od = out->dimensions();
   const int64_t M = xd[0], I = xd[1], P = pd[0], O = od[1];
   if (pd[1] != I || pd[2] != kPanel || od[0] != M || O > P * kPanel || O <= (P - 1) * kPanel)
     return ffi::Error::InvalidArgument(
         "packed_matmul: expected x [M,I], packed [ceil(O/panel),I,panel], out [M,O]");
+  return ffi::Error::Success();
+}
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, Rows rows,
+                        ffi::Result<Matrix2> out) {
+  if (auto err = check_packed(x, packed, out); !err.success()) return err;
+  const int64_t M = x.dimensions()[0], I = x.dimensions()[1], O = out->dimensions()[1];
   const int64_t n = computed_rows(rows, out->typed_data(), M, O);
   if (n > 0)
     packed_matmul<F32Panel>(pool, x.typed_data(), packed.typed_data(), out->typed_data(), n, I, O,
-                            P, I);
+                            packed.dimensions()[0], I);
+  return ffi::Error::Success();
+}
+
+// RMSNorm of x's rows with scale [I] and eps (common.h, rms_norm_rows), then PackedMatmul.
+ffi::Error PackedMatmulNorm(ffi::ThreadPool pool, Matrix2 x, Scale1 scale, Panels3 packed,
+                            Rows rows, float eps, ffi::Result<Matrix2> out) {
+  if (auto err = check_packed(x, packed, out); !err.success()) return err;
+  const int64_t M = x.dimensions()[0], I = x.dimensions()[1], O = out->dimensions()[1];
+  if (scale.dimensions()[0] != I)
+    return ffi::Error::InvalidArgument("packed_matmul_norm: expected scale [I]");
+  const int64_t n = computed_rows(rows, out->typed_data(), M, O);
+  if (n > 0) {
+    const std::vector<float> normed = rms_norm_rows(pool, x.typed_data(), scale.typed_data(), eps, n, I);
+    packed_matmul<F32Panel>(pool, normed.data(), packed.typed_data(), out->typed_data(), n, I, O,
+                            packed.dimensions()[0], I);
+  }
   return ffi::Error::Success();
 }
 
@@ -1012,6 +1034,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttentionInt8, RaggedPagedAtten
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmul, PackedMatmul,
                               (bind_with_pool<Matrix2, Panels3, Rows>().Ret<Matrix2>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulNorm, PackedMatmulNorm,
+                              (bind_with_pool<Matrix2, Scale1, Panels3, Rows>()
+                                   .Attr<float>("eps")
+                                   .Ret<Matrix2>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulBf16, PackedMatmulBf16,
                               (bind_with_pool<Matrix2, Bf16Panels3, Rows>()

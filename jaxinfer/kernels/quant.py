@@ -26,6 +26,8 @@ from jaxinfer.kernels import cpu as cpu_kernels
 _TARGETS = {"jaxinfer_int8_matmul": "JaxinferInt8Matmul",
             "jaxinfer_int8_min_matmul": "JaxinferInt8MinMatmul",
             "jaxinfer_q4_matmul": "JaxinferQ4Matmul",
+            "jaxinfer_q4_matmul_norm": "JaxinferQ4MatmulNorm",
+            "jaxinfer_int8_matmul_norm": "JaxinferInt8MatmulNorm",
             "jaxinfer_bf16_matmul": "JaxinferBf16Matmul"}
 
 

@@ -417,28 +417,49 @@ void dispatch_scale(ffi::ThreadPool& pool, const MatmulShape& d, const float* x,
                                 out);
 }
 
-ffi::Error Int8Matmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes,
-                      ffi::AnyBuffer scale, Rows rows, ffi::Result<Matrix2> out) {
+// The rows the matmul reads: x's own, or with a norm scale [K] x's first d.rows rows
+// normalised (common.h, rms_norm_rows) into `normed`. nullptr where the scale's shape is wrong.
+const float* matmul_input(ffi::ThreadPool& pool, Matrix2& x, const Scale1* norm, float eps,
+                          const MatmulShape& d, std::vector<float>& normed) {
+  if (norm == nullptr) return x.typed_data();
+  if (norm->dimensions()[0] != d.K) return nullptr;
+  normed = rms_norm_rows(pool, x.typed_data(), norm->typed_data(), eps, d.rows, d.K);
+  return normed.data();
+}
+
+const ffi::Error kBadNorm = ffi::Error::InvalidArgument("matmul_norm: expected scale [K]");
+
+ffi::Error int8_matmul(ffi::ThreadPool& pool, Matrix2& x, Int8Panels& codes, ffi::AnyBuffer& scale,
+                       ffi::AnyBuffer* min, Rows& rows, ffi::Result<Matrix2>& out,
+                       const Scale1* norm, float eps) {
   MatmulShape d;
-  if (auto err = check_matmul("int8_matmul", x, codes.dimensions(), 1, &scale, nullptr, rows,
-                              out, d);
+  if (auto err = check_matmul(min ? "int8_min_matmul" : "int8_matmul", x, codes.dimensions(), 1,
+                              &scale, min, rows, out, d);
       !err.success())
     return err;
-  dispatch_scale<Int8Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, nullptr,
-                            out->typed_data());
+  std::vector<float> normed;
+  const float* xp = matmul_input(pool, x, norm, eps, d, normed);
+  if (xp == nullptr) return kBadNorm;
+  dispatch_scale<Int8Codes>(pool, d, xp, codes.typed_data(), scale, min, out->typed_data());
   return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes,
+                      ffi::AnyBuffer scale, Rows rows, ffi::Result<Matrix2> out) {
+  return int8_matmul(pool, x, codes, scale, nullptr, rows, out, nullptr, 0.0f);
 }
 
 ffi::Error Int8MinMatmul(ffi::ThreadPool pool, Matrix2 x, Int8Panels codes, ffi::AnyBuffer scale,
                          ffi::AnyBuffer min, Rows rows, ffi::Result<Matrix2> out) {
-  MatmulShape d;
-  if (auto err = check_matmul("int8_min_matmul", x, codes.dimensions(), 1, &scale, &min, rows,
-                              out, d);
-      !err.success())
-    return err;
-  dispatch_scale<Int8Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
-                            out->typed_data());
-  return ffi::Error::Success();
+  return int8_matmul(pool, x, codes, scale, &min, rows, out, nullptr, 0.0f);
+}
+
+// RMSNorm of x's rows (scale [K], eps), then Int8Matmul or, with min_term, Int8MinMatmul
+// (min is then read; without it, it is ignored).
+ffi::Error Int8MatmulNorm(ffi::ThreadPool pool, Matrix2 x, Scale1 norm, Int8Panels codes,
+                          ffi::AnyBuffer scale, ffi::AnyBuffer min, Rows rows, float eps,
+                          bool min_term, ffi::Result<Matrix2> out) {
+  return int8_matmul(pool, x, codes, scale, min_term ? &min : nullptr, rows, out, &norm, eps);
 }
 
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, Matrix2 x, Bf16Panels codes, Rows rows,
@@ -723,34 +744,49 @@ constexpr bool kHasQ4X8 = false;
 #endif  // JAXINFER_Q4_X8
 
 // int8_activations: the path above (an error where it is not built), else float32 x.
-ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuffer scale,
-                    ffi::AnyBuffer min, Rows rows, ffi::Result<Matrix2> out,
-                    bool int8_activations) {
+ffi::Error q4_matmul(ffi::ThreadPool& pool, Matrix2& x, Q4Panels& codes, ffi::AnyBuffer& scale,
+                     ffi::AnyBuffer& min, Rows& rows, ffi::Result<Matrix2>& out,
+                     bool int8_activations, const Scale1* norm, float eps) {
   MatmulShape d;
   if (auto err = check_matmul("q4_matmul", x, codes.dimensions(), 2, &scale, &min, rows, out,
                               d);
       !err.success())
     return err;
+  if (int8_activations && !kHasQ4X8)
+    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need AVX512-VNNI/BW/VBMI or AVX2");
+  if (int8_activations && (d.K / d.nb) % 16 != 0)
+    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need a block size that 16 divides");
+  std::vector<float> normed;
+  const float* xp = matmul_input(pool, x, norm, eps, d, normed);
+  if (xp == nullptr) return kBadNorm;
   if (!int8_activations) {
-    dispatch_scale<Q4Codes>(pool, d, x.typed_data(), codes.typed_data(), scale, &min,
-                            out->typed_data());
+    dispatch_scale<Q4Codes>(pool, d, xp, codes.typed_data(), scale, &min, out->typed_data());
     return ffi::Error::Success();
   }
-  if (!kHasQ4X8)
-    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need AVX512-VNNI/BW/VBMI or AVX2");
-  if ((d.K / d.nb) % 16 != 0)
-    return ffi::Error::InvalidArgument("q4_matmul: int8 activations need a block size that 16 divides");
 #if defined(JAXINFER_Q4_X8)
   if (scale.element_type() == ffi::DataType::F32)
-    q4_x8_matmul<float>(pool, d, x.typed_data(), codes.typed_data(),
+    q4_x8_matmul<float>(pool, d, xp, codes.typed_data(),
                         static_cast<const float*>(scale.untyped_data()),
                         static_cast<const float*>(min.untyped_data()), out->typed_data());
   else
-    q4_x8_matmul<_Float16>(pool, d, x.typed_data(), codes.typed_data(),
+    q4_x8_matmul<_Float16>(pool, d, xp, codes.typed_data(),
                            static_cast<const _Float16*>(scale.untyped_data()),
                            static_cast<const _Float16*>(min.untyped_data()), out->typed_data());
 #endif
   return ffi::Error::Success();
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, Matrix2 x, Q4Panels codes, ffi::AnyBuffer scale,
+                    ffi::AnyBuffer min, Rows rows, ffi::Result<Matrix2> out,
+                    bool int8_activations) {
+  return q4_matmul(pool, x, codes, scale, min, rows, out, int8_activations, nullptr, 0.0f);
+}
+
+// RMSNorm of x's rows (norm [K], eps), then Q4Matmul.
+ffi::Error Q4MatmulNorm(ffi::ThreadPool pool, Matrix2 x, Scale1 norm, Q4Panels codes,
+                        ffi::AnyBuffer scale, ffi::AnyBuffer min, Rows rows, float eps,
+                        bool int8_activations, ffi::Result<Matrix2> out) {
+  return q4_matmul(pool, x, codes, scale, min, rows, out, int8_activations, &norm, eps);
 }
 
 }  // namespace
@@ -767,6 +803,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
                               (bind_with_pool<Matrix2, Q4Panels, ffi::AnyBuffer, ffi::AnyBuffer, Rows>()
                                    .Ret<Matrix2>()
                                    .Attr<bool>("int8_activations")));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4MatmulNorm, Q4MatmulNorm,
+                              (bind_with_pool<Matrix2, Scale1, Q4Panels, ffi::AnyBuffer,
+                                              ffi::AnyBuffer, Rows>()
+                                   .Attr<float>("eps")
+                                   .Attr<bool>("int8_activations")
+                                   .Ret<Matrix2>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MatmulNorm, Int8MatmulNorm,
+                              (bind_with_pool<Matrix2, Scale1, Int8Panels, ffi::AnyBuffer,
+                                              ffi::AnyBuffer, Rows>()
+                                   .Attr<float>("eps")
+                                   .Attr<bool>("min_term")
+                                   .Ret<Matrix2>()));
 
 extern "C" int jaxinfer_has_q4_x8() { return kHasQ4X8 ? 1 : 0; }
 

@@ -8,6 +8,8 @@ query heads, K kv heads, H head_dim, F mlp hidden, V vocab.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -17,7 +19,7 @@ from jaxinfer.kernels.packed import PackedWeight, row_sum, take_columns
 from jaxinfer.nn import norm
 from jaxinfer.nn.rope import apply_rope
 from jaxinfer.weights import quant
-from jaxinfer.weights.matmul import matmul
+from jaxinfer.weights.matmul import fuses_rms_norm, matmul, rms_norm_matmul
 from jaxinfer.weights.quant import QuantizedWeight
 
 
@@ -34,9 +36,33 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, deterministic: bool) ->
     return norm.rms_norm(x, scale, eps, row_sum=row_sum if cpu_kernels.enabled() else None)
 
 
-def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> jax.Array:
-    """down(act(x @ gate) * (x @ up)): SwiGLU for "silu", GeGLU for
-    "gelu_pytorch_tanh" (Shazeer 2020, arXiv:2002.05202).
+# An RMSNorm applied to a matmul's input: (scale [D], eps, deterministic), `rms_norm`'s arguments.
+Norm = tuple[jax.Array, float, bool]
+
+
+def normed_matmul(x: jax.Array, w, norm: Optional[Norm], preferred_element_type=None) -> jax.Array:
+    """matmul(rms_norm(x, *norm), w), or matmul(x, w) where norm is None:
+    [..., D] -> [..., O]. Outside the deterministic mode, where the prepared
+    weight takes the norm as a prologue (`weights.matmul.fuses_rms_norm`:
+    float32 packed panels, q4 or int8 codes on the CPU kernels), one kernel
+    call; its rows differ from `rms_norm`'s by XLA's rsqrt against
+    1 / sqrt (last-bit rounding), and still depend on each row alone.
+    Elsewhere the norm, then the matmul."""
+    if norm is None:
+        return matmul(x, w, preferred_element_type=preferred_element_type)
+    scale, eps, deterministic = norm
+    if not deterministic and fuses_rms_norm(x, scale, w):
+        return rms_norm_matmul(x, scale, eps, w, preferred_element_type=preferred_element_type)
+    return matmul(rms_norm(x, scale, eps, deterministic), w,
+                  preferred_element_type=preferred_element_type)
+
+
+def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str,
+              norm: Optional[Norm] = None) -> jax.Array:
+    """down(act(h @ gate) * (h @ up)) with h = rms_norm(x, *norm), or h = x
+    where norm is None: SwiGLU for "silu", GeGLU for "gelu_pytorch_tanh"
+    (Shazeer 2020, arXiv:2002.05202). The norm runs inside the gate/up
+    matmul's kernel where it fuses (`normed_matmul`).
 
     Args:
       x: [B, T, D]; gate_up: [D, 2F], gate columns then up columns (one
@@ -44,7 +70,7 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
         shards, each its own gate then up columns (`sharding.per_shard_gate_up`);
         down: [F, D]. gate_up [D, 2F] and down may be `PackedWeight`s.
     """
-    gu = _per_shard(x, gate_up)                      # [B, T, S, 2F/S]
+    gu = _per_shard(x, gate_up, norm)                # [B, T, S, 2F/S]
     half = gu.shape[-1] // 2
     g, u = gu[..., :half], gu[..., half:]
     if activation == "silu":
@@ -54,17 +80,20 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
     return matmul((act * u).reshape(*x.shape[:-1], -1), down)
 
 
-def _per_shard(x: jax.Array, w) -> jax.Array:
-    """x [..., D] @ w -> [..., S, C]: w [D, S, C] holds S shards' columns
-    side by side (tensor parallelism, `jaxinfer.parallel.sharding`); an unsharded
-    w [D, C] (plain, packed or quantized) is one shard (S = 1)."""
+def _per_shard(x: jax.Array, w, norm: Optional[Norm] = None) -> jax.Array:
+    """h [..., D] @ w -> [..., S, C] with h = x, or rms_norm(x, *norm): w
+    [D, S, C] holds S shards' columns side by side (tensor parallelism,
+    `jaxinfer.parallel.sharding`); an unsharded w [D, C] (plain, packed or
+    quantized) is one shard (S = 1)."""
     if not isinstance(w, (PackedWeight, QuantizedWeight)) and w.ndim == 3:
-        return jnp.einsum("...D,DSC->...SC", x, w)
-    return matmul(x, w)[..., None, :]
+        h = x if norm is None else rms_norm(x, *norm)
+        return jnp.einsum("...D,DSC->...SC", h, w)
+    return normed_matmul(x, w, norm)[..., None, :]
 
 
 def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
-                config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+                config: ModelConfig, norm: Optional[jax.Array] = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Query/key/value projections (one fused matmul) with optional bias,
     QK-norm and RoPE.
 
@@ -74,14 +103,18 @@ def project_qkv(p: dict, h: jax.Array, rope: tuple[jax.Array, jax.Array],
         `k_norm` [H]. Tensor-parallel params (`jaxinfer.parallel.sharding`) hold
         `qkv_proj` as [D, S, (N/S + 2K/S) * H] (and the bias as [S, ...]):
         S shards, each its own q heads, then k heads, then v heads.
-      h: [B, T, D] normalized input.
+      h: [B, T, D] normalized input, or with `norm` the input before its RMSNorm.
       rope: (cos, sin), each [B, T, H] float32.
+      norm: None, or the input RMSNorm's scale [D] (eps and mode from
+        config), applied here, inside the QKV matmul's kernel where it fuses
+        (`normed_matmul`).
     Returns:
       q [B, T, N, H] multiplied by `config.query_scale`; k, v [B, T, K, H].
     """
     b, t, _ = h.shape
     n, kv, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = _per_shard(h, p["qkv_proj"])              # [B, T, S, (N/S + 2K/S) * H]
+    in_norm = None if norm is None else (norm, config.rms_norm_eps, config.deterministic)
+    qkv = _per_shard(h, p["qkv_proj"], in_norm)     # [B, T, S, (N/S + 2K/S) * H]
     if config.attention_bias:
         qkv = qkv + p["qkv_bias"].reshape(qkv.shape[-2:])
     nq, nk = n // qkv.shape[-2] * hd, kv // qkv.shape[-2] * hd
@@ -131,18 +164,22 @@ def replicated(x: jax.Array) -> jax.Array:
 def unembed(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
     """The final RMSNorm (`params["norm"]`), then `lm_head`: [..., D] ->
     float32 logits [..., V]. The built-in families' `unembed`."""
-    h = rms_norm(h, params["norm"], config.rms_norm_eps, config.deterministic)
-    return lm_head(params, h, config)
+    return lm_head(params, h, config, norm=params["norm"])
 
 
-def lm_head(params: dict, h: jax.Array, config: ModelConfig) -> jax.Array:
-    """Logits float32 [..., V] from final-normed hidden states [..., D].
+def lm_head(params: dict, h: jax.Array, config: ModelConfig,
+            norm: Optional[jax.Array] = None) -> jax.Array:
+    """Logits float32 [..., V] from final-normed hidden states [..., D], or
+    with `norm` (the final RMSNorm's scale [D]) from hidden states before
+    that norm, applied inside the head's kernel where it fuses (`normed_matmul`).
 
     Reads the [D, V] `lm_head` of prepared params (`weights.prepare.prepare_params`,
     which gives tied models one too) and applies `final_logit_softcapping`
     when set.
     """
-    logits = replicated(matmul(h, params["lm_head"], preferred_element_type=jnp.float32))
+    in_norm = None if norm is None else (norm, config.rms_norm_eps, config.deterministic)
+    logits = replicated(normed_matmul(h, params["lm_head"], in_norm,
+                                      preferred_element_type=jnp.float32))
     cap = config.final_logit_softcapping
     if cap:
         logits = cap * jnp.tanh(logits / cap)

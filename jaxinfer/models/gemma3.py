@@ -46,13 +46,12 @@ def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
     """One Gemma 3 decoder layer. x: [B, T, D]; returns (x, the layer's K/V
     buffers after `attend`)."""
     eps = config.rms_norm_eps
-    h = rms_norm(x, p["input_layernorm"], eps, config.deterministic)
-    q, k, v = project_qkv(p, h, rope, config)
+    q, k, v = project_qkv(p, x, rope, config, norm=p["input_layernorm"])
     attn, kv = attend(q, k, v, kv)
     h = output_projection(attn, p["o_proj"])
     x = x + rms_norm(h, p["post_attention_layernorm"], eps, config.deterministic)
-    h = rms_norm(x, p["pre_feedforward_layernorm"], eps, config.deterministic)
-    h = gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act)
+    norm = (p["pre_feedforward_layernorm"], eps, config.deterministic)
+    h = gated_mlp(x, p["gate_up_proj"], p["down_proj"], config.hidden_act, norm)
     return x + rms_norm(h, p["post_feedforward_layernorm"], eps, config.deterministic), kv
 
 

@@ -23,7 +23,7 @@ from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.models import gguf_keys, hf_keys
 from jaxinfer.models.base import CheckpointError, Family
 from jaxinfer.models.blocks import (embed_rows, gated_mlp, output_projection, project_qkv,
-                                    rms_norm, unembed)
+                                    unembed)
 
 
 # --- forward ---------------------------------------------------------------------------------
@@ -37,12 +37,11 @@ def embed(params: dict, tokens: jax.Array, config: ModelConfig) -> jax.Array:
 def layer(p: dict, x: jax.Array, kv, rope, attend, config: ModelConfig):
     """One decoder layer: x + attn(norm(x)), then + mlp(norm(x)).
     x: [B, T, D]; returns (x, the layer's K/V buffers after `attend`)."""
-    h = rms_norm(x, p["input_layernorm"], config.rms_norm_eps, config.deterministic)
-    q, k, v = project_qkv(p, h, rope, config)
+    q, k, v = project_qkv(p, x, rope, config, norm=p["input_layernorm"])
     attn, kv = attend(q, k, v, kv)
     x = x + output_projection(attn, p["o_proj"])
-    h = rms_norm(x, p["post_attention_layernorm"], config.rms_norm_eps, config.deterministic)
-    return x + gated_mlp(h, p["gate_up_proj"], p["down_proj"], config.hidden_act), kv
+    norm = (p["post_attention_layernorm"], config.rms_norm_eps, config.deterministic)
+    return x + gated_mlp(x, p["gate_up_proj"], p["down_proj"], config.hidden_act, norm), kv
 
 
 # --- Hugging Face config.json ----------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.kernels import norm_matmul
 from jaxinfer.kernels.packed import PackedWeight, packed_matmul
 from jaxinfer.weights import quant
 from jaxinfer.weights.quant import QuantizedWeight
@@ -63,3 +64,25 @@ def matmul(x: jax.Array, w: jax.Array | PackedWeight | QuantizedWeight,
     if isinstance(w, QuantizedWeight):
         return quant.matmul(x, w, rows=_ROWS.get()).astype(preferred_element_type or x.dtype)
     return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
+
+
+def fuses_rms_norm(x: jax.Array, scale: jax.Array, w) -> bool:
+    """Whether `rms_norm_matmul(x, scale, eps, w)` runs as one kernel call:
+    the prepared weight's format decides (float32 `PackedWeight` panels, or
+    "q4" / "int8" codes where the quantized kernels run; see
+    `kernels.norm_matmul.supported`), with float32 x and scale."""
+    return norm_matmul.supported(x, scale, w)
+
+
+def rms_norm_matmul(x: jax.Array, scale: jax.Array, eps: float, w,
+                    preferred_element_type=None) -> jax.Array:
+    """RMSNorm(x; scale [D], eps) @ w [D, O] -> [..., O] in one kernel call
+    (`kernels.norm_matmul.rms_norm_matmul`; inside `computed_rows(n)` only
+    the first n rows are computed), in `preferred_element_type` if given,
+    else x's dtype.
+
+    Raises:
+      ValueError: `fuses_rms_norm(x, scale, w)` is False.
+    """
+    out = norm_matmul.rms_norm_matmul(x, scale, eps, w, rows=_ROWS.get())
+    return out.astype(preferred_element_type or x.dtype)

@@ -271,7 +271,8 @@ def test_bf16_dot_switch_needs_no_probe(monkeypatch, restore_bf16_choice):
 
 # The AVX2 build's numerical tests: this file's, the ragged attention kernel's, and the quantized kernels' of
 # tests/weights/ (weight-only formats and q4 with int8 activations, whose AVX2
-# path `-march=native` on an AVX-512 CPU never builds): (module, -k expression) pairs,
+# path `-march=native` on an AVX-512 CPU never builds), and the RMSNorm-fused matmuls':
+# (module, -k expression) pairs,
 # run in one child pytest (`_avx2_child_args`).
 AVX2_CHILD_TESTS = [
     (__file__, "matches_reference and not avx2 and not bf16-dot"),
@@ -283,6 +284,7 @@ AVX2_CHILD_TESTS = [
      "int8_activations_kernel or quant_matmul_matches_float64 or bf16_and_8bit_with_min_kernels"),
     (pathlib.Path(__file__).parents[1] / "weights" / "test_quant_models.py",
      "int8_activations_same_on_kernels_and_xla"),
+    (pathlib.Path(__file__).parent / "test_norm_matmul.py", "norm_matmul"),
 ]
 
 
@@ -319,5 +321,5 @@ def test_avx2_blocking_matches_reference(avx2_kernel_env):
     child = child_pytest.run(_avx2_child_args(), env=avx2_kernel_env, timeout_s=1800)
     child_pytest.check(child, what="-march=x86-64-v3")
     ran = child.outcomes
-    assert len(ran) == 427, len(ran)
+    assert len(ran) == 447, len(ran)
     assert sum("int8_activations" in name for name in ran) == 38, sorted(ran)
