@@ -8,7 +8,8 @@ extra copy is alive.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping
+import mmap
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,19 @@ def place(new, ref, given: set):
     return jax.device_put(new, sharding, may_alias=id(new) not in given)
 
 
-def _host_zeros(shape, dtype) -> np.ndarray:
-    """A zeroed numpy array at a 64-byte boundary (`_to_device` takes it without a copy)."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(size + 64, np.uint8)
-    at = -raw.ctypes.data % 64
-    return raw[at:at + size].view(dtype).reshape(shape)
+def _host_zeros(leaves: list) -> list:
+    """Zeroed numpy arrays of the shapes and dtypes of `leaves`, each at a
+    64-byte boundary (`_to_device` takes them without a copy) of one
+    anonymous memory map. Its pages go back to the OS when the last array
+    on it is deleted: never part of the C heap, a dropped part does not
+    wait for `return_freed_memory`, the heap's free blocks (quantization
+    temporaries) are not split between its arrays, and one map per part
+    rounds up to a page once, not once per leaf."""
+    sizes = [int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for r in leaves]
+    offsets = np.cumsum([0] + [-(-size // 64) * 64 for size in sizes])
+    block = mmap.mmap(-1, max(int(offsets[-1]), 1), flags=mmap.MAP_PRIVATE)
+    return [np.frombuffer(block, r.dtype, int(np.prod(r.shape)), int(at)).reshape(r.shape)
+            for r, at in zip(leaves, offsets)]
 
 
 def _to_device(a: np.ndarray) -> jax.Array:
@@ -207,12 +215,14 @@ class PartByPart:
         rest = [key for key in self.source.layer_keys() if key not in sources]
         new = fuse_biases(self.source.layer(i, rest), self.config)
         raw = self.source.layer(i, sorted(sources), cast=False)
+        buffers = iter(_host_zeros(jax.tree.leaves([ref[name] for name in MATMUL_SOURCES])))
         for name, keys in MATMUL_SOURCES.items():
             parts = [matrix(key, host(raw[key])) for key in keys]
+            mine = [next(buffers) for _ in jax.tree.leaves(ref[name])]
             new[name] = self._fill(ref[name], sum(w.shape[1] for w in parts),
                                    quantize_columns(parts[0].shape[0]),
                                    functools.partial(self._quantize_columns, parts), axis=0,
-                                   on_host=True)
+                                   buffers=mine)
         del raw
         return self._place(quant.with_activations(new, self.activations), ref)
 
@@ -236,15 +246,17 @@ class PartByPart:
         chunk = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=1)
         return quantize_weight(chunk, self.weights, host=True)
 
-    def _fill(self, ref, n: int, step: int, make: Callable, axis: int, on_host: bool):
+    def _fill(self, ref, n: int, step: int, make: Callable, axis: int,
+              buffers: Optional[list] = None):
         """A weight like `ref` (abstract) made `step` of its `n` columns at a
         time into one buffer per leaf: `make(cols)` gives the weight of
         columns `cols`, its leaves the slices of `ref`'s along `axis` (0:
-        panels). On the host: numpy buffers the device arrays then alias on
-        a CPU (no compile, no copy), else device buffers (`_put` donates them)."""
-        zeros = (lambda r: _host_zeros(r.shape, r.dtype)) if on_host else (
-            lambda r: jnp.zeros(r.shape, r.dtype))
-        out, treedef = jax.tree.flatten(jax.tree.map(zeros, ref))
+        panels). With `buffers` (zeroed numpy arrays, one per leaf of `ref`:
+        `_host_zeros`) on the host, the device arrays then aliasing them on a
+        CPU (no compile, no copy); else device buffers (`_put` donates them)."""
+        treedef = jax.tree.structure(ref)
+        on_host = buffers is not None
+        out = buffers if on_host else [jnp.zeros(r.shape, r.dtype) for r in jax.tree.leaves(ref)]
         at = 0
         for start in range(0, n, step):
             part = jax.tree.leaves(make(slice(start, min(start + step, n))))
@@ -281,7 +293,8 @@ class PartByPart:
             chunk = self.source.cast(w[cols]) if tied else self.source.cast(w[:, cols])
             return _jit_head(chunk, tied=tied, pack=self.pack)
         new = self._fill(ref, self.config.vocab_size, step, make, axis=0 if panels else 1,
-                         on_host=self.weights != "float32")
+                         buffers=None if self.weights == "float32" else _host_zeros(
+                             jax.tree.leaves(ref)))
         return self._place(quant.with_activations(new, self.activations), ref)
 
     def _place(self, new, ref):

@@ -8,6 +8,7 @@ where those are enabled, or quantized (`weights`, see `jaxinfer.weights.quant`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -183,12 +184,16 @@ def quantize_weight(w, weights: str, lm_head: bool = False, host: bool = False):
     return _quantize_weight(w, weights, lm_head, host)
 
 
+@functools.lru_cache(maxsize=64)
 def quantized_shape(k: int, n: int, weights: str, lm_head: bool) -> quant.QuantizedWeight:
     """The `quant.QuantizedWeight` that `prepare_layer` / `prepare_head`
     make of a float [K, N] weight in the `weights` format ("bfloat16",
     "int8", "q4"), with `jax.ShapeDtypeStruct` leaves: quantizes one
-    panel's columns (K x 48 values), every panel having the same layout."""
-    one = _quantize_weight(np.ones((k, min(n, quant.PANEL)), np.float32), weights, lm_head)
+    column (K values, a panel padded with zeros) on the host, every panel
+    having the same layout, so it allocates K x 48 bytes or so, not the
+    megabyte a whole panel's float32 temporaries would take; remembered
+    per arguments (its leaves are immutable)."""
+    one = _quantize_weight(np.ones((k, 1), np.float32), weights, lm_head, host=True)
     panels = -(-n // quant.PANEL)
     widen = lambda a: None if a is None else jax.ShapeDtypeStruct((panels,) + a.shape[1:], a.dtype)
     return one.replace(codes=widen(one.codes), scale=widen(one.scale), min=widen(one.min), n=n)

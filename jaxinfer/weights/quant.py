@@ -176,8 +176,9 @@ def quantize_q8(w: np.ndarray, bs: int = 32) -> BlockCodes:
     scale = _round_up_f16(np.abs(b).max(axis=1) / np.float32(127))  # [K/bs, N]
     s32 = scale.astype(np.float32)[:, None]
     inv = np.divide(1.0, s32, out=np.zeros_like(s32), where=s32 > 0)
-    codes = np.clip(np.rint(b * inv), -127, 127).astype(np.int8).reshape(w.shape)
-    return BlockCodes(codes, scale, None, 8)
+    codes = np.multiply(b, inv)     # one float32 temporary, rounded and clipped in place
+    np.clip(np.rint(codes, out=codes), -127, 127, out=codes)
+    return BlockCodes(codes.astype(np.int8).reshape(w.shape), scale, None, 8)
 
 
 def quantize_q4(w: np.ndarray, bs: int = 32) -> BlockCodes:
@@ -193,7 +194,9 @@ def quantize_q4(w: np.ndarray, bs: int = 32) -> BlockCodes:
     scale = _round_up_f16((b.max(axis=1) - lo.astype(np.float32)) / np.float32(15))
     s32 = scale.astype(np.float32)[:, None]
     inv = np.divide(1.0, s32, out=np.zeros_like(s32), where=s32 > 0)
-    codes = np.clip(np.rint((b - lo.astype(np.float32)[:, None]) * inv), 0, 15)
+    codes = np.subtract(b, lo.astype(np.float32)[:, None])    # one float32 temporary
+    codes *= inv
+    np.clip(np.rint(codes, out=codes), 0, 15, out=codes)
     return BlockCodes(codes.astype(np.uint8).reshape(w.shape), scale, lo, 4)
 
 

@@ -8,10 +8,12 @@ tokens as before sleeping."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pathlib
 import threading
 import time
+import tracemalloc
 
 import jax
 import numpy as np
@@ -208,6 +210,50 @@ def test_an_update_holds_about_one_layer_extra(raw, weights, monkeypatch):
     want = prepare_params(new, TINY_LLAMA, weights=weights)
     assert jax.tree.structure(llm.params) == jax.tree.structure(
         with_activations(want, llm.activations))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(llm.params),
+                                                    jax.tree.leaves(want)))
+
+
+# SmolLM2's K (hidden 256 here, intermediate 1536: a down_proj chunk is one panel of 1536
+# rows): a q4 layer of 880 KiB, so the swap's own host allocations are measured against it.
+WIDE_LLAMA = dataclasses.replace(TINY_LLAMA, num_layers=2, hidden_size=256, head_dim=64,
+                                 intermediate_size=1536)
+
+
+def test_a_q4_update_holds_at_most_one_q4_layer_on_the_host_too():
+    """The q4 swap's host bytes (numpy arrays and Python objects, as
+    tracemalloc counts them: the float columns quantized, the checks before
+    the swap, the buffers the new parts are made in where they come from
+    the C heap) at their peak above those before the update, plus the live
+    device bytes above the start when each part is made: at most one
+    prepared q4 layer plus 32 KiB (Python objects the update makes and
+    keeps: the new params' array and dict objects, 60-90 KiB measured of
+    which the peak sees part). Measured after a first update (caches
+    warm, the serving params made by the swap): 0.7 layers; 1.1 before the
+    parts were made in memory maps of their own, quantized with one float
+    temporary, and `quantized_shape` quantized a whole panel per check."""
+    llm = LLM(WIDE_LLAMA, prepare_params(random_params(WIDE_LLAMA, seed=2), WIDE_LLAMA,
+                                         weights="q4"), **SETTINGS)
+    layer = sum(x.nbytes for x in jax.tree.leaves(llm.params["layers"][0]))
+    new = random_params(WIDE_LLAMA, seed=3)
+    tracemalloc.start()
+    try:
+        llm.update_weights(random_params(WIDE_LLAMA, seed=4))
+        gc.collect()
+        host, device, peaks = tracemalloc.get_traced_memory()[0], _live_bytes(), [0]
+
+        def spy(params, activations):
+            peaks.append(_live_bytes() - device)
+            return with_activations(params, activations)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(quant, "with_activations", spy)
+            tracemalloc.reset_peak()
+            llm.update_weights(new)
+            host_peak = tracemalloc.get_traced_memory()[1] - host
+    finally:
+        tracemalloc.stop()
+    assert host_peak + max(peaks) <= layer + 32 * 1024, (host_peak, peaks, layer)
+    want = prepare_params(new, WIDE_LLAMA, weights="q4")
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(llm.params),
                                                     jax.tree.leaves(want)))
 
