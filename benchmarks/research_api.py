@@ -17,11 +17,12 @@ One process, the model's float weights in the checkpoint layout
    (VmHWM after `/proc/self/clear_refs` reset it) against one layer's
    prepared bytes (target: at most one extra layer), and whether greedy
    tokens after the perturbed update equal a fresh LLM's on those params.
-2. `sleep(1)` and `wake_up()` on the float32 LLM: resident memory freed
+2. `sleep(1)` and `wake_up()` on the float32 LLM, with one scheduler held
+   as a server's engine thread holds its own: resident memory freed
    against the KV pools' bytes (target: at least 90%), `wake_up` seconds
-   (target: < 1 s; until the pools are allocated again: they are zeroed on
-   a thread, which the first step waits for), greedy tokens after waking
-   against before.
+   (target: < 1 s) until the held runner's pool is allocated and zeroed
+   again (the offline engine's is rebuilt by the next `generate`), greedy
+   tokens after waking against before.
 3. `LLM.prompt_logprobs` (what `echo` and `prompt_logprobs` serve) against
    `LLM.score`'s per-token log-probs: the largest |difference| (target 1e-5).
 4. The engine's sampled rollout log-probs against `jaxinfer.token_logprobs`
@@ -151,6 +152,9 @@ def main() -> None:
 
     f32.update_weights(raw)
     before = _greedy(f32)
+    # held as a server's engine thread holds its scheduler: sleep frees its
+    # pool and wake_up allocates it again (the offline one is rebuilt lazily)
+    engine = f32.scheduler()
     pools = _pool_nbytes(f32)
     gc.collect()
     return_freed_memory()          # what earlier parts freed leaves the count first
@@ -159,11 +163,14 @@ def main() -> None:
     freed = rss - _status("VmRSS")
     t = time.perf_counter()
     f32.wake_up()
-    jax.block_until_ready([runner.cache for runner in list(f32._runners)])
+    woken = list(f32._runners)
+    jax.block_until_ready([runner.cache for runner in woken])
     woke = time.perf_counter() - t
     print(f"sleep(1): RSS fell {freed / 2**20:.1f} MiB against KV pools of {pools / 2**20:.1f} MiB "
-          f"({freed / pools:.0%}); wake_up {woke:.3f} s; greedy tokens after waking "
-          f"{'equal' if _greedy(f32) == before else 'DIFFER from'} those before", flush=True)
+          f"({freed / pools:.0%}); wake_up {woke:.3f} s until {len(woken)} held runner's pool "
+          f"of {_pool_nbytes(f32) / 2**20:.1f} MiB was allocated and zeroed; greedy tokens after "
+          f"waking {'equal' if _greedy(f32) == before else 'DIFFER from'} those before", flush=True)
+    del engine
 
     ids = [f32.encode_prompt(p) for p in PROMPTS]
     echoed = f32.prompt_logprobs(ids)
