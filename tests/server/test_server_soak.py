@@ -19,8 +19,10 @@ prompts near max_seq_len, and n > 1. Checked after each round:
   compiled every program the mix needs);
 - open file descriptors return to the post-warm-up count within FD_SLACK
   (the server's keep-alive sockets close when the client does), and the
-  memory maps other than glibc's malloc arena heaps to exactly the
-  post-warm-up count (`jaxinfer_tools.bench.maps`: a heap's maps follow
+  memory maps other than glibc's malloc arena heaps to at most the
+  post-warm-up count, none added (one fewer was seen once in CI: a map
+  released or merged with its neighbour is not a leak;
+  `jaxinfer_tools.bench.maps`: a heap's maps follow
   the allocator's high-water mark, a heap that fills up one map fewer, a
   new one two more, while its memory is what the resident-memory bound
   below measures), as `benchmarks/serve_soak.py` checks the real server;
@@ -297,6 +299,6 @@ def _soak_round(server, url, finished, rng, want, warm, round_):
     assert after["programs"] <= after["max_programs"]
     assert after["programs"] == warm["programs"] and after["compiles"] == warm["compiles"]
     assert after["fds"] <= warm["fds"] + FD_SLACK
-    assert after["other_maps"] == warm["other_maps"], (warm["other_maps"], after["other_maps"])
+    assert after["other_maps"] <= warm["other_maps"], (warm["other_maps"], after["other_maps"])
     growth = after["rss"] - warm["rss"]
     assert growth < RSS_BOUND, f"resident memory grew {growth / 2**20:.1f} MiB since the warm-up"
