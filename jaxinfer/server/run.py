@@ -122,7 +122,9 @@ def warm_up(llm, scheduler, max_steps: int = 10_000, log=lambda msg: None,
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) (port 0: a free one), ready for uvicorn.
+    """A TCP socket bound to (host, port) (port 0: a free one) and listening,
+    ready for uvicorn: a client that connects before uvicorn runs waits in
+    the backlog instead of being refused.
 
     Raises:
       ValueError: the address cannot be bound (in use, unknown host), naming it.
@@ -133,6 +135,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(2048)                  # uvicorn's default backlog
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
