@@ -21,6 +21,7 @@ import numpy as np
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels import quant as quant_kernels
 from jaxinfer.kernels.packed import PackedWeight, _packed_matmul_f32, row_sum
+from jaxinfer.nn import norm
 
 
 def supported(x: jax.Array, scale: jax.Array, w) -> bool:
@@ -68,7 +69,7 @@ def rms_norm_matmul(x: jax.Array, scale: jax.Array, eps: float, w,
 
 def _norm_quant(flat, scale, w, count, eps: float) -> jax.Array:
     """The quantized kernels' fused call (checks as `quant.quant_matmul`)."""
-    k, n = w.shape
+    n = w.shape[1]
     out = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
     if w.format == "int8":
         minimum = w.min if w.min is not None else w.scale
@@ -76,21 +77,14 @@ def _norm_quant(flat, scale, w, count, eps: float) -> jax.Array:
             flat, scale, w.codes, w.scale, minimum, count, eps=np.float32(eps),
             min_term=w.min is not None)
     x8 = w.activations == "int8"
-    if x8 and not quant_kernels.has_q4_x8():
-        raise RuntimeError("int8 activations need the AVX512-VNNI or AVX2 kernel, which "
-                           "this build lacks (the CPU has neither)")
-    if x8 and (k // w.scale.shape[1]) % 16:
-        raise ValueError(f"rms_norm_matmul: int8 activations need a block size that 16 "
-                         f"divides, got {k // w.scale.shape[1]}")
+    quant_kernels.check_int8_activations("rms_norm_matmul", w)
     return jax.ffi.ffi_call("jaxinfer_q4_matmul_norm", out)(
         flat, scale, w.codes, w.scale, w.min, count, eps=np.float32(eps), int8_activations=x8)
 
 
 def _unfused(flat, scale, panels, count, eps: float, n: int) -> jax.Array:
     """What the fused packed call computes, as separate calls (its VJP)."""
-    mean_square = row_sum(flat * flat)[..., None] / flat.shape[-1]
-    normed = flat * jax.lax.rsqrt(mean_square + eps) * scale
-    return _packed_matmul_f32(normed, panels, count, n)
+    return _packed_matmul_f32(norm.rms_norm(flat, scale, eps, row_sum=row_sum), panels, count, n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -62,6 +62,24 @@ def _require_enabled():
         raise RuntimeError("jaxinfer CPU kernels are not enabled (see cpu_kernels.enabled)")
 
 
+def check_int8_activations(fn: str, w) -> None:
+    """For a "q4" W [K, N] with activations "int8": the kernel exists and
+    16 divides the block size; nothing for other weights.
+
+    Raises:
+      RuntimeError: `has_q4_x8()` is False.
+      ValueError: the block size (K over the scale's blocks) is not a multiple of 16.
+    """
+    if w.format != "q4" or w.activations != "int8":
+        return
+    if not has_q4_x8():
+        raise RuntimeError("int8 activations need the AVX512-VNNI or AVX2 kernel, which "
+                           "this build lacks (the CPU has neither)")
+    block = w.shape[0] // w.scale.shape[1]
+    if block % 16:
+        raise ValueError(f"{fn}: int8 activations need a block size that 16 divides, got {block}")
+
+
 def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array:
     """x @ W for x float32 [..., K] and a `quant.QuantizedWeight` W [K, N] -> float32 [..., N].
 
@@ -90,13 +108,7 @@ def quant_matmul(x: jax.Array, w, rows: Optional[jax.Array] = None) -> jax.Array
     flat = x.reshape(-1, k)
     count = cpu_kernels.row_count(rows, flat.shape[0])
     out = jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32)
-    if w.format == "q4" and w.activations == "int8":
-        if not has_q4_x8():
-            raise RuntimeError("int8 activations need the AVX512-VNNI or AVX2 kernel, which "
-                               "this build lacks (the CPU has neither)")
-        if (k // w.scale.shape[1]) % 16:
-            raise ValueError(f"quant_matmul: int8 activations need a block size that 16 "
-                             f"divides, got {k // w.scale.shape[1]}")
+    check_int8_activations("quant_matmul", w)
     if w.format == "q4":
         y = jax.ffi.ffi_call("jaxinfer_q4_matmul", out)(
             flat, w.codes, w.scale, w.min, count, int8_activations=w.activations == "int8")
