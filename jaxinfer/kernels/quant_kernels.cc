@@ -34,8 +34,11 @@
 // which of the two paths runs still depends on M alone. bfloat16 codes (no scale) give the
 // same bits on both paths and for any number of rows (kOneOrder, below).
 
+#include <chrono>
 #include <cstdlib>
+#include <iterator>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -67,22 +70,14 @@ inline v16 load_codes(const _Float16* p) {
 }
 
 // Software prefetch of the weight codes `prefetch_distance` bytes ahead of the read, into
-// every cache level (T0): on Intel the hardware prefetcher alone left the code stream
-// latency-bound (benchmarks/README.md, "Software prefetch of the quantized codes"). On by
-// default on Intel CPUs only: an earlier try on an AMD EPYC was slower.
-// JAXINFER_KERNEL_PREFETCH=<bytes> sets the distance on any CPU (0: off); it is read once,
-// when the library loads.
-constexpr int64_t kDefaultPrefetchBytes = 2048;
-const int64_t prefetch_distance = [] {
-  if (const char* e = std::getenv("JAXINFER_KERNEL_PREFETCH"))
-    return std::max<int64_t>(0, std::atoll(e));
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? kDefaultPrefetchBytes : int64_t{0};
-#else
-  return int64_t{0};
-#endif
-}();
+// every cache level (T0). Whether it helps depends on the CPU: on an Intel Xeon the hardware
+// prefetcher alone left the code stream latency-bound, on an AMD EPYC it was slower
+// (benchmarks/README.md, "Software prefetch of the quantized codes"). So the distance is
+// measured, not guessed: jaxinfer_measure_prefetch (below) times a batch-1 q4 matmul at each
+// candidate distance, and jaxinfer/kernels/cpu.py sets the winner (or
+// JAXINFER_KERNEL_PREFETCH) through jaxinfer_set_prefetch when it loads the library, before
+// any kernel runs. 0: off.
+int64_t prefetch_distance = 0;
 
 // Prefetches the cache lines of [p, p + bytes) moved `prefetch_distance` bytes ahead.
 inline void prefetch_ahead(const void* p, int64_t bytes) {
@@ -822,3 +817,49 @@ extern "C" int jaxinfer_has_q4_x8() { return kHasQ4X8 ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
                               (bind_with_pool<Matrix2, Bf16Panels, Rows>().Ret<Matrix2>()));
+
+// --- The prefetch distance, measured ---
+// Batch-1 q4 decode (float32 activations, float16 scales and mins, blocks of 32) over a
+// 64 MiB weight, more than a last-level cache holds, in contiguous runs of panels over
+// `threads` threads, as quant_matmul splits a decode step's matmul; each candidate distance
+// timed 5 times, interleaved with the others after one warm-up pass, best of 5. Returns the fastest distance in bytes, or 0 (off) unless it
+// beats no prefetch by 3% or more.
+extern "C" long long jaxinfer_measure_prefetch(int threads) {
+  constexpr int64_t K = 4096, kBlock = 32, kCandidates[] = {0, 1024, 2048, 4096};
+  constexpr int64_t panel_codes = K / 2 * kPanel, nb = K / kBlock;
+  const int64_t P = (int64_t{64} << 20) / panel_codes;
+  const int64_t T = std::max(1, threads);
+  std::vector<uint8_t> codes(P * panel_codes, 0x5a);
+  std::vector<_Float16> scale(P * nb * kPanel, _Float16(0.5f)), min(P * nb * kPanel, _Float16(-1.0f));
+  std::vector<float> x(K, 0.01f), xsum(nb, 0.01f * kBlock), out(P * kPanel);
+  const auto pass = [&](int64_t t) {
+    for (int64_t p = P * t / T; p < P * (t + 1) / T; ++p) {
+      const PanelArgs<_Float16> a{x.data(), K, kBlock, nb, scale.data() + p * nb * kPanel,
+                                  min.data() + p * nb * kPanel, xsum.data(),
+                                  out.data() + p * kPanel, P * kPanel, kPanel};
+      quant_panel_block<Q4Codes, _Float16, 1>(a, codes.data() + p * panel_codes);
+    }
+  };
+  double best[std::size(kCandidates)];
+  std::fill(std::begin(best), std::end(best), 1e30);
+  for (int rep = 0; rep < 6; ++rep)
+    for (size_t i = 0; i < std::size(kCandidates); ++i) {
+      prefetch_distance = kCandidates[i];
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<std::thread> helpers;
+      for (int64_t t = 1; t < T; ++t) helpers.emplace_back(pass, t);
+      pass(0);
+      for (auto& h : helpers) h.join();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) best[i] = std::min(best[i], s);  // rep 0 warms the pages and caches
+    }
+  size_t fastest = 0;
+  for (size_t i = 1; i < std::size(kCandidates); ++i)
+    if (best[i] < best[fastest]) fastest = i;
+  prefetch_distance = 0;
+  return best[fastest] <= best[0] * 0.97 ? kCandidates[fastest] : 0;
+}
+
+extern "C" void jaxinfer_set_prefetch(long long bytes) {
+  prefetch_distance = std::max<long long>(0, bytes);
+}
