@@ -209,33 +209,45 @@ const typename Fmt::Code* block_sums(const float* xb, int64_t K, int64_t bs,
     }
     return c;
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) part[r][j] = v16{};
+  v16 acc[R][NV] = {};
   for (int64_t k = 0; k < bs; k += S, c += kPanel) {  // kPanel codes per step
     v16 w[S][NV];
     stream_step<Fmt>(c, w);
     for (int s = 0; s < S; ++s)
       for (int r = 0; r < R; ++r) {
         const float xr = xb[r * K + k + s];
-        for (int j = 0; j < NV; ++j) part[r][j] += xr * w[s][j];
+        for (int j = 0; j < NV; ++j) acc[r][j] += xr * w[s][j];
       }
   }
 #else
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) part[r][j] = v16{};
+  // q4: a byte's high nibble is taken as 16 * code (byte & 0xF0: one AND where the code needs a
+  // shift and an AND) against x / 16, a power-of-two scaling (exact for |x| >= 2^-122), so
+  // every product, and so every sum, is the one of code * x.
+  constexpr bool kSixteenths = std::is_same_v<Fmt, Q4Codes>;
+  v16 acc[R][NV] = {};
   for (int64_t k = 0; k < bs; k += S, c += kPanel) {
     prefetch_ahead(c, kPanel * sizeof(*c));
     float xr[R][S];
     for (int r = 0; r < R; ++r)
-      for (int s = 0; s < S; ++s) xr[r][s] = xb[r * K + k + s];
+      for (int s = 0; s < S; ++s) xr[r][s] = xb[r * K + k + s] * (kSixteenths && s ? 0.0625f : 1.0f);
     for (int j = 0; j < NV; ++j) {
       v16 w[S];
-      Fmt::load_one(c, j, w);
+      if constexpr (kSixteenths) {
+        const vi16 b = widen(reinterpret_cast<const int8_t*>(c) + j * kLanes);
+        w[0] = __builtin_convertvector(b & 15, v16);
+        w[1] = __builtin_convertvector(b & 0xF0, v16);
+      } else {
+        Fmt::load_one(c, j, w);
+      }
       for (int s = 0; s < S; ++s)
-        for (int r = 0; r < R; ++r) part[r][j] += xr[r][s] * w[s];
+        for (int r = 0; r < R; ++r) acc[r][j] += xr[r][s] * w[s];
     }
   }
 #endif
+  // The sums stay in `acc`, registers, until here: summed into part[] directly, GCC kept
+  // them in memory (part may alias x), a load and a store around every FMA.
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) part[r][j] = acc[r][j];
   return c;
 }
 
