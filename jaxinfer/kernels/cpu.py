@@ -226,8 +226,9 @@ def _prefetch_distance(library: ctypes.CDLL) -> int:
     """Bytes ahead that the quantized matmuls prefetch their weight codes:
     `JAXINFER_KERNEL_PREFETCH` where set, else this library's measured
     choice (`jaxinfer_measure_prefetch`: batch-1 q4 decode over 64 MiB at
-    0, 1, 2 and 4 KiB, about a tenth of a second), measured on its first
-    load on this machine and kept beside it as `<library>.prefetch`.
+    0, 1, 2 and 4 KiB, under half a second), measured on its first load
+    on this machine and kept beside it as `<library>.prefetch` (where the
+    cache folder can be written).
 
     Raises:
       ValueError: `JAXINFER_KERNEL_PREFETCH` is not a whole number >= 0.
@@ -245,8 +246,11 @@ def _prefetch_distance(library: ctypes.CDLL) -> int:
     measure.restype = ctypes.c_longlong
     bytes_ahead = int(measure(ctypes.c_int(len(os.sched_getaffinity(0)))))
     tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
-    tmp.write_text(f"{bytes_ahead}\n")
-    os.replace(tmp, kept)  # atomic: concurrent first loads race harmlessly
+    try:
+        tmp.write_text(f"{bytes_ahead}\n")
+        os.replace(tmp, kept)  # atomic: concurrent first loads race harmlessly
+    except OSError:  # a read-only cache: measured again by the next process
+        tmp.unlink(missing_ok=True)
     return bytes_ahead
 
 

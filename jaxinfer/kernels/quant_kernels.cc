@@ -834,8 +834,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferBf16Matmul, Bf16Matmul,
 // Batch-1 q4 decode (float32 activations, float16 scales and mins, blocks of 32) over a
 // 64 MiB weight, more than a last-level cache holds, in contiguous runs of panels over
 // `threads` threads, as quant_matmul splits a decode step's matmul; each candidate distance
-// timed 5 times, interleaved with the others after one warm-up pass, best of 5. Returns the fastest distance in bytes, or 0 (off) unless it
-// beats no prefetch by 3% or more.
+// timed 5 times, interleaved with the others after one warm-up pass, best of 5. Returns the
+// fastest distance in bytes, or 0 (off) unless it beats no prefetch by 3% or more.
 extern "C" long long jaxinfer_measure_prefetch(int threads) {
   constexpr int64_t K = 4096, kBlock = 32, kCandidates[] = {0, 1024, 2048, 4096};
   constexpr int64_t panel_codes = K / 2 * kPanel, nb = K / kBlock;

@@ -6,6 +6,7 @@ read once per process).
 
 import ctypes
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -126,3 +127,15 @@ def test_kernel_info_says_which_distance_runs():
     info = cpu_kernels.kernel_info()
     env = os.environ.get(cpu_kernels.PREFETCH)
     assert info["prefetch_bytes"] in ((int(env),) if env else (0, 1024, 2048, 4096))
+
+
+@needs_kernels
+def test_a_cache_that_cannot_be_written_still_gets_a_measured_distance(library_copy, monkeypatch):
+    monkeypatch.delenv(cpu_kernels.PREFETCH, raising=False)
+
+    def refuse(src, dst):
+        raise PermissionError(f"read-only: {dst}")
+
+    monkeypatch.setattr(cpu_kernels.os, "replace", refuse)
+    assert cpu_kernels._prefetch_distance(library_copy) in (0, 1024, 2048, 4096)
+    assert sorted(p.name for p in pathlib.Path(library_copy._name).parent.iterdir()) == ["kernels.so"]
