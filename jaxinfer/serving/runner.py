@@ -12,7 +12,8 @@ pages (`serving.pages.KVPageManager`: block tables are sent with each call);
 this module only runs it. Shapes: a step's T tokens are padded to the
 smallest token bucket (powers of two up to `token_budget`) that holds them
 and its segments to R = min(T, max_num_seqs); a decode loop's rows to a
-power of two. Those buckets are the compile plan (`compile_plan`), which
+power of two, or to the rows of the loop its batch began in (`loop_rows`).
+Those buckets are the compile plan (`compile_plan`), which
 warm-up (`warm`, a `serving.warmup.WarmUp`) and dispatch share.
 """
 
@@ -62,6 +63,14 @@ ADMIT_ROWS = 8
 # Log-prob counts are compiled for these values only (a request asking for
 # n alternatives runs with the next one and keeps its n).
 LOGPROB_BUCKETS = (0, 1, 2, 4, 8, 20)
+
+
+def loop_rows(num_rows: int, max_num_seqs: int, at_least: int = 0) -> int:
+    """R, the rows a decode loop of `num_rows` rows runs at: the smallest
+    power of two that holds them (at most `max_num_seqs`), or `at_least`
+    when that is more (the scheduler keeps a batch's tail in the batch's
+    loop: padded rows cost no matmul work, a new loop costs a compile)."""
+    return max(min(1 << (num_rows - 1).bit_length(), max_num_seqs), at_least)
 
 
 def logprob_bucket(n: Optional[int]) -> int:
@@ -317,11 +326,19 @@ class ModelRunner(GrammarRows):
         return Dispatched(out, 1)
 
     def decode(self, slots: Sequence[int], block_tables: np.ndarray, num_steps: int,
-               max_drafts: Optional[Sequence[int]] = None, num_logprobs: int = -1) -> Dispatched:
-        """Dispatch `num_steps` decoding steps of `slots` in one scan; the rows
-        are padded to a power of two. Outputs [num_steps, R, W], rows in
-        `slots` order."""
-        r = min(1 << (len(slots) - 1).bit_length(), self.max_num_seqs)
+               max_drafts: Optional[Sequence[int]] = None, num_logprobs: int = -1,
+               rows: int = 0) -> Dispatched:
+        """Dispatch `num_steps` decoding steps of `slots` in one scan over R =
+        `loop_rows(len(slots), max_num_seqs, rows)` rows. Outputs
+        [num_steps, R, W], rows in `slots` order.
+
+        Raises:
+          ValueError: more slots or `rows` than max_num_seqs.
+        """
+        if max(len(slots), rows) > self.max_num_seqs:
+            raise ValueError(f"a decode loop of {len(slots)} slots cannot run at {rows} rows "
+                             f"(max_num_seqs {self.max_num_seqs})")
+        r = loop_rows(len(slots), self.max_num_seqs, rows)
         padded = np.full(r, self.max_num_seqs, np.int32)
         padded[:len(slots)] = slots
         caps = np.zeros(r, np.int32)
@@ -426,4 +443,4 @@ def _abstract(x):
 
 
 __all__ = ["Admission", "Dispatched", "LOGPROB_BUCKETS", "ModelRunner", "NO_TOKEN", "Segment",
-           "logprob_bucket"]
+           "logprob_bucket", "loop_rows"]

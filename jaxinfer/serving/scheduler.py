@@ -67,7 +67,7 @@ from jaxinfer.serving.pages import KVPageManager
 from jaxinfer.serving.request import (QueueFullError, Request, RequestOutput, RequestState,
                                       check_fits)
 from jaxinfer.serving.rows import TokenRules
-from jaxinfer.serving.runner import Admission, Segment, logprob_bucket
+from jaxinfer.serving.runner import Admission, Segment, logprob_bucket, loop_rows
 
 
 @dataclasses.dataclass
@@ -85,6 +85,8 @@ class _Seq:
     host: bool = False         # its constraint is masked on the host (one step at a time)
 
     prefilling = property(lambda self: self.computed < len(self.ids))   # prompt not all computed
+    # tokens it had generated when it was (re)admitted
+    generated_before = property(lambda self: len(self.ids) - len(self.state.request.prompt_ids))
 
 
 class Scheduler:
@@ -140,6 +142,7 @@ class Scheduler:
         self.streaming: set[int] = set()  # requests that want each token as it comes
         self._host_seen = False           # a host-masked request was added (its rows sync)
         self._host_turn = False           # host-masked rows step next (they alternate with loops)
+        self._loop_rows = 0               # rows of the last decode loop while rows run (0: none)
 
     states = property(lambda self: {rid: seq.state for rid, seq in self.seqs.items()})
 
@@ -195,7 +198,7 @@ class Scheduler:
         if seq.prefilling:
             known = seq.ids[:seq.computed]
         else:   # every token but the last sampled one has its K/V in the pages
-            known = (seq.ids + tuple(seq.state.token_ids[self._generated_before(seq):]))[:-1]
+            known = (seq.ids + tuple(seq.state.token_ids[seq.generated_before:]))[:-1]
         self.pages.release(seq.slot, known)
         getattr(self.runner, "release_slot", lambda slot: None)(seq.slot)   # its automaton may go
         self.slots[seq.slot] = None
@@ -283,6 +286,8 @@ class Scheduler:
         if self._host_seen:
             self._advance_host_rows()
         running = [s for s in self._running() if not s.state.finished]
+        if not running:
+            self._loop_rows = 0     # the next batch's loops start from its own rows
         decoding = [s for s in running if not s.prefilling]
         width = self.runner.width
         if decoding and not self._make_room(decoding, width):
@@ -335,12 +340,12 @@ class Scheduler:
         """Decoding steps for one dispatch of `rows`, the decoding rows not
         masked on the host: decode_chunk when nothing waits, nothing is
         prefilled (every running row is in `decoding`), none of `decoding`
-        streams and the loop is compiled; else 1."""
+        streams and the loop is compiled; else 1. A batch's tail keeps its loop."""
         chunk = self.config.decode_chunk
         if (not rows or self.waiting or len(decoding) != self.num_running or chunk < 2
                 or any(s.state.request_id in self.streaming for s in decoding)):
             return 1
-        padded = min(1 << (len(rows) - 1).bit_length(), self.config.max_num_seqs)
+        padded = loop_rows(len(rows), self.config.max_num_seqs, self._loop_rows)
         more = chunk * self.runner.width
         if self.pages.shortfall({s.slot: self._positions(s, more) for s in rows}):
             return 1
@@ -354,9 +359,10 @@ class Scheduler:
             self._grow(seq, steps * width)
             seq.inflight += steps * width
         owners = [(s.state.request_id, steps * width, s.order) for s in decoding]
+        self._loop_rows = loop_rows(len(decoding), self.config.max_num_seqs, self._loop_rows)
         out = self.runner.decode([s.slot for s in decoding], self.pages.tables, steps,
                                  [self._draft_cap(s) for s in decoding],
-                                 self._num_logprobs(rid for rid, *_ in owners))
+                                 self._num_logprobs(rid for rid, *_ in owners), self._loop_rows)
         return out, owners
 
     def _num_logprobs(self, rids) -> int:
@@ -370,16 +376,11 @@ class Scheduler:
             return 0
         return seq.state.draft_cap(spec.num_speculative_tokens)
 
-    @staticmethod
-    def _generated_before(seq: _Seq) -> int:
-        """Tokens the request had generated when it was (re)admitted."""
-        return len(seq.ids) - len(seq.state.request.prompt_ids)
-
     def _positions(self, seq: _Seq, more: int) -> int:
         """Positions the slot can hold after the unread steps and `more` tokens
         (its prefilled and generated tokens plus `inflight` and `more`), at
         most prompt + max_new_tokens (no draft past a row's end: `engine.step`)."""
-        bound = seq.computed + len(seq.state.token_ids) - self._generated_before(seq) + seq.inflight
+        bound = seq.computed + len(seq.state.token_ids) - seq.generated_before + seq.inflight
         return min(bound + more, len(seq.state.request.prompt_ids) + seq.state.request.max_new_tokens)
 
     def _grow(self, seq: _Seq, more: int) -> None:
@@ -491,10 +492,8 @@ class Scheduler:
         owners.append((seq.state.request_id, int(last), seq.order))
         return n
 
-    @property
-    def kv_pages(self):
-        """The page pool (its hit-rate counters and usage)."""
-        return self.pages.pool
+    kv_pages = property(lambda self: self.pages.pool,
+                        doc="The page pool (its hit-rate counters and usage).")
 
 
 __all__ = ["POLICIES", "QueueFullError", "Scheduler"]

@@ -16,7 +16,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.rows import NO_TOKEN, StepOutput
 from jaxinfer.serving.request import Request
 from jaxinfer.serving.rows import TokenRules
-from jaxinfer.serving.runner import Dispatched
+from jaxinfer.serving.runner import Dispatched, loop_rows
 from jaxinfer.serving.chunking import LONG_CHUNK_GROWTH
 from jaxinfer.serving.scheduler import QueueFullError, Scheduler
 from jaxinfer.serving.settings import SCHEDULER_KEYS
@@ -44,6 +44,7 @@ class FakeRunner:
         self.loops = loops
         self.rows = [None] * max_num_seqs
         self.log = []
+        self.loop_rows = []     # R of each decode loop run
         self.decode_steps = 0
         self.host_rows = {}     # slot -> live row of a host-masked request: none here
 
@@ -126,8 +127,9 @@ class FakeRunner:
             done[0, i] = row["done"]
         return Dispatched(StepOutput(tokens, done), 1)
 
-    def decode(self, slots, tables, num_steps, max_drafts=None, num_logprobs=-1):
+    def decode(self, slots, tables, num_steps, max_drafts=None, num_logprobs=-1, rows=0):
         self.log.append(("decode", tuple(slots), num_steps))
+        self.loop_rows.append(loop_rows(len(slots), self.max_num_seqs, rows))
         tokens = np.full((num_steps, len(slots), 1), -1)
         for i, slot in enumerate(slots):
             row = self.rows[slot]
@@ -387,6 +389,23 @@ def test_decode_loops_run_only_in_steady_state_and_once_compiled():
     s.add_request(req(10, max_new=9))
     run(s)
     assert not [e for e in uncompiled.log if e[0] == "decode"]
+
+
+def test_a_batch_s_tail_keeps_the_batch_s_decode_loop():
+    """As four rows finish one by one, the loops of the rows left run at the
+    batch's 4 rows (one loop program, not one per smaller power of two);
+    the next batch starts from its own rows."""
+    runner = FakeRunner(max_num_seqs=4, loops=True)
+    s = sched(runner, decode_chunk=4)
+    rids = [s.add_request(req(10 * (i + 1), max_new=5 + 8 * i)) for i in range(4)]
+    events = run(s)
+    assert [tokens_of(events[r]) for r in rids] == [chain(10 * (i + 1), 5 + 8 * i) for i in range(4)]
+    loops = [e[1] for e in runner.log if e[0] == "decode"]
+    assert {len(slots) for slots in loops} == {1, 2, 3, 4}
+    assert set(runner.loop_rows) == {4}
+    runner.loop_rows.clear()
+    a = s.add_request(req(50, max_new=9))
+    assert tokens_of(run(s)[a]) == chain(50, 9) and set(runner.loop_rows) == {1}
 
 
 # --- pages: prefix cache and preemption ---------------------------------------------------------

@@ -95,7 +95,7 @@ class SpecFakeRunner(FakeRunner):
             out[1][0, i] = row["done"]
         return self._dispatched(out, 1)
 
-    def decode(self, slots, tables, num_steps, max_drafts=None, num_logprobs=-1):
+    def decode(self, slots, tables, num_steps, max_drafts=None, num_logprobs=-1, rows=0):
         out = self._outputs(num_steps, len(slots))
         for step in range(num_steps):
             for i, slot in enumerate(slots):
