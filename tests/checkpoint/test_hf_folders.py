@@ -29,15 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.cache.kv import init_cache
 from jaxinfer.checkpoint.convert import CheckpointError
 from jaxinfer.checkpoint.safetensors import config_from_hf, load_hf_folder, weight_map
 from jaxinfer.config import FULL_ATTENTION as FULL
 from jaxinfer.config import SLIDING_ATTENTION as SLIDE
-from jaxinfer.engine.phases import decode_step, prefill
 from jaxinfer.nn import rms_norm
 from jaxinfer.serving.llm import LLM
-from jaxinfer.weights.prepare import prepare_params
+from hf_cases import (assert_cached_greedy_matches_hf, assert_logits_match_hf,
+                      hf_greedy_recompute, prompt_ids)
 from tiny import tiny_llama_folder
 from jaxinfer.sampling import SamplingParams
 
@@ -45,7 +44,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
-PROMPT_LEN = 12
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -112,47 +110,6 @@ def hf_reference(folder: pathlib.Path):
         folder, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def hf_logits(model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
-def hf_greedy_recompute(model, ids, steps) -> list[int]:
-    """Greedy continuation recomputing the whole sequence each step (no cache)."""
-    seq = list(ids)
-    for _ in range(steps):
-        seq.append(int(hf_logits(model, seq)[-1].argmax()))
-    return seq[len(ids):]
-
-
-def jax_prefill(config, params, ids, max_seq_len=64):
-    """(logits [T, V] at every prompt position, cache) from one parallel prefill
-    (of the loaded params, prepared here)."""
-    params = prepare_params(params, config)
-    bucket = 1 << (len(ids) - 1).bit_length()
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :len(ids)] = ids
-    cache = init_cache(config, 1, max_seq_len, params["norm"].dtype)
-    logits, cache = prefill(params, cache, jnp.asarray(tokens), jnp.array([len(ids)], jnp.int32),
-                            config=config, all_logits=True)
-    return np.asarray(logits)[0, :len(ids)], cache
-
-
-def jax_greedy_cached(config, params, ids, steps) -> list[int]:
-    """Greedy continuation through the KV cache: prefill, then one decode_step per token."""
-    params = prepare_params(params, config)
-    logits, cache = jax_prefill(config, params, ids)
-    out = [int(logits[-1].argmax())]
-    while len(out) < steps:
-        step_logits, cache = decode_step(params, cache, jnp.array(out[-1:], jnp.int32), config=config)
-        out.append(int(np.asarray(step_logits)[0].argmax()))
-    return out
-
-
-def prompt_ids(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
-
-
 @pytest.fixture(scope="module", params=[
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name
     for name in sorted(CASES)])
@@ -165,21 +122,14 @@ def case(request, tmp_path_factory):
 
 def test_logits_match_hf_all_positions(case):
     name, _, config, params, model = case
-    ids = prompt_ids(config.vocab_size)
-    ours, theirs = jax_prefill(config, params, ids)[0], hf_logits(model, ids)
-    diff = float(np.abs(ours - theirs).max())
-    print(f"\n{name}: max |logit diff| {diff:.2e}, logit std {theirs.std():.2f}")
-    assert theirs.std() > 0.5, "random model too close to uniform to discriminate"
-    assert diff <= ATOL, f"{name}: max |logit diff| {diff}"
+    assert_logits_match_hf(name, config, params, model, prompt_ids(config.vocab_size), ATOL)
 
 
 def test_greedy_cached_decode_matches_hf(case):
     """Prefill + decode_step through the KV cache (ring buffers on sliding layers:
     12 + 8 positions cross a window of 4 several times) vs HF recomputing."""
     name, _, config, params, model = case
-    ids = prompt_ids(config.vocab_size, seed=1)
-    expected = hf_greedy_recompute(model, ids, NEW_TOKENS)
-    assert jax_greedy_cached(config, params, ids, NEW_TOKENS) == expected, name
+    assert_cached_greedy_matches_hf(name, config, params, model, NEW_TOKENS)
 
 
 @pytest.mark.slow
