@@ -72,27 +72,6 @@ def _segments(args) -> ragged.Segments:
                                                        valid)))
 
 
-def reference_softcapped(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
-                         window, softcap):
-    """`reference_ragged` (float64, token by token) with scores s mapped to
-    softcap * tanh(s / softcap) before the softmax (softcap None: as they are)."""
-    q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
-    ps = k_pages.shape[-1]
-    out = np.zeros_like(q)
-    for r in range(len(seg_len)):
-        for i in range(seg_len[r]):
-            t, p = seg_start[r] + i, seg_pos[r] + i
-            positions = np.arange(0 if window is None else max(0, p - window + 1), p + 1)
-            pages = np.asarray(block_tables)[seg_slot[r], positions // ps]
-            scores = np.einsum("kgh,nkh->kgn", q[t], k_pages[pages, :, :, positions % ps])
-            if softcap:
-                scores = softcap * np.tanh(scores / softcap)
-            weights = np.exp(scores - scores.max(-1, keepdims=True))
-            weights /= weights.sum(-1, keepdims=True)
-            out[t] = np.einsum("kgn,nkh->kgh", weights, v_pages[pages, :, positions % ps, :])
-    return out
-
-
 @pytest.mark.parametrize("heads", HEADS[:2], ids=HEAD_IDS[:2])
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("softcap,int8", [(50.0, False), (None, True), (30.0, True)],
@@ -116,7 +95,7 @@ def test_kernel_matches_the_xla_path_with_softcaps_and_int8_pools(heads, window,
     else:
         kv = LayerKV(jnp.asarray(k), jnp.asarray(v))
     plain = [np.asarray(x) for x in dequantize(kv)]
-    want = reference_softcapped(q, *plain, tables, *args[4:], window, softcap)
+    want = reference_ragged(q, *plain, tables, *args[4:], window, softcap)
     seg = _segments((q, k, v, tables, *args[4:]))
     xla = np.asarray(ragged.attend_xla(jnp.asarray(q), kv, jnp.asarray(tables), seg, window or 0,
                                        softcap))

@@ -33,11 +33,12 @@ HEAD_IDS = ["smollm2", "gemma3", "g5h40", "tiny"]
 
 
 def reference_ragged(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg_len, seg_pos,
-                     window):
+                     window, softcap=None):
     """Float64 ragged paged attention, one query token at a time: token
     seg_start[r] + i at position p = seg_pos[r] + i sees slot seg_slot[r]'s
     positions [max(0, p - window + 1), p] (window None: [0, p]); tokens no
-    segment covers are zeros. q [T, K, G, H] -> [T, K, G, H]."""
+    segment covers are zeros. With `softcap`, scores s become
+    softcap * tanh(s / softcap) before the softmax. q [T, K, G, H] -> [T, K, G, H]."""
     q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
     ps = k_pages.shape[-1]
     out = np.zeros_like(q)
@@ -49,6 +50,8 @@ def reference_ragged(q, k_pages, v_pages, block_tables, seg_slot, seg_start, seg
             keys = k_pages[pages, :, :, positions % ps]            # [n, K, H]
             values = v_pages[pages, :, positions % ps, :]          # [n, K, H]
             scores = np.einsum("kgh,nkh->kgn", q[t], keys)
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             weights = np.exp(scores - scores.max(-1, keepdims=True))
             weights /= weights.sum(-1, keepdims=True)
             out[t] = np.einsum("kgn,nkh->kgh", weights, values)
@@ -144,11 +147,13 @@ def test_mixed_step_matches_reference(heads, ps, window):
     _check_against_reference(*_step(segments, 160, heads, ps, window))
 
 
-def _split_runs(heads, window, splits, k_all, v_all, q_all, ps=16):
+def _split_runs(heads, window, splits, k_all, v_all, q_all, ps=16, quantize=None):
     """Run a 70-token prompt (slot 1) as steps of the given segment lengths,
     each step writing its own K/V first; slot 0 decodes beside it in every
-    other step (one token at its next position) so units mix. Returns the
-    prompt's outputs [70, K, G, H]."""
+    other step (one token at its next position) so units mix. `quantize`:
+    (k, v, seed=step) -> (k codes, v codes, key scales, value scales), the
+    int8 pool each step reads (None: the float pool). Returns the prompt's
+    outputs [70, K, G, H]."""
     kv_heads, g, h = heads
     pool = Pool(kv_heads, h, ps, 2, 128 // ps, seed=5)                # 128 positions a slot
     pool.fill(0, 40)
@@ -167,7 +172,8 @@ def _split_runs(heads, window, splits, k_all, v_all, q_all, ps=16):
         t = 8 * -(-len(q) // 8)                                      # padded to a bucket of 8
         q = np.concatenate([q, np.zeros((t - len(q), kv_heads, g, h), np.float32)])
         slot, start, length, pos = (np.array(c, np.int32) for c in zip(*segments))
-        out = np.asarray(run(q, pool.k, pool.v, pool.tables, slot, start, length, pos))
+        k, v, *scales = (pool.k, pool.v) if quantize is None else quantize(pool.k, pool.v, seed=step)
+        out = np.asarray(run(q, k, v, pool.tables, slot, start, length, pos, *scales))
         outs.append(out[start[-1]:start[-1] + n])
         done += n
     return np.concatenate(outs)

@@ -26,7 +26,7 @@ import pytest
 from jaxinfer.cache.int8 import quantize_kv
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels.ragged import ragged_paged_attention, ragged_paged_attention_xla
-from test_ragged_attention import (ATOL, HEAD_IDS, HEADS, Pool, _small_step, _step,
+from test_ragged_attention import (ATOL, HEAD_IDS, HEADS, Pool, _small_step, _split_runs, _step,
                                    reference_ragged)
 
 WIDE_ATOL = 4e-6          # H = 256; see the module docstring
@@ -123,37 +123,6 @@ def test_int8_long_and_sharp_steps_match_reference(heads, segments, t, q_scale, 
     _check_against_reference(*_int8_step(segments, t, heads, 16, window, q_scale=q_scale), atol)
 
 
-def _split_runs(heads, window, splits, k_all, v_all, q_all, ps):
-    """A 70-token prompt (slot 1) of an int8 pool run as steps of the given
-    segment lengths, each step quantizing and writing its own K/V first,
-    slot 0 decoding beside it in every other step. Returns the prompt's
-    outputs [70, K, G, H]."""
-    kv_heads, g, h = heads
-    pool = Pool(kv_heads, h, ps, 2, 128 // ps, seed=5)
-    pool.fill(0, 40)
-    rng = np.random.default_rng(9)
-    run = jax.jit(lambda *a: ragged_paged_attention(*a, window=window))
-    outs, done = [], 0
-    for step, n in enumerate(splits):
-        pool.write(1, done, k_all[done:done + n], v_all[done:done + n])
-        segments = [(1, 0, n, done)]
-        q = q_all[done:done + n]
-        if step % 2:
-            pos = 40 + step
-            pool.write(0, pos, *rng.standard_normal((2, 1, kv_heads, h)).astype(np.float32))
-            segments = [(0, 0, 1, pos), (1, 1, n, done)]
-            q = np.concatenate([rng.standard_normal((1, kv_heads, g, h)).astype(np.float32), q])
-        t = 8 * -(-len(q) // 8)
-        q = np.concatenate([q, np.zeros((t - len(q), kv_heads, g, h), np.float32)])
-        slot, start, length, pos = (np.array(c, np.int32) for c in zip(*segments))
-        k_codes, v_codes, key_scale, value_scale = quantize_pool(pool.k, pool.v, seed=step)
-        out = np.asarray(run(q, k_codes, v_codes, pool.tables, slot, start, length, pos,
-                             key_scale, value_scale))
-        outs.append(out[start[-1]:start[-1] + n])
-        done += n
-    return np.concatenate(outs)
-
-
 @needs_kernels
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("window", [None, 16])
@@ -167,10 +136,10 @@ def test_int8_prompt_whole_chunked_or_token_by_token_gives_identical_bits(heads,
     rng = np.random.default_rng(4)
     k_all, v_all = rng.standard_normal((2, 70, kv_heads, h)).astype(np.float32)
     q_all = (rng.standard_normal((70, kv_heads, g, h)) / np.sqrt(h)).astype(np.float32)
-    whole = _split_runs(heads, window, [70], k_all, v_all, q_all, 16)
+    whole = _split_runs(heads, window, [70], k_all, v_all, q_all, 16, quantize_pool)
     assert np.all(np.isfinite(whole))
     for splits, ps in [([16, 16, 38], 16), ([1] * 70, 16), ([16, 16, 38], 8), ([70], 32)]:
-        got = _split_runs(heads, window, splits, k_all, v_all, q_all, ps)
+        got = _split_runs(heads, window, splits, k_all, v_all, q_all, ps, quantize_pool)
         np.testing.assert_array_equal(got.view(np.uint32), whole.view(np.uint32),
                                       err_msg=f"{len(splits)} steps, page size {ps}")
     pool = Pool(kv_heads, h, 16, 2, 5, seed=5)
