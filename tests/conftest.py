@@ -163,6 +163,13 @@ def _compile_cache_options_restored():
         compilation_cache.reset_cache()
 
 
+# Threads that compile in the background: a warm-up's other buckets
+# (`serving.warmup.WarmUp.compile_behind`), a schema's device tables
+# (`sampling.grammar`, started by a server for each new schema) and a larger
+# grammar pool's step (`serving.grammar_rows`).
+BACKGROUND_THREADS = ("jaxinfer-compile", "jaxinfer-grammar", "jaxinfer-grammar-compile")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop each test module's compiled programs when it ends.
@@ -172,13 +179,13 @@ def _release_compiled_programs():
     programs, and past the kernel's limit on mappings per process
     (`vm.max_map_count`, 65,530 by default) compiling crashes the process
     (a segfault or an abort inside XLA). Programs held by session-scoped
-    fixtures stay. A background warm-up a module's LLM left compiling
-    ("jaxinfer-compile" threads, `serving.warmup.WarmUp.compile_behind`) is
-    waited for first, so that it neither compiles into the next module's
-    time nor adds memory maps under its measurements."""
+    fixtures stay. Background work a module's LLM or server left compiling
+    (`BACKGROUND_THREADS`) is waited for first, so that it neither compiles
+    into the next module's time, nor counts among the compiles that module's
+    tests count, nor adds memory maps under its measurements."""
     yield
     for thread in threading.enumerate():
-        if thread.name == "jaxinfer-compile":
+        if thread.name in BACKGROUND_THREADS:
             thread.join(600)
     gc.collect()
     jax.clear_caches()

@@ -4,6 +4,7 @@ greedy tokens follow the float64 reference; abort, min_tokens and
 ignore_eos; what generate compiles; a warmed server compiling nothing; the
 engine thread serving concurrent submitters and trimming the heap when idle."""
 
+import threading
 import time
 
 import jax
@@ -92,7 +93,8 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
     # from JAX's own compile events once the KV cache is allocated (its zeros compile)
     jax.block_until_ready(sched.runner.cache)
     compiles = []
-    listener = lambda event, *a, **k: compiles.append(event) if "backend_compile" in event else None
+    listener = lambda event, *a, **k: (compiles.append(threading.current_thread().name)
+                                       if "backend_compile" in event else None)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         assert sched.runner.warmup() == len(sched.runner.compile_plan()) == 7 == served.programs.num_compiles
@@ -104,7 +106,7 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert engine.error is None and outs == alone
     assert served.programs.num_compiles == 7
-    assert len(compiles) == 7
+    assert len(compiles) == 7, f"compiles by thread: {compiles}"
 
 
 def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
