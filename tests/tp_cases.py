@@ -50,9 +50,15 @@ def _all_logits(llm, programs, ids):
     return np.asarray(logits)[0, :len(ids)]
 
 
-def _generate(llm, sampling, logprobs=None):
-    out = llm.generate(PROMPTS, sampling, max_new_tokens=12, ignore_eos=True, logprobs=logprobs)
-    return [c.token_ids for c in out], [[lp for _, lp, _ in c.logprobs or []] for c in out]
+def _generate(llm) -> tuple[dict, list]:
+    """Greedy and seeded (`SEEDED`) tokens of PROMPTS from one `generate`
+    (a row per prompt and sampling, so one set of compiled programs), and
+    the greedy rows' log-probs: ({"greedy": ids, "seeded": ids}, log-probs)."""
+    out = llm.generate(PROMPTS * 2, [SamplingParams()] * len(PROMPTS) + [SEEDED] * len(PROMPTS),
+                       max_new_tokens=12, ignore_eos=True, logprobs=0)
+    ids = [c.token_ids for c in out]
+    greedy_logprobs = [[lp for _, lp, _ in c.logprobs] for c in out[:len(PROMPTS)]]
+    return {"greedy": ids[:len(PROMPTS)], "seeded": ids[len(PROMPTS):]}, greedy_logprobs
 
 
 def _max_diff(a, b) -> float:
@@ -64,39 +70,39 @@ def equivalence(model: str, tps: list, dp: int = 1) -> dict:
     against the single-device run, greedy tokens (with the log-probs
     LLM.generate reports for them: their max |diff|) and seeded tokens of
     both (chunked prefill of 8 tokens: prompts cross the window), the
-    attention backend, and per compiled serving step the collectives in
-    its optimized HLO and whether it calls a C++ kernel."""
+    attention backend, and per compiled serving step and decode loop the
+    collectives in its optimized HLO and whether any calls a C++ kernel."""
     skip = _devices_or_skip(max(tps) * dp)
     if skip:
         return skip
     config = CONFIGS[model]
     params = random_params(config, seed=3)
-    kwargs = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=8,
-                  max_num_seqs=4)
+    # a slot for each of `_generate`'s 6 rows: all run from the first step, in one
+    # step and one decode-loop program per token bucket
+    kwargs = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=8, max_num_seqs=8)
     # The reference runs XLA's own matmuls too (pack=False: no C++ packed
     # matmul, which sums in another order), so only tensor parallelism differs.
     ref = LLM(config, prepare_params(params, config, pack=False), **kwargs)
     ref_logits = [_all_logits(ref, None, ids) for ids in PROMPTS]
-    greedy, logprobs = _generate(ref, None, logprobs=0)
-    want = {"greedy": greedy, "seeded": _generate(ref, SEEDED)[0]}
+    want, logprobs = _generate(ref)
     out = {"reference": want, "max_abs_logit": float(max(np.abs(x).max() for x in ref_logits))}
     for tp in tps:
         mesh = sharding.make_mesh(tp, dp)
         llm = sharding.tensor_parallel_llm(config, params, None, mesh, **kwargs)
         diffs = [float(np.abs(_all_logits(llm, llm.programs, ids) - r).max())
                  for ids, r in zip(PROMPTS, ref_logits)]
-        greedy, lps = _generate(llm, None, logprobs=0)
-        got = {"greedy": greedy, "seeded": _generate(llm, SEEDED)[0]}
-        hlos = llm.programs.hlo_texts("step")
+        got, lps = _generate(llm)
+        hlos = {name: llm.programs.hlo_texts(name) for name in ("step", "decode_loop")}
         plan = llm.sharding_plan
         out[str(tp)] = {
             "plan": plan.describe(), "split_heads": plan.split_heads, "kv_repeat": plan.kv_repeat,
             "split_mlp": plan.split_mlp, "split_vocab": plan.split_vocab,
             "max_logit_diff": max(diffs), "max_logprob_diff": _max_diff(lps, logprobs), **got,
-            "backend": llm.backend.name, "num_step_programs": len(hlos),
-            "collectives": [sharding.collectives(hlo) for hlo in hlos],
+            "backend": llm.backend.name,
+            "collectives": {name: [sharding.collectives(hlo) for hlo in texts]
+                            for name, texts in hlos.items()},
             "expected_collectives": sharding.expected_collectives(config, plan),
-            "kernel_in_step": any("jaxinfer_" in hlo for hlo in hlos),
+            "kernel_in_step": any("jaxinfer_" in hlo for texts in hlos.values() for hlo in texts),
             "kernels_enabled": bool(__import__("importlib").import_module("jaxinfer.kernels.cpu").enabled()),
             "state_specs": _state_specs(llm, mesh),
         }
