@@ -92,19 +92,30 @@ def propose(draft_params, cache: PagedKVCache, rows: RowState, batch, live, stop
     logits, dcache = _catch_up(draft_params, cache.draft, cache.lengths, rows, batch, live, spec,
                                backend)
     keys = step_keys(rows.keys, rows.num_generated)
-    local, drafts, qs = rows, [], []
-    for i in range(spec.k):
+
+    def draft(local, logits, i):
         q = distribution(processed_logits(logits, local, stop), local.sampling)
         u = jax.vmap(jax.random.uniform)(jax.vmap(jax.random.fold_in, (0, None))(keys, DRAW_STREAM + i))
         d = inverse_cdf(q, u)
-        drafts.append(d)
-        qs.append(q)
-        local = record_tokens(local, d, decoding & ~local.done, stop)
-        if i < spec.k - 1:
-            logits, dcache = _one_token(draft_params, dcache, slot, d, decoding, batch.block_tables,
-                                        spec, backend)
+        return record_tokens(local, d, decoding & ~local.done, stop), d, q
+
+    def draft_and_forward(carry, i):
+        local, d, q = draft(*carry[:2], i)
+        logits, dcache = _one_token(draft_params, carry[2], slot, d, decoding, batch.block_tables,
+                                    spec, backend)
+        return (local, logits, dcache), (d, q)
+
+    # drafts 1 .. k - 1 each followed by a one-token forward: one traced
+    # forward run k - 1 times (a scan), then draft k
+    local, drafts, qs = rows, [], []
+    if spec.k > 1:
+        (local, logits, dcache), (ds, q_s) = jax.lax.scan(
+            draft_and_forward, (rows, logits, dcache), jnp.arange(spec.k - 1, dtype=jnp.int32))
+        drafts, qs = [jnp.moveaxis(ds, 0, 1)], [jnp.moveaxis(q_s, 0, 1)]
+    _, d, q = draft(local, logits, spec.k - 1)
     num = jnp.where(decoding, jnp.clip(batch.max_drafts, 1, spec.k), 0)
-    return jnp.stack(drafts, 1), jnp.stack(qs, 1), num, dcache
+    return (jnp.concatenate(drafts + [d[:, None]], 1), jnp.concatenate(qs + [q[:, None]], 1),
+            num, dcache)
 
 
 def settle(dcache: PagedKVCache, seg: Segments, batch, live, accepted, spec: DraftConfig

@@ -196,40 +196,43 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
       for rows already done; drafted / accepted [B]; log-probs [B, k + 1]).
     """
     b, width, v = logits.shape
-    k = width - 1
     keys = step_keys(rows.keys, rows.num_generated)
     draw = lambda i: jax.vmap(jax.random.uniform)(jax.vmap(jax.random.fold_in, (0, None))(keys, i))
-    open_ = ~rows.done
-    tokens = jnp.where(rows.done[:, None], -1, jnp.full((b, width), NO_TOKEN, jnp.int32))
-    accepted = jnp.zeros((b,), jnp.int32)
-    outs = []
-    idx = jnp.arange(b)
-    for i in range(width):
-        raw = logits[:, i]
+    idx, done_before = jnp.arange(b), rows.done
+    # Position k (the bonus token) is position i < k with no draft: `has` is
+    # false there, so the token is drawn from p and nothing is accepted.
+    drafts = jnp.pad(drafts, ((0, 0), (0, 1)))
+    if draft_probs is not None:
+        draft_probs = jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0)))
+
+    def position(carry, i):
+        rows, open_, accepted = carry
+        raw = jax.lax.dynamic_index_in_dim(logits, i, 1, keepdims=False)
         p = distribution(processed_logits(raw, rows, stop), rows.sampling)
+        d = jax.lax.dynamic_index_in_dim(drafts, i, 1, keepdims=False)
+        has = i < num_drafts
+        q = (jax.nn.one_hot(d, v, dtype=jnp.float32) if draft_probs is None
+             else jax.lax.dynamic_index_in_dim(draft_probs, i, 1, keepdims=False).astype(jnp.float32))
         u_accept, u_draw = draw(2 * i), draw(2 * i + 1)
-        if i < k:
-            d = drafts[:, i]
-            has = i < num_drafts
-            q = (jax.nn.one_hot(d, v, dtype=jnp.float32) if draft_probs is None
-                 else draft_probs[:, i].astype(jnp.float32))
-            accept = has & (u_accept * q[idx, d] < p[idx, d])   # u < p(d) / q(d), no division
-            residual = jnp.maximum(p - q, 0.0)
-            residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p)
-            token = jnp.where(accept, d, inverse_cdf(jnp.where(has[:, None], residual, p), u_draw))
-        else:
-            accept = jnp.zeros((b,), bool)
-            token = inverse_cdf(p, u_draw)     # the bonus token
+        accept = has & (u_accept * q[idx, d] < p[idx, d])   # u < p(d) / q(d), no division
+        residual = jnp.maximum(p - q, 0.0)
+        residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p)
+        token = jnp.where(accept, d, inverse_cdf(jnp.where(has[:, None], residual, p), u_draw))
         emit = open_
-        tokens = tokens.at[:, i].set(jnp.where(emit, token, tokens[:, i]))
+        emitted = jnp.where(emit, token, jnp.where(done_before, -1, NO_TOKEN))
         rows = record_tokens(rows, jnp.where(emit, token, -1), emit, stop)
-        accepted += (emit & accept).astype(jnp.int32)
-        open_ = emit & accept & ~rows.done
-        outs.append(_logprobs(StepOutput(token, rows.done), raw, token, num_logprobs))
+        out = _logprobs(StepOutput(emitted, rows.done), raw, token, num_logprobs)
+        return (rows, emit & accept & ~rows.done, accepted + (emit & accept).astype(jnp.int32)), out
+
+    # One traced position, run k + 1 times in order (a scan, not k + 1 copies
+    # of the sampler in the program).
+    (rows, _, accepted), outs = jax.lax.scan(
+        position, (rows, ~rows.done, jnp.zeros((b,), jnp.int32)), jnp.arange(width, dtype=jnp.int32))
+    move = lambda x: None if x is None else jnp.moveaxis(x, 0, 1)     # [k + 1, B, ...] -> [B, k + 1, ...]
+    tokens = move(outs.token)
     drafted = jnp.where(tokens[:, 0] >= 0, num_drafts, 0)
     out = StepOutput(tokens, rows.done, drafted=drafted, accepted=accepted)
     if num_logprobs >= 0:
-        stack = lambda name: jnp.stack([getattr(o, name) for o in outs], 1)
-        out = out._replace(logprob=stack("logprob"), top_ids=stack("top_ids"),
-                           top_logprobs=stack("top_logprobs"))
+        out = out._replace(logprob=move(outs.logprob), top_ids=move(outs.top_ids),
+                           top_logprobs=move(outs.top_logprobs))
     return rows, out

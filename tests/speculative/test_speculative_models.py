@@ -5,9 +5,10 @@ longer than its 512-token sliding window, so every draft is verified across
 the window.
 
 Compiling is most of the time (three LLMs, each with its step and decode
-loops; the self-draft's programs hold the target's forward and k draft
-forwards): the prompts fit one step's token budget (one prefill bucket per
-LLM), the self-draft drafts k = 2 tokens, and 32 tokens are generated.
+loops; the self-draft's programs hold the target's forward, the draft's
+catch-up forward and its one-token forward): the prompts fit one step's
+token budget (one prefill bucket per LLM), the self-draft drafts k = 2
+tokens, and 32 tokens are generated.
 """
 
 import pytest
