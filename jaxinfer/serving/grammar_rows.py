@@ -162,6 +162,7 @@ class TableGrowth:
         self.num_growths = 0
         self.error: Optional[BaseException] = None
         self._thread_started = False
+        self._stop = threading.Event()
 
     def apply(self) -> None:
         """On the engine thread: a shape compiled since the last call becomes the pool's."""
@@ -175,7 +176,8 @@ class TableGrowth:
         compile is under way (the next call starts the one wanted then)."""
         wanted = self.runner.grammar_pool.wanted
         busy = self._thread is not None and self._thread.is_alive()
-        if wanted is None or busy or self._ready is not None or self.error is not None:
+        if (wanted is None or busy or self._ready is not None or self.error is not None
+                or self._stop.is_set()):
             return
         states = (self.runner.grammar_pool.limit[0], wanted[0])
         self._thread = threading.Thread(
@@ -207,6 +209,8 @@ class TableGrowth:
         try:
             with programs.background():
                 for fn, args, static in plan:
+                    if self._stop.is_set():     # the pool keeps its shape
+                        return
                     programs.compiled(fn, *args, **static)
                 for n in states:
                     self.compile_remap(n, rows)
@@ -222,6 +226,11 @@ class TableGrowth:
         like = jax.device_put(np.zeros(rows.shape, rows.dtype), rows.sharding)
         remap = to_device(np.zeros(states, np.int32))
         jax.block_until_ready(remap_states(like, remap))
+
+    def stop(self) -> None:
+        """Compile nothing more: a compile under way ends after its current
+        program (not offering its shape), and no other starts."""
+        self._stop.set()
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Join the compile under way; True when none is left."""

@@ -386,6 +386,14 @@ class ModelRunner(GrammarRows):
         compiles). Returns the programs compiled."""
         return self.warm.warmup(num_logprobs, background, log)
 
+    def stop_compiling(self) -> None:
+        """Compile nothing more in the background (the warm-up's other token
+        buckets, the grammar tables' growth): each stops after the program
+        under way, not waited for. For a runner whose engine has stopped."""
+        self.warm.stop_compiling(wait=False)
+        if self.growth is not None:
+            self.growth.stop()
+
     # --- the compile plan ----------------------------------------------------------------
 
     def compile_plan(self, num_logprobs: Sequence[int] = (-1,), stop=None) -> list[tuple]:

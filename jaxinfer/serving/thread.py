@@ -348,7 +348,8 @@ class EngineThread:
             self.on_step(self, events)
 
     def _shutdown(self, max_steps: int = 10_000) -> None:
-        """Abort everything still queued or running and step until it is out."""
+        """Abort everything still queued or running and step until it is out;
+        then the runner's background compiles stop (nothing will run them)."""
         self._drain(block=False)
         held, self._held = self._held, []
         for h in held:
@@ -360,3 +361,6 @@ class EngineThread:
             if not self.scheduler.has_unfinished() or time.monotonic() > deadline:
                 break
             self._deliver(self.scheduler.step())
+        stop_compiling = getattr(self.scheduler.runner, "stop_compiling", None)
+        if stop_compiling is not None:
+            stop_compiling()

@@ -96,11 +96,12 @@ class WarmUp:
             self._compile(plan, log, threads=1)
         log("every token bucket compiled")
 
-    def stop_compiling(self) -> None:
+    def stop_compiling(self, wait: bool = True) -> None:
         """Stop a background warm-up after the compile under way (at exit: a
-        thread killed inside XLA's compiler aborts the process)."""
+        thread killed inside XLA's compiler aborts the process); with wait,
+        join it."""
         self._stop.set()
-        if self._background is not None:
+        if wait and self._background is not None:
             self._background.join()
 
     def wait_compiled(self, timeout_s: Optional[float] = None) -> bool:

@@ -5,13 +5,16 @@ shape, the step is compiled for a larger shape on a thread, and the pool
 takes it only then. The tiny random Llama and character tokenizer of
 tests/structured_cases.py."""
 
+import contextlib
 import threading
+import types
 
 import jax
 import pytest
 
 from jaxinfer.config import SamplingParams, StructuredOutput
 from jaxinfer.sampling import structured as D
+from jaxinfer.serving.grammar_rows import TableGrowth
 from jaxinfer.serving.request import Request
 from structured_cases import tiny_llm
 
@@ -88,3 +91,34 @@ def test_schema_traffic_grows_the_pool_without_a_compile_on_the_engine_thread():
         max_new_tokens=max(LENGTHS) + 1)
     for n, out in zip(LENGTHS, outs):
         assert served[n] == [(list(out.token_ids), "stop")] * 2 and len(out.text) == n
+
+
+def test_a_stopped_growth_compiles_nothing_more_and_offers_no_shape(monkeypatch):
+    """`TableGrowth.stop` (its engine stopped: `EngineThread` calls the
+    runner's `stop_compiling`): the compile under way ends after the program
+    it is in, the shape is not offered to the pool, and no compile starts
+    after. A runner of fakes whose first program blocks until released."""
+    compiled, release = [], threading.Event()
+
+    class Programs:
+        def background(self):
+            return contextlib.nullcontext()
+
+        def compiled(self, fn, *args, i):
+            compiled.append(i)
+            release.wait(30)
+
+    pool = types.SimpleNamespace(wanted=(512, 8192), limit=(256, 4096),
+                                 grow=lambda shape: pytest.fail(f"the pool grew to {shape}"))
+    runner = types.SimpleNamespace(programs=Programs(), grammar_pool=pool,
+                                   rows=types.SimpleNamespace(grammar=None))
+    growth = TableGrowth(runner, (-1,))
+    monkeypatch.setattr(growth, "plan", lambda shape: [(None, (), {"i": i}) for i in range(3)])
+    growth.start()
+    growth.stop()
+    release.set()
+    assert growth.wait(30) and growth.error is None
+    assert compiled in ([], [0])        # stopped before the first program, or after it
+    growth.apply()                      # nothing ready: the pool keeps its shape
+    growth.start()
+    assert growth.wait(0) and compiled in ([], [0])

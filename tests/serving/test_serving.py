@@ -15,6 +15,7 @@ import pytest
 import reference
 from jaxinfer.serving.llm import LLM
 from jaxinfer.serving.request import Request
+from jaxinfer.serving.thread import EngineThread
 from jaxinfer.sampling import SamplingParams
 from tiny import TINY_GEMMA3, TINY_LLAMA, random_params
 
@@ -76,8 +77,6 @@ def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
     serves requests of several lengths, greedy and seeded, arriving while
     others decode, without compiling anything, and each request's tokens
     equal its run alone."""
-    from jaxinfer.serving.thread import EngineThread
-
     v = llm.config.vocab_size
     requests = [Request(_ids(n, v, 60 + n), params, max_new_tokens=m)
                 for n, m, params in ((6, 12, GREEDY), (30, 5, SEEDED), (1, 9, SEEDED), (17, 20, GREEDY))]
@@ -128,6 +127,23 @@ def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
     assert sched.runner.warm.wait_compiled(timeout_s=300)
     assert sched.runner.warm.ready_buckets == [1, 2, 4, 8, 16, 32] and served.programs.num_compiles == 7
     assert sched.runner.step_shape(6) == (8, 2) and sched.runner.step_shape(2) == (2, 2)
+
+
+def test_a_stopped_engine_leaves_its_background_compiles(llm, xla_cache_off):
+    """Once its engine thread stops, a runner compiles no more token buckets
+    behind: the compile under way is the last (one program after the stop at
+    most), where the whole rest of the plan used to compile for an engine
+    that was gone (and a module's end, or the process's exit, waited for it)."""
+    served = LLM(llm.config, llm.params, max_seq_len=64, prefill_chunk_size=8, max_num_batched_tokens=32)
+    sched = served.scheduler(2)
+    assert sched.runner.warmup(background=True) == 3
+    engine = EngineThread(sched).start()
+    sched.runner.warm.compile_behind()
+    engine.stop()
+    stopped_at = served.programs.num_compiles
+    assert sched.runner.warm.wait_compiled(timeout_s=300)
+    assert served.programs.num_compiles - stopped_at <= 1
+    assert len(sched.runner.warm.ready_buckets) < len([1, 2, 4, 8, 16, 32]), sched.runner.warm.ready_buckets
 
 
 def test_greedy_tokens_follow_the_reference(llm):
@@ -223,8 +239,6 @@ def test_engine_thread_serves_concurrent_submitters(llm):
     import threading
 
     from jaxinfer.serving.scheduler import QueueFullError
-    from jaxinfer.serving.thread import EngineThread
-
     v = llm.config.vocab_size
     requests = [Request(_ids(3 + 4 * i, v, 50 + i), SamplingParams(temperature=0.9, seed=i),
                         max_new_tokens=5 + i) for i in range(6)]
@@ -269,8 +283,6 @@ def test_an_idle_engine_returns_freed_memory_once_per_idle_spell(llm, monkeypatc
     engine thread calls `return_freed_memory` (malloc_trim) once, and not
     again until more work has run; never while requests run; never with None."""
     from jaxinfer.serving import thread as thread_module
-    from jaxinfer.serving.thread import EngineThread
-
     trims = []
     monkeypatch.setattr(thread_module, "return_freed_memory",
                         lambda: trims.append(engine.scheduler.has_unfinished()) or True)
