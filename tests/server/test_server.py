@@ -93,7 +93,7 @@ SEEDED = dict(temperature=1.0, top_p=0.9, seed=11)
 # --- protocol and equality with the library -------------------------------------------------
 
 
-@pytest.mark.slow   # 12-33 s on a 2-core Zen 1 (docs/testing.md, run time)
+@pytest.mark.slow   # 12-33 s on a 2-core Zen 1 (2026-12-05): too slow for the default run
 def test_the_other_token_buckets_compile_once_the_app_has_started(llm):
     """With warmup, `build_server` returns with the smallest and largest token
     buckets ready (and the app built); the others compile only after the app

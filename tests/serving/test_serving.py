@@ -70,7 +70,7 @@ def test_request_is_invariant_to_arrival_slot_and_neighbours(llm, params):
     assert len(alone.token_ids) == 14
 
 
-@pytest.mark.slow   # 12-33 s on a 2-core Zen 1 (docs/testing.md, run time)
+@pytest.mark.slow   # 12-33 s on a 2-core Zen 1 (2026-12-05): too slow for the default run
 def test_a_warmed_server_runs_its_first_requests_without_compiling(llm):
     """`ModelRunner.warmup` compiles the compile plan (the step for each token
     bucket, admission for each power of two of slots); an engine thread then
@@ -202,7 +202,7 @@ def test_min_tokens_and_ignore_eos(llm):
     assert extra.token_ids == stopped.token_ids
 
 
-@pytest.mark.slow   # 12-33 s on a 2-core Zen 1 (docs/testing.md, run time)
+@pytest.mark.slow   # 12-33 s on a 2-core Zen 1 (2026-12-05): too slow for the default run
 def test_generate_compiles_a_handful_of_programs(llm):
     """generate compiles one program per shape the compile plan allows, and
     nothing for another batch whose shapes were seen: counted on a fresh LLM
