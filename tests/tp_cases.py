@@ -50,15 +50,21 @@ def _all_logits(llm, programs, ids):
     return np.asarray(logits)[0, :len(ids)]
 
 
+def _greedy_and_seeded(llm, prompts: list, new_tokens: int, **kwargs) -> dict:
+    """Each prompt greedy and seeded (`SEEDED`) in one `generate` (a row per
+    prompt and sampling: one set of compiled programs, and every row admitted
+    at once where there is a slot for each): {"greedy": [outputs],
+    "seeded": [outputs]}, in the prompts' order. kwargs: as `generate`'s."""
+    out = llm.generate(prompts * 2, [SamplingParams()] * len(prompts) + [SEEDED] * len(prompts),
+                       max_new_tokens=new_tokens, **kwargs)
+    return {"greedy": out[:len(prompts)], "seeded": out[len(prompts):]}
+
+
 def _generate(llm) -> tuple[dict, list]:
-    """Greedy and seeded (`SEEDED`) tokens of PROMPTS from one `generate`
-    (a row per prompt and sampling, so one set of compiled programs), and
-    the greedy rows' log-probs: ({"greedy": ids, "seeded": ids}, log-probs)."""
-    out = llm.generate(PROMPTS * 2, [SamplingParams()] * len(PROMPTS) + [SEEDED] * len(PROMPTS),
-                       max_new_tokens=12, ignore_eos=True, logprobs=0)
-    ids = [c.token_ids for c in out]
-    greedy_logprobs = [[lp for _, lp, _ in c.logprobs] for c in out[:len(PROMPTS)]]
-    return {"greedy": ids[:len(PROMPTS)], "seeded": ids[len(PROMPTS):]}, greedy_logprobs
+    """({"greedy": ids, "seeded": ids} of PROMPTS, the greedy rows' log-probs)."""
+    out = _greedy_and_seeded(llm, PROMPTS, 12, ignore_eos=True, logprobs=0)
+    ids = {kind: [c.token_ids for c in outs] for kind, outs in out.items()}
+    return ids, [[lp for _, lp, _ in c.logprobs] for c in out["greedy"]]
 
 
 def _max_diff(a, b) -> float:
@@ -77,9 +83,11 @@ def equivalence(model: str, tps: list, dp: int = 1) -> dict:
         return skip
     config = CONFIGS[model]
     params = random_params(config, seed=3)
-    # a slot for each of `_generate`'s 6 rows: all run from the first step, in one
-    # step and one decode-loop program per token bucket
-    kwargs = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=8, max_num_seqs=8)
+    # a slot for each of `_generate`'s 6 rows, all admitted at once; a budget of 8
+    # tokens a step, so prompts are prefilled in chunks: one step program (8 tokens)
+    # and one decode loop
+    kwargs = dict(max_seq_len=64, decode_chunk=4, prefill_chunk_size=8, max_num_seqs=8,
+                  max_num_batched_tokens=8)
     # The reference runs XLA's own matmuls too (pack=False: no C++ packed
     # matmul, which sums in another order), so only tensor parallelism differs.
     ref = LLM(config, prepare_params(params, config, pack=False), **kwargs)
@@ -147,9 +155,6 @@ def real_model(name: str, tp: int, prompts: list, new_tokens: int, out_path: str
 
 def real_model_tokens(llm, prompts: list, new_tokens: int) -> dict:
     """Greedy and seeded (`SEEDED`) tokens of each prompt, from one `generate`
-    over both (a row per prompt and sampling: one prefill of the long prompts,
-    not two): {"greedy": [ids per prompt], "seeded": [ids per prompt]}."""
-    out = llm.generate(prompts * 2, [SamplingParams()] * len(prompts) + [SEEDED] * len(prompts),
-                       max_new_tokens=new_tokens)
-    ids = [c.token_ids for c in out]
-    return {"greedy": ids[:len(prompts)], "seeded": ids[len(prompts):]}
+    over both: {"greedy": [ids per prompt], "seeded": [ids per prompt]}."""
+    return {kind: [c.token_ids for c in outs]
+            for kind, outs in _greedy_and_seeded(llm, prompts, new_tokens).items()}

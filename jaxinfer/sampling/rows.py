@@ -228,7 +228,7 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
     # of the sampler in the program).
     (rows, _, accepted), outs = jax.lax.scan(
         position, (rows, ~rows.done, jnp.zeros((b,), jnp.int32)), jnp.arange(width, dtype=jnp.int32))
-    move = lambda x: None if x is None else jnp.moveaxis(x, 0, 1)     # [k + 1, B, ...] -> [B, k + 1, ...]
+    move = lambda x: jnp.moveaxis(x, 0, 1)     # [k + 1, B, ...] -> [B, k + 1, ...]
     tokens = move(outs.token)
     drafted = jnp.where(tokens[:, 0] >= 0, num_drafts, 0)
     out = StepOutput(tokens, rows.done, drafted=drafted, accepted=accepted)
