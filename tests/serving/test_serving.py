@@ -129,7 +129,7 @@ def test_background_warmup_compiles_the_end_buckets_first_then_the_rest(llm):
     assert sched.runner.step_shape(6) == (8, 2) and sched.runner.step_shape(2) == (2, 2)
 
 
-def test_a_stopped_engine_leaves_its_background_compiles(llm, xla_cache_off):
+def test_a_stopped_engine_leaves_its_background_compiles(llm):
     """Once its engine thread has stopped, a runner compiles no more token
     buckets behind (`ModelRunner.stop_compiling`): the rest of the plan used
     to compile for an engine that was gone, and a module's end or the
@@ -237,6 +237,7 @@ def test_engine_thread_serves_concurrent_submitters(llm):
     import threading
 
     from jaxinfer.serving.scheduler import QueueFullError
+
     v = llm.config.vocab_size
     requests = [Request(_ids(3 + 4 * i, v, 50 + i), SamplingParams(temperature=0.9, seed=i),
                         max_new_tokens=5 + i) for i in range(6)]
