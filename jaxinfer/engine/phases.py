@@ -72,16 +72,24 @@ def attention_backend(cache: KVCache) -> AttentionBackend:
     return _BACKENDS[key]
 
 
+def _backend_picked(fn):
+    """`fn` with its `backend` argument defaulted on the host: `backend=None`
+    (or left out) is `attention_backend(cache)`."""
+    @functools.wraps(fn)
+    def call(params, cache, *args, backend: Optional[AttentionBackend] = None, **static):
+        return fn(params, cache, *args, backend=backend or attention_backend(cache), **static)
+    return call
+
+
 def _on_host(program):
-    """Attach `program.lower` to a phase's host function, the backend picked
-    as the phase picks it: `phase.lower(*args, **static)` is the program
-    that `phase(*args, **static)` runs."""
+    """A phase's host function, given the backend picked on the host (`backend`,
+    else `attention_backend(cache)`), with `program.lower` attached, the
+    backend picked the same way: `phase.lower(*args, **static)` is the
+    program that `phase(*args, **static)` runs."""
     def attach(phase):
-        def lower(params, cache, *args, backend: Optional[AttentionBackend] = None, **static):
-            return program.lower(params, cache, *args, backend=backend or attention_backend(cache),
-                                 **static)
-        phase.lower = lower
-        return phase
+        host = _backend_picked(phase)
+        host.lower = _backend_picked(program.lower)
+        return host
     return attach
 
 
@@ -191,7 +199,7 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array, 
     (`jaxinfer.serving.runner` and `LLM` do).
     """
     return _extend(params, cache, tokens, lengths, config=config, all_logits=all_logits,
-                   backend=backend or attention_backend(cache))
+                   backend=backend)
 
 
 @_on_host(_decode_step)
@@ -207,8 +215,7 @@ def decode_step(params: dict, cache: KVCache, tokens: jax.Array, active: Optiona
     Returns:
       (logits [B, V], the cache with lengths + active).
     """
-    return _decode_step(params, cache, tokens, active, config=config,
-                        backend=backend or attention_backend(cache))
+    return _decode_step(params, cache, tokens, active, config=config, backend=backend)
 
 
 @_on_host(_prefill)
@@ -234,7 +241,7 @@ def prefill(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
       ValueError (when tracing): T > cache.max_seq_len.
     """
     return _prefill(params, cache, tokens, lengths, config=config, all_logits=all_logits,
-                    backend=backend or attention_backend(cache))
+                    backend=backend)
 
 
 @_on_host(_token_logprobs)
@@ -252,8 +259,7 @@ def token_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: jax
     Raises:
       ValueError (when tracing): T > cache.max_seq_len.
     """
-    return _token_logprobs(params, cache, tokens, lengths, config=config,
-                           backend=backend or attention_backend(cache))
+    return _token_logprobs(params, cache, tokens, lengths, config=config, backend=backend)
 
 
 @_on_host(_prompt_logprobs)
@@ -274,4 +280,4 @@ def prompt_logprobs(params: dict, cache: KVCache, tokens: jax.Array, lengths: ja
       t + 1 >= lengths[b] are meaningless.
     """
     return _prompt_logprobs(params, cache, tokens, lengths, config=config, top_n=top_n,
-                            backend=backend or attention_backend(cache))
+                            backend=backend)
