@@ -820,31 +820,36 @@ ffi::Error check_packed(Matrix2& x, Panels3& packed, ffi::Result<Matrix2>& out) 
   return ffi::Error::Success();
 }
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, Rows rows,
-                        ffi::Result<Matrix2> out) {
+// PackedMatmul of x's valid rows, RMS-normed first (common.h, rms_norm_rows) with scale [I]
+// and eps when scale is given: what PackedMatmul and PackedMatmulNorm share.
+ffi::Error packed_matmul_rows(ffi::ThreadPool& pool, Matrix2& x, const Scale1* scale, float eps,
+                              Panels3& packed, Rows& rows, ffi::Result<Matrix2>& out) {
   if (auto err = check_packed(x, packed, out); !err.success()) return err;
   const int64_t M = x.dimensions()[0], I = x.dimensions()[1], O = out->dimensions()[1];
+  if (scale != nullptr && scale->dimensions()[0] != I)
+    return ffi::Error::InvalidArgument("packed_matmul_norm: expected scale [I]");
   const int64_t n = computed_rows(rows, out->typed_data(), M, O);
-  if (n > 0)
-    packed_matmul<F32Panel>(pool, x.typed_data(), packed.typed_data(), out->typed_data(), n, I, O,
-                            packed.dimensions()[0], I);
+  if (n == 0) return ffi::Error::Success();
+  std::vector<float> normed;
+  const float* in = x.typed_data();
+  if (scale != nullptr) {
+    normed = rms_norm_rows(pool, in, scale->typed_data(), eps, n, I);
+    in = normed.data();
+  }
+  packed_matmul<F32Panel>(pool, in, packed.typed_data(), out->typed_data(), n, I, O,
+                          packed.dimensions()[0], I);
   return ffi::Error::Success();
 }
 
-// RMSNorm of x's rows with scale [I] and eps (common.h, rms_norm_rows), then PackedMatmul.
+ffi::Error PackedMatmul(ffi::ThreadPool pool, Matrix2 x, Panels3 packed, Rows rows,
+                        ffi::Result<Matrix2> out) {
+  return packed_matmul_rows(pool, x, nullptr, 0.0f, packed, rows, out);
+}
+
+// RMSNorm of x's rows with scale [I] and eps, then PackedMatmul.
 ffi::Error PackedMatmulNorm(ffi::ThreadPool pool, Matrix2 x, Scale1 scale, Panels3 packed,
                             Rows rows, float eps, ffi::Result<Matrix2> out) {
-  if (auto err = check_packed(x, packed, out); !err.success()) return err;
-  const int64_t M = x.dimensions()[0], I = x.dimensions()[1], O = out->dimensions()[1];
-  if (scale.dimensions()[0] != I)
-    return ffi::Error::InvalidArgument("packed_matmul_norm: expected scale [I]");
-  const int64_t n = computed_rows(rows, out->typed_data(), M, O);
-  if (n > 0) {
-    const std::vector<float> normed = rms_norm_rows(pool, x.typed_data(), scale.typed_data(), eps, n, I);
-    packed_matmul<F32Panel>(pool, normed.data(), packed.typed_data(), out->typed_data(), n, I, O,
-                            packed.dimensions()[0], I);
-  }
-  return ffi::Error::Success();
+  return packed_matmul_rows(pool, x, &scale, eps, packed, rows, out);
 }
 
 // bfloat16 panels [P, ceil(I/2), 2 * kPanel]: element (p, i, 2c + e) = W[2i + e, p*kPanel + c].
