@@ -796,6 +796,16 @@ ffi::Error Q4MatmulNorm(ffi::ThreadPool pool, Matrix2 x, Scale1 norm, Q4Panels c
   return q4_matmul(pool, x, codes, scale, min, rows, out, int8_activations, &norm, eps);
 }
 
+// The norm matmuls' binding (Q4MatmulNorm, Int8MatmulNorm): x, the norm scale [K], the
+// codes, scale, min and rows operands, then the attributes eps and the bool `flag`.
+template <typename Panels>
+auto bind_norm_matmul(const char* flag) {
+  return bind_with_pool<Matrix2, Scale1, Panels, ffi::AnyBuffer, ffi::AnyBuffer, Rows>()
+      .template Attr<float>("eps")
+      .template Attr<bool>(flag)
+      .template Ret<Matrix2>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
@@ -812,18 +822,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4Matmul, Q4Matmul,
                                    .Attr<bool>("int8_activations")));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4MatmulNorm, Q4MatmulNorm,
-                              (bind_with_pool<Matrix2, Scale1, Q4Panels, ffi::AnyBuffer,
-                                              ffi::AnyBuffer, Rows>()
-                                   .Attr<float>("eps")
-                                   .Attr<bool>("int8_activations")
-                                   .Ret<Matrix2>()));
+                              bind_norm_matmul<Q4Panels>("int8_activations"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8MatmulNorm, Int8MatmulNorm,
-                              (bind_with_pool<Matrix2, Scale1, Int8Panels, ffi::AnyBuffer,
-                                              ffi::AnyBuffer, Rows>()
-                                   .Attr<float>("eps")
-                                   .Attr<bool>("min_term")
-                                   .Ret<Matrix2>()));
+                              bind_norm_matmul<Int8Panels>("min_term"));
 
 extern "C" int jaxinfer_has_q4_x8() { return kHasQ4X8 ? 1 : 0; }
 
