@@ -27,6 +27,7 @@ from jaxinfer.engine import step as engine_step
 from jaxinfer.sampling.arrays import to_device
 from jaxinfer.sampling.grammar import GrammarPool, HostGrammar, remap_states
 from jaxinfer.sampling.structured import UNCONSTRAINED, GrammarTables, host_state
+from jaxinfer.serving.programs import join_compiles
 from jaxinfer.serving.request import Request
 
 
@@ -234,10 +235,7 @@ class TableGrowth:
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Join the compile under way; True when none is left."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
+        return join_compiles(self._thread, timeout_s)
 
 
 def _lowest_priority() -> None:

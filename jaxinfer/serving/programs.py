@@ -207,6 +207,15 @@ class ProgramCache:
             self._local.background = False
 
 
+def join_compiles(thread: Optional[threading.Thread], timeout_s: Optional[float] = None) -> bool:
+    """Join a background compile's `thread` (None: none was started), for at
+    most timeout_s seconds; True when it no longer runs."""
+    if thread is None:
+        return True
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
 def _release_jax_references() -> None:
     """Drop the references JAX's own caches keep to lowered and compiled
     programs (its tracing caches hold each executable alive after its last

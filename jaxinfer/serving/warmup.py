@@ -12,7 +12,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from jaxinfer.engine import step as engine_step
-from jaxinfer.serving.programs import ProgramCache
+from jaxinfer.serving.programs import ProgramCache, join_compiles
 
 
 class WarmUp:
@@ -101,15 +101,12 @@ class WarmUp:
         thread killed inside XLA's compiler aborts the process); with wait,
         join it."""
         self._stop.set()
-        if wait and self._background is not None:
-            self._background.join()
+        if wait:
+            join_compiles(self._background)
 
     def wait_compiled(self, timeout_s: Optional[float] = None) -> bool:
         """Wait for a background warm-up; True once it is done (or none ran)."""
-        if self._background is not None:
-            self._background.join(timeout_s)
-            return not self._background.is_alive()
-        return True
+        return join_compiles(self._background, timeout_s)
 
 
 __all__ = ["WarmUp"]
