@@ -86,8 +86,9 @@ def choose_backend(dtype=jnp.float32, platform: str | None = None) -> AttentionB
     """The attention backend of a model with activations of `dtype` on
     `platform` (default `jax.default_backend()`), called once per loaded model:
 
-    - `$JAXINFER_ATTENTION_BACKEND` when set (a key of `engine.backends.BACKENDS`;
-      "pallas" off GPUs and TPUs runs through Pallas' interpreter, slowly);
+    - `$JAXINFER_ATTENTION_BACKEND` when set (a key of `engine.backends.BACKENDS`,
+      `AttentionBackend.named`: off its module's `NATIVE_PLATFORMS` it runs
+      interpreted, as "pallas" does off GPUs and TPUs, slowly);
     - PALLAS on "gpu" and "tpu";
     - CPU_KERNELS when the C++ kernels are enabled here (CPU, one device,
       `JAXINFER_CPU_KERNELS` not 0, the library builds) and the activations
@@ -103,8 +104,8 @@ def choose_backend(dtype=jnp.float32, platform: str | None = None) -> AttentionB
     """
     platform = platform or jax.default_backend()
     named = os.environ.get(BACKEND_ENV)
-    if named:    # Pallas compiles for accelerators only: elsewhere its interpreter runs it
-        return AttentionBackend(named, interpret=named == "pallas" and platform not in PALLAS_PLATFORMS)
+    if named:
+        return AttentionBackend.named(named, platform)
     if platform in PALLAS_PLATFORMS:
         return PALLAS
     if not cpu_kernels.enabled():

@@ -7,6 +7,7 @@ kernel itself: tests/kernels/test_pallas_ragged.py."""
 
 import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -65,3 +66,18 @@ def test_choose_backend(monkeypatch):
             f"unknown attention backend 'no-such-backend'; one of [{names}]")):
         ragged.choose_backend(jnp.float32, "cpu")
     assert {"xla", "cpu_kernels", "pallas"} <= set(BACKENDS)
+
+
+def test_a_new_backend_runs_interpreted_off_its_own_native_platforms(monkeypatch):
+    """Where a backend compiles is its module's `NATIVE_PLATFORMS`, not a
+    name `choose_backend` knows: a second Pallas-like backend registered with
+    one `BACKENDS` line is interpreted off its platforms; one without the
+    attribute never is."""
+    monkeypatch.setitem(BACKENDS, "tpu_only", types.SimpleNamespace(NATIVE_PLATFORMS=("tpu",)))
+    monkeypatch.setitem(BACKENDS, "anywhere", types.SimpleNamespace())
+    monkeypatch.setenv(ragged.BACKEND_ENV, "tpu_only")
+    assert ragged.choose_backend(jnp.float32, "cpu") == AttentionBackend("tpu_only", interpret=True)
+    assert ragged.choose_backend(jnp.float32, "gpu") == AttentionBackend("tpu_only", interpret=True)
+    assert ragged.choose_backend(jnp.float32, "tpu") == AttentionBackend("tpu_only")
+    monkeypatch.setenv(ragged.BACKEND_ENV, "anywhere")
+    assert ragged.choose_backend(jnp.float32, "cpu") == AttentionBackend("anywhere")

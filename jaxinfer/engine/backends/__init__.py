@@ -7,10 +7,12 @@ one module here with
 over the contract of `engine.ragged.attend` (q [T, K, G, H] pre-scaled, the
 layer's pool `kv` with the step's K/V already written, block tables [S, M],
 the step's `Segments`; out [T, K, G, H], zeros for tokens of no segment).
-A call the chosen backend does not apply to runs on `xla`, which serves
-every pool codec, soft-cap and platform. Adding a backend is one module and
-one line in `BACKENDS`; `engine.ragged.choose_backend` picks one per loaded
-model.
+A module may also set `NATIVE_PLATFORMS`, the platforms where its kernel
+compiles (a Pallas kernel's "gpu", "tpu"); named on any other platform, it
+runs with `interpret=True`. A call the chosen backend does not apply to runs
+on `xla`, which serves every pool codec, soft-cap and platform. Adding a
+backend is one module and one line in `BACKENDS`; `engine.ragged.choose_backend`
+picks one per loaded model.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ class AttentionBackend:
     def __post_init__(self):
         if self.name not in BACKENDS:
             raise ValueError(f"unknown attention backend {self.name!r}; one of {sorted(BACKENDS)}")
+
+    @classmethod
+    def named(cls, name: str, platform: str) -> "AttentionBackend":
+        """The backend `name` on `platform`: interpreted where its module's
+        `NATIVE_PLATFORMS` (when it sets one) leave `platform` out.
+
+        Raises:
+          ValueError: `name` is not a key of `BACKENDS`.
+        """
+        native = getattr(BACKENDS.get(name), "NATIVE_PLATFORMS", None)
+        return cls(name, interpret=native is not None and platform not in native)
 
     @property
     def kernels(self) -> bool:

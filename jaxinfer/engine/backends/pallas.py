@@ -9,6 +9,9 @@ from __future__ import annotations
 from jaxinfer.cache.codecs import codec_of
 from jaxinfer.kernels.pallas_ragged import ragged_paged_attention_pallas
 
+# where Pallas compiles the kernel; on any other platform its interpreter runs it
+NATIVE_PLATFORMS = ("gpu", "tpu")
+
 
 def applies(backend, q, kv, softcap) -> bool:
     return codec_of(kv).kernel_pool in ("float", "int8")
