@@ -11,13 +11,18 @@ codec):
     key_scale    [P, K, ps, ...]  per-token side data, or None
     value_scale  [P, K, ps, ...]
 
-so a layout writes any codec's tokens with the same scatter (`paged.write`:
-`encode` gives each field's rows [T, K, ...]) and reads them through
-`decode` (the XLA backend) or in place (the kernels, by `kernel_pool`). A
-codec is told from its pool's arrays (`owns`: dtypes, scales present or
-not), so the pytree of a cache is the same whatever codec it holds and no
-caller tests a field. A new codec is one module with a `KVCodec` and one
-line in `cache.codecs.CODECS`, whose key is the `kv_cache_dtype` naming it.
+That is the standard pool format, which `KVCodec.write` (a scatter of the
+rows `encode` gives, [T, K, ...] per field, at each token's page and
+offset) and `KVCodec.gather` (pages as dense rows through `decode`, the XLA
+backend's read) implement; the kernels read it in place (by `kernel_pool`).
+A codec of another pool format (say K and V interleaved in one array,
+`values` None) overrides `pool`, `write` and `gather` as well, and keeps
+`kernel_pool` None unless a kernel reads it; page transfers and resizing
+move a pool field by field whatever it holds. A codec is told from its
+pool's arrays (`owns`: dtypes, scales present or not, ranks), so the pytree
+of a cache is the same whatever codec it holds and no caller tests a
+field. A new codec is one module with a `KVCodec` and one line in
+`cache.codecs.CODECS`, whose key is the `kv_cache_dtype` naming it.
 """
 
 from __future__ import annotations
@@ -75,6 +80,33 @@ class KVCodec:
         for activations of `dtype`."""
         raise NotImplementedError
 
+    def write(self, kv: LayerKV, k: jax.Array, v: jax.Array, page: jax.Array,
+              offset: jax.Array) -> LayerKV:
+        """`kv` with new keys/values k, v [T, K, H] stored at (page, offset)
+        int32 [T] (page P, the pool's page count: dropped), `encode`d. This
+        default scatters the standard format's fields (module docstring)."""
+        put = lambda buf, new: buf.at[page, :, offset].set(new.astype(buf.dtype), mode="drop")
+        put_keys = lambda buf, new: buf.at[page, :, :, offset].set(new.astype(buf.dtype), mode="drop")
+        new = self.encode(k, v)
+        return LayerKV(put_keys(kv.keys, new.keys), put(kv.values, new.values),
+                       *(None if buf is None else put(buf, x)
+                         for buf, x in ((kv.key_scale, new.key_scale),
+                                        (kv.value_scale, new.value_scale))))
+
+    def gather(self, kv: LayerKV, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rows of the pool as dense float buffers: keys [n, K, H, M * ps] and
+        values [n, K, M * ps, H] for block tables int32 [n, M] (index p holds
+        position p; entries P read page P - 1, whose contents must never be
+        visible), `decode`d. This default reads the standard format."""
+        n, m = tables.shape
+        ps = kv.keys.shape[-1]
+        keys, values = self.decode(kv)
+        k = jnp.take(keys, tables, axis=0, mode="clip")           # [n, M, K, H, ps]
+        v = jnp.take(values, tables, axis=0, mode="clip")         # [n, M, K, ps, H]
+        k = k.transpose(0, 2, 3, 1, 4).reshape(n, k.shape[2], k.shape[3], m * ps)
+        v = v.transpose(0, 2, 1, 3, 4).reshape(n, v.shape[2], m * ps, v.shape[4])
+        return k, v
+
 
 class FloatCodec(KVCodec):
     """K/V stored as they are, in `name`'s dtype ("float32", "bfloat16",
@@ -89,7 +121,9 @@ class FloatCodec(KVCodec):
         return jnp.dtype(self.name or dtype)
 
     def owns(self, kv: LayerKV) -> bool:
-        return kv.key_scale is None and jnp.issubdtype(kv.keys.dtype, jnp.floating)
+        """Float keys and values in the standard format (4-d, no scales)."""
+        return (kv.key_scale is None and kv.values is not None and kv.keys.ndim == 4
+                and jnp.issubdtype(kv.keys.dtype, jnp.floating))
 
     def pool(self, num_pages, kv_heads, head_dim, page_size, dtype) -> LayerKV:
         store = self.store_dtype(dtype)

@@ -149,31 +149,18 @@ def token_pages(cache: PagedKVCache, block_tables: jax.Array, slots: jax.Array,
 
 def write(kv: LayerKV, k: jax.Array, v: jax.Array, page: jax.Array, offset: jax.Array) -> LayerKV:
     """A layer's pool with new keys/values k, v [T, K, H] stored at (page,
-    offset) [T] (page P: dropped), encoded by the pool's codec
-    (`KVCodec.encode`; an int8 pool quantizes each new token on its own)."""
-    put = lambda buf, new: buf.at[page, :, offset].set(new.astype(buf.dtype), mode="drop")
-    put_keys = lambda buf, new: buf.at[page, :, :, offset].set(new.astype(buf.dtype), mode="drop")
-    new = codec_of(kv).encode(k, v)
-    return LayerKV(put_keys(kv.keys, new.keys), put(kv.values, new.values),
-                   *(None if buf is None else put(buf, x)
-                     for buf, x in ((kv.key_scale, new.key_scale),
-                                    (kv.value_scale, new.value_scale))))
+    offset) [T] (page P: dropped), by the pool's codec (`KVCodec.write`; an
+    int8 pool quantizes each new token on its own)."""
+    return codec_of(kv).write(kv, k, v, page, offset)
 
 
 def gather_rows(kv: LayerKV, tables: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows of the pool as dense float buffers: keys [n, K, H, M * ps] and
     values [n, K, M * ps, H] for block tables [n, M] (index p holds position
     p; entries P read page P - 1, whose contents must never be visible);
-    decoded by the pool's codec (int8 pools are dequantized). A copy: the
-    XLA path of attention."""
-    n, m = tables.shape
-    ps = kv.keys.shape[-1]
-    keys, values = codec_of(kv).decode(kv)
-    k = jnp.take(keys, tables, axis=0, mode="clip")           # [n, M, K, H, ps]
-    v = jnp.take(values, tables, axis=0, mode="clip")         # [n, M, K, ps, H]
-    k = k.transpose(0, 2, 3, 1, 4).reshape(n, k.shape[2], k.shape[3], m * ps)
-    v = v.transpose(0, 2, 1, 3, 4).reshape(n, v.shape[2], m * ps, v.shape[4])
-    return k, v
+    read and decoded by the pool's codec (`KVCodec.gather`; int8 pools are
+    dequantized). A copy: the XLA path of attention."""
+    return codec_of(kv).gather(kv, tables)
 
 
 def read_pages(cache: PagedKVCache, pages: jax.Array) -> tuple[LayerKV, ...]:

@@ -1,5 +1,5 @@
-"""A new cache layout and a new K/V storage codec are each one module plus one
-registry line (`cache.LAYOUTS`, `cache.CODECS`): this module is the one
+"""A new cache layout and a new K/V storage codec (one of another pool
+format too) are each one module plus one registry line (`cache.LAYOUTS`, `cache.CODECS`): this module is the one
 module, and each `monkeypatch.setitem` the one line. Nothing else of the
 library is edited, and a tiny model's greedy generation runs through both.
 
@@ -55,6 +55,39 @@ class Float32Bits(KVCodec):
         return 2 * kv_heads * head_dim * 4
 
 
+class Interleaved(KVCodec):
+    """Another pool format: float32 K and V of a position side by side in one
+    array, keys [P, K, ps, 2, H], values None. Besides the codec's usual
+    methods it writes and gathers its own format."""
+
+    name = "interleaved"
+
+    def owns(self, kv):
+        return kv.values is None and kv.keys.ndim == 5
+
+    def pool(self, num_pages, kv_heads, head_dim, page_size, dtype):
+        return LayerKV(jnp.zeros((num_pages, kv_heads, page_size, 2, head_dim), jnp.float32), None)
+
+    def encode(self, k, v):
+        return LayerKV(jnp.stack([k, v], axis=-2).astype(jnp.float32), None)
+
+    def decode(self, kv):
+        both = kv.keys                                             # [..., K, ps, 2, H]
+        return jnp.swapaxes(both[..., 0, :], -1, -2), both[..., 1, :]
+
+    def write(self, kv, k, v, page, offset):
+        return LayerKV(kv.keys.at[page, :, offset].set(self.encode(k, v).keys, mode="drop"), None)
+
+    def gather(self, kv, tables):
+        n, m = tables.shape
+        rows = jnp.take(kv.keys, tables, axis=0, mode="clip")     # [n, M, K, ps, 2, H]
+        rows = rows.transpose(0, 2, 1, 3, 4, 5).reshape(n, rows.shape[2], -1, 2, rows.shape[-1])
+        return jnp.swapaxes(rows[..., 0, :], -1, -2), rows[..., 1, :]
+
+    def position_nbytes(self, kv_heads, head_dim, dtype):
+        return 2 * kv_heads * head_dim * 4
+
+
 class PagedCopy(PagedLayout):
     """The paged layout under another name."""
 
@@ -64,6 +97,7 @@ class PagedCopy(PagedLayout):
 @pytest.fixture
 def registered(monkeypatch):
     monkeypatch.setitem(CODECS, "float32_bits", Float32Bits())
+    monkeypatch.setitem(CODECS, "interleaved", Interleaved())
     monkeypatch.setitem(LAYOUTS, "paged_copy", PagedCopy())
 
 
@@ -90,6 +124,19 @@ def test_a_registered_codec_and_layout_serve_the_float_layouts_tokens(registered
     for got, want in zip(got_logprobs, logprobs):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert page_nbytes(TINY_LLAMA, 4, "float32_bits") == page_nbytes(TINY_LLAMA, 4, "float32")
+
+
+def test_a_codec_of_another_pool_format_is_one_module_too(registered):
+    """K and V interleaved in one array per layer: the codec writes and
+    gathers its own format (`KVCodec.write`, `gather`), so the model serves
+    through it with the float codec's tokens and log-probs, no other edit."""
+    _, tokens, logprobs = _generate()
+    llm, got_tokens, got_logprobs = _generate(kv_cache_dtype="interleaved")
+    pool = llm._scheduler.runner.cache.layers[0]
+    assert pool.keys.ndim == 5 and pool.values is None                 # the codec stored the K/V
+    assert got_tokens == tokens
+    for got, want in zip(got_logprobs, logprobs):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 def test_a_codec_is_known_only_once_registered():
