@@ -7,11 +7,11 @@ The lowest layer: it imports nothing else of jaxinfer."""
 
 from jaxinfer.config.cache import CacheConfig, parse_bytes
 from jaxinfer.config.generation import GenerationConfig
-from jaxinfer.config.model import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from jaxinfer.config.model import ACTIVATIONS, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.config.paths import cache_dir
 from jaxinfer.config.sampling import SamplingParams, StructuredOutput
 from jaxinfer.config.scheduler import POLICIES, SchedulerConfig
 
-__all__ = ["FULL_ATTENTION", "POLICIES", "SLIDING_ATTENTION", "CacheConfig", "GenerationConfig",
+__all__ = ["ACTIVATIONS", "FULL_ATTENTION", "POLICIES", "SLIDING_ATTENTION", "CacheConfig", "GenerationConfig",
            "ModelConfig", "SamplingParams", "SchedulerConfig", "StructuredOutput", "cache_dir",
            "parse_bytes"]

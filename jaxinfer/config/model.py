@@ -8,10 +8,21 @@ Hugging Face `config.json` meaning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from typing import Optional
 
+import jax
+
+
+# The MLP activations a config may name (`hidden_act`), each the function
+# `models.blocks.gated_mlp` applies to the gate projection. A family with
+# another one adds its entry from its own module.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,                                                   # SwiGLU
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GeGLU, tanh GELU
+}
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -39,7 +50,8 @@ class ModelConfig:
       rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
       max_position_embeddings: the model's trained context length, tokens.
       tie_word_embeddings: LM head reuses the embedding matrix.
-      hidden_act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, tanh GELU).
+      hidden_act: a key of `ACTIVATIONS`: "silu" (SwiGLU) or
+        "gelu_pytorch_tanh" (GeGLU, tanh GELU) unless a family added one.
       attention_bias: q/k/v projections carry a bias (Qwen2).
       sliding_window: window size in tokens for sliding layers, or None. A
         key at position p is visible from a query at position q when
@@ -108,8 +120,8 @@ class ModelConfig:
                 raise ValueError(f"unknown layer types {sorted(bad)}")
             if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need sliding_window > 0")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; one of {sorted(ACTIVATIONS)}")
 
     # Derived, static facts -------------------------------------------------
 

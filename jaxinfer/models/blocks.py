@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ACTIVATIONS, ModelConfig
 from jaxinfer.kernels import cpu as cpu_kernels
 from jaxinfer.kernels.packed import PackedWeight, row_sum, take_columns
 from jaxinfer.nn import norm
@@ -60,8 +60,8 @@ def normed_matmul(x: jax.Array, w, norm: Optional[Norm], preferred_element_type=
 def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str,
               norm: Optional[Norm] = None) -> jax.Array:
     """down(act(h @ gate) * (h @ up)) with h = rms_norm(x, *norm), or h = x
-    where norm is None: SwiGLU for "silu", GeGLU for "gelu_pytorch_tanh"
-    (Shazeer 2020, arXiv:2002.05202). The norm runs inside the gate/up
+    where norm is None, act = `config.model.ACTIVATIONS[activation]`: SwiGLU
+    for "silu", GeGLU for "gelu_pytorch_tanh" (Shazeer 2020, arXiv:2002.05202). The norm runs inside the gate/up
     matmul's kernel where it fuses (`normed_matmul`).
 
     Args:
@@ -73,10 +73,7 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str
     gu = _per_shard(x, gate_up, norm)                # [B, T, S, 2F/S]
     half = gu.shape[-1] // 2
     g, u = gu[..., :half], gu[..., half:]
-    if activation == "silu":
-        act = jax.nn.silu(g)
-    else:
-        act = jax.nn.gelu(g, approximate=True)
+    act = ACTIVATIONS[activation](g)
     return matmul((act * u).reshape(*x.shape[:-1], -1), down)
 
 

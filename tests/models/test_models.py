@@ -87,6 +87,32 @@ def test_family_checks_itself():
         _family("f").config_from_gguf({}, "f", None)
 
 
+def test_a_family_adds_an_activation_with_one_entry(monkeypatch):
+    """A Llama-like family with another MLP activation (ReLU squared here)
+    adds one `ACTIVATIONS` entry from its own module: configs accept the
+    name, and `gated_mlp` applies it. Unknown names are refused, naming the
+    known ones."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.config import ACTIVATIONS
+    from jaxinfer.models.blocks import gated_mlp
+
+    shape = dict(arch="llama", vocab_size=8, num_layers=1, hidden_size=4, num_heads=1,
+                 num_kv_heads=1, head_dim=4, intermediate_size=8)
+    with pytest.raises(ValueError, match=r"^unsupported hidden_act 'relu2'; one of \['gelu_pytorch_tanh', "
+                                         r"'silu'\]"):
+        ModelConfig(hidden_act="relu2", **shape)
+    monkeypatch.setitem(ACTIVATIONS, "relu2", lambda g: jnp.square(jax.nn.relu(g)))
+    assert ModelConfig(hidden_act="relu2", **shape).hidden_act == "relu2"
+    rng = np.random.default_rng(0)
+    x, gate_up, down = (rng.standard_normal(s).astype(np.float32) for s in ((1, 3, 4), (4, 16), (8, 4)))
+    g, u = x @ gate_up[:, :8], x @ gate_up[:, 8:]
+    want = (np.maximum(g, 0) ** 2 * u) @ down
+    got = gated_mlp(jnp.asarray(x), jnp.asarray(gate_up), jnp.asarray(down), "relu2")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Layout fixes through the family hooks
 
