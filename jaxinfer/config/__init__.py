@@ -12,6 +12,6 @@ from jaxinfer.config.paths import cache_dir
 from jaxinfer.config.sampling import SamplingParams, StructuredOutput
 from jaxinfer.config.scheduler import POLICIES, SchedulerConfig
 
-__all__ = ["ACTIVATIONS", "FULL_ATTENTION", "POLICIES", "SLIDING_ATTENTION", "CacheConfig", "GenerationConfig",
-           "ModelConfig", "SamplingParams", "SchedulerConfig", "StructuredOutput", "cache_dir",
-           "parse_bytes"]
+__all__ = ["ACTIVATIONS", "FULL_ATTENTION", "POLICIES", "SLIDING_ATTENTION", "CacheConfig",
+           "GenerationConfig", "ModelConfig", "SamplingParams", "SchedulerConfig",
+           "StructuredOutput", "cache_dir", "parse_bytes"]

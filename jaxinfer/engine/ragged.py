@@ -40,8 +40,9 @@ from jaxinfer.kernels import cpu as cpu_kernels
 log = logging.getLogger(__name__)
 # Names a backend of `engine.backends.BACKENDS` for every model this process loads.
 BACKEND_ENV = "JAXINFER_ATTENTION_BACKEND"
-# Platforms whose models get the Pallas backend unless BACKEND_ENV says otherwise.
-PALLAS_PLATFORMS = ("gpu", "tpu")
+# Platforms whose models get the Pallas backend unless BACKEND_ENV says otherwise:
+# those where its kernel compiles.
+PALLAS_PLATFORMS = backends.pallas.NATIVE_PLATFORMS
 
 
 def slow_dtype_notice(dtype) -> str:

@@ -60,9 +60,10 @@ def normed_matmul(x: jax.Array, w, norm: Optional[Norm], preferred_element_type=
 def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str,
               norm: Optional[Norm] = None) -> jax.Array:
     """down(act(h @ gate) * (h @ up)) with h = rms_norm(x, *norm), or h = x
-    where norm is None, act = `config.model.ACTIVATIONS[activation]`: SwiGLU
-    for "silu", GeGLU for "gelu_pytorch_tanh" (Shazeer 2020, arXiv:2002.05202). The norm runs inside the gate/up
-    matmul's kernel where it fuses (`normed_matmul`).
+    where norm is None, act = `config.ACTIVATIONS[activation]`: SwiGLU for
+    "silu", GeGLU for "gelu_pytorch_tanh" (Shazeer 2020, arXiv:2002.05202).
+    The norm runs inside the gate/up matmul's kernel where it fuses
+    (`normed_matmul`).
 
     Args:
       x: [B, T, D]; gate_up: [D, 2F], gate columns then up columns (one
